@@ -1,0 +1,47 @@
+"""What every pass receives: plain data about the run, never a tensor or a process group."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Literal
+
+import torch.fx as fx
+
+from zerograph.sharding import ParamLayout, Unit
+
+GraphKind = Literal["joint", "forward", "backward", "inference"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PassContext:
+    """Inputs of a pass besides the graph.
+
+    Attributes:
+        graph_kind: which graph the pass sees (the AOTAutograd joint graph, the partitioned
+            forward / backward, or a no-grad inference graph).
+        stage: ZeRO stage 0-3.
+        world_size: N, ranks in ``group_name``.
+        group_name: the process group's registered name, as functional collectives take it.
+        layouts: marker key -> where that parameter's elements live.
+        units: the sharding units; ``units[0]`` is the root unit.
+    """
+
+    graph_kind: GraphKind
+    stage: int
+    world_size: int
+    group_name: str
+    layouts: Mapping[int, ParamLayout]
+    units: tuple[Unit, ...]
+
+    @property
+    def communicates(self) -> bool:
+        return self.world_size > 1
+
+
+@dataclasses.dataclass
+class PassResult:
+    """``torch.fx.passes.infra.pass_base.PassResult`` plus counts for the log."""
+
+    graph_module: fx.GraphModule
+    modified: bool
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -1,0 +1,120 @@
+"""Replace ``zerograph::unshard`` markers by one all-gather per unit.
+
+Pre: the graph holds ``unshard(shard, key)`` markers (joint, forward or inference graph).
+Post: no marker is left. For each (unit, dtype) with sharded parameters, in order of first use:
+    copy-in (pad each shard to ``chunk_rows``, flatten, concatenate) -> all_gather_into_tensor ->
+    wait_tensor -> copy-out views of each full parameter,
+inserted right before the unit's first marker, so the unit is gathered once even when a
+parameter is used several times (tied weights). At stage 3 every inserted node and every view of
+a gathered parameter is marked ``MUST_RECOMPUTE``: the min-cut partitioner then saves only the
+shards for backward and re-gathers there (ZeRO-3's "gather for forward, release, gather again for
+backward"); gathered buffers die after their last use (FX codegen and Inductor free them).
+At stages 1-2 the gathered parameters stay saved for backward (gathered once per step, the 2Ψ of
+the paper); at stage 0 or world size 1 the marker becomes its input (shards are full tensors).
+
+Source: ZeRO (arXiv 1910.02054) section 5.3 (P_p); FSDP2's copy-in / all-gather / copy-out;
+SimpleFSDP (arXiv 2411.00284) for recompute-tagged gathers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy
+
+from zerograph.ops import UNSHARD
+from zerograph.sharding import ParamLayout
+
+from ._fx import TAG, hoist_before, is_alias_of_input, position, splice
+from .context import PassContext, PassResult
+
+funcol = torch.ops._c10d_functional
+
+
+def plan_gathers(graph: fx.Graph, ctx: PassContext) -> list[tuple[int, list[fx.Node]]]:
+    """Group the markers into all-gathers: ``[(unit, markers)]`` in order of first use.
+
+    Deterministic across ranks: ordered by graph position, never by set or dict-of-id order.
+    """
+    groups: dict[tuple[int, torch.dtype], list[fx.Node]] = {}
+    for node in graph.find_nodes(op="call_function", target=UNSHARD):
+        layout = ctx.layouts[node.args[1]]
+        groups.setdefault((layout.unit, layout.dtype), []).append(node)
+    return [(unit, markers) for (unit, _), markers in groups.items()]
+
+
+def _gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str):
+    def gather(*shards: torch.Tensor) -> list[torch.Tensor]:
+        flat = []
+        for shard, layout in zip(shards, layouts):
+            missing = layout.chunk_rows - shard.shape[0]
+            padded = F.pad(shard, [0, 0] * (shard.dim() - 1) + [0, missing]) if missing else shard
+            flat.append(padded.reshape(-1))
+        send = torch.cat(flat) if len(flat) > 1 else flat[0]  # (sum shard_numel,)
+        gathered = funcol.all_gather_into_tensor(send, world_size, group_name)
+        gathered = funcol.wait_tensor(gathered).view(world_size, -1)  # (N, sum shard_numel)
+        outs, offset = [], 0
+        for layout in layouts:
+            block = gathered[:, offset : offset + layout.shard_numel]  # (N, chunk_rows * row_numel)
+            offset += layout.shard_numel
+            full = block.reshape(world_size * layout.chunk_rows, *layout.shape[1:])
+            outs.append(full[: layout.shape[0]])
+        return outs
+
+    return gather
+
+
+def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    graph = gm.graph
+    plan = plan_gathers(graph, ctx)
+    if not plan:
+        return PassResult(gm, False)
+    recompute = ctx.stage == 3 and ctx.graph_kind == "joint"
+    gathers = 0
+    for unit, markers in plan:
+        keys = list(dict.fromkeys(m.args[1] for m in markers))
+        layouts = [ctx.layouts[k] for k in keys]
+        if not ctx.communicates or not layouts[0].sharded:
+            for marker in markers:
+                marker.replace_all_uses_with(marker.args[0])
+                graph.erase_node(marker)
+            continue
+        first = markers[0]
+        order = position(graph)
+        shard_of = {m.args[1]: m.args[0] for m in markers}
+        for shard in shard_of.values():  # a shard's to_local view may sit after the unit's first use
+            hoist_before(shard, first, order)
+        fulls = splice(graph, _gather_fn(layouts, ctx.world_size, ctx.group_name),
+                       [shard_of[k] for k in keys], before=first,
+                       tag={"role": "gather", "unit": unit})
+        full_of = dict(zip(keys, fulls))
+        for marker in markers:
+            marker.replace_all_uses_with(full_of[marker.args[1]])
+            graph.erase_node(marker)
+        gathers += 1
+        if recompute:
+            _mark_recompute(fulls)
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return PassResult(gm, True, {"all_gather": gathers})
+
+
+def _mark_recompute(fulls: list[fx.Node]) -> None:
+    """Tag the gather chain and every view of a gathered parameter ``MUST_RECOMPUTE``, so no
+    gathered buffer (nor an alias keeping it alive) is saved for backward."""
+    stack = list(fulls)
+    seen: set[fx.Node] = set()
+    while stack:  # the inserted chain, walking back to the shards
+        node = stack.pop()
+        if node in seen or node.op != "call_function" or TAG not in node.meta:
+            continue
+        seen.add(node)
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        stack.extend(node.all_input_nodes)
+    stack = list(fulls)
+    while stack:  # forward views of the gathered parameters (e.g. a weight's transpose)
+        node = stack.pop()
+        for user in node.users:
+            if is_alias_of_input(user) and user.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
+                user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                stack.append(user)

@@ -1,0 +1,129 @@
+"""Runs a named, ordered list of passes on a graph and checks it after each one.
+
+After every pass: ``graph.lint()`` and zerograph's invariants (every collective waited exactly
+once). After the whole pipeline: no marker of the graph's kind is left (every parameter gathered,
+every trainable gradient reduced). A failure raises ``PassError`` naming the pass and those
+before it. With a dump directory, the graph is written before the first pass and after each.
+Modelled on ``torch.fx.passes.infra.pass_manager.PassManager`` and torchtitan's graph passes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from zerograph.errors import PassError
+from zerograph.ops import REDUCE_GRAD, UNSHARD
+
+from ._fx import TAG, count_targets, is_alias_of_input
+from .context import PassContext, PassResult
+from .insert_allgather import insert_allgather
+from .insert_reduce_scatter import insert_reduce_scatter
+
+log = logging.getLogger(__name__)
+
+Pass = Callable[[fx.GraphModule, PassContext], PassResult]
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+COLLECTIVE_OPS = {
+    torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
+    torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+    torch.ops._c10d_functional.all_reduce.default: "all_reduce",
+}
+
+
+def pipeline(kind: str) -> list[Pass]:
+    """The passes for one graph kind, in the order they run.
+
+    - joint: sharding decisions, made before the partitioner so that its min-cut sees them
+      (stage 3's recompute-tagged gathers decide what backward re-gathers).
+    - forward / inference: the same gathers, for graphs that never were joint (``no_grad``).
+    - backward: gradient reductions, placed where the stage says full gradients die.
+    """
+    return {
+        "joint": [insert_allgather],
+        "forward": [insert_allgather],
+        "inference": [insert_allgather],
+        "backward": [insert_reduce_scatter],
+    }[kind]
+
+
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *,
+                 disabled: Sequence[str] = (), dump_dir: str | None = None) -> fx.GraphModule:
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        _write(dump_dir, "00_input.py", gm)
+    done: list[str] = []
+    for number, pass_fn in enumerate(passes, start=1):
+        name = pass_fn.__name__
+        if name in disabled:
+            log.info("pass %s disabled", name)
+            continue
+        before = count_targets(gm.graph)
+        start = time.perf_counter()
+        try:
+            result = pass_fn(gm, ctx)
+            gm = result.graph_module
+            gm.graph.lint()
+            check_collectives_waited(gm.graph)
+        except PassError:
+            raise
+        except Exception as exc:
+            raise PassError(f"pass {name!r} failed on the {ctx.graph_kind} graph (after {done or 'no passes'}): {exc}") from exc
+        done.append(name)
+        after = count_targets(gm.graph)
+        log.info("%s graph: pass %d %s %s in %.1f ms, nodes %d -> %d", ctx.graph_kind, number, name,
+                 result.counts, 1e3 * (time.perf_counter() - start), sum(before.values()), sum(after.values()))
+        if dump_dir and result.modified:
+            _write(dump_dir, f"{number:02d}_{name}.py", gm)
+    check_markers_expanded(gm.graph, ctx, done)
+    return gm
+
+
+def _write(dump_dir: str, name: str, gm: fx.GraphModule) -> None:
+    with open(os.path.join(dump_dir, name), "w") as f:
+        f.write(gm.print_readable(print_output=False))
+
+
+def check_collectives_waited(graph: fx.Graph) -> None:
+    """Every collective's result is waited on exactly once (an unwaited one would leak or race)."""
+    for node in graph.nodes:
+        if node.target in COLLECTIVE_OPS:
+            waits = [u for u in node.users if u.target is WAIT]
+            if len(waits) != 1 or len(node.users) != 1:
+                raise PassError(f"collective {node.name} must have exactly one wait_tensor user, has {list(node.users)}")
+
+
+def check_markers_expanded(graph: fx.Graph, ctx: PassContext, done: list[str]) -> None:
+    marker = REDUCE_GRAD if ctx.graph_kind == "backward" else UNSHARD
+    if ctx.graph_kind == "joint":
+        return  # the joint graph keeps its reduce_grad markers for the backward pipeline
+    left = graph.find_nodes(op="call_function", target=marker)
+    if left:
+        raise PassError(f"{ctx.graph_kind} graph still holds {len(left)} {marker} markers after {done}")
+
+
+def check_no_saved_gathers(fwd: fx.GraphModule) -> None:
+    """Stage 3: the forward graph saves shards only, never a gathered parameter or a view of one."""
+    output = fwd.graph.find_nodes(op="output")[0]
+    for saved in output.all_input_nodes:
+        node = saved
+        while is_alias_of_input(node):
+            node = node.all_input_nodes[0]
+        if node.meta.get(TAG, {}).get("role") == "gather":
+            raise PassError(f"stage 3 forward saves gathered parameter {saved.name} for backward")
+
+
+def collective_volume(graph: fx.Graph) -> list[tuple[str, int, int]]:
+    """``[(kind, full_numel, itemsize)]`` of every collective in the graph, in graph order."""
+    volume = []
+    for node in graph.nodes:
+        kind = COLLECTIVE_OPS.get(node.target)
+        if kind is None:
+            continue
+        val = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+        volume.append((kind, val.numel(), val.element_size()))
+    return volume

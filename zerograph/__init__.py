@@ -1,0 +1,8 @@
+"""zerograph: ZeRO (arXiv 1910.02054) as compiler passes over PyTorch's captured training graphs."""
+from .config import Config
+from .errors import (ConfigError, PassError, ProcessGroupError, ShardingError, UnshardedParameterError,
+                     ZeroGraphError)
+from .api import compile
+
+__all__ = ["Config", "compile", "ConfigError", "PassError", "ProcessGroupError", "ShardingError",
+           "UnshardedParameterError", "ZeroGraphError"]

@@ -1,0 +1,104 @@
+"""The torch.compile backend: Dynamo graph -> AOTAutograd joint graph -> passes -> lowering.
+
+Capture knows nothing of stages: it maps graph inputs back to parameters, hands each graph to the
+pass pipeline of its kind, partitions with the min-cut partitioner, lowers, and wraps the lowered
+callables so the runtime counts the collectives each call runs.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._functorch._aot_autograd.utils import make_boxed_func
+
+from zerograph.passes.context import PassContext
+from zerograph.passes.manager import check_no_saved_gathers, collective_volume, pipeline, run_pipeline
+
+from .config import Config
+from .runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+class CapturedGraphs:
+    """What one compile produced, kept for tests and inspection (plain FX graph modules)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[dict[str, fx.GraphModule]] = []
+        self.input_params: list[list[str | None]] = []
+
+
+def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captured: CapturedGraphs) -> Callable:
+    """Return a ``torch.compile`` backend bound to one model's runtime.
+
+    ``params`` maps ``id(parameter)`` to its name; Dynamo passes the real parameter objects as
+    example inputs, so every graph input is matched to its parameter by identity.
+    """
+    graph_ids = itertools.count()
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        graph_id = next(graph_ids)
+        captured.input_params.append([params.get(id(x)) for x in example_inputs])
+        record: dict[str, fx.GraphModule] = {"dynamo": gm}
+        captured.graphs.append(record)
+        dump_root = config.resolved_dump_dir()
+
+        def run(kind: str, g: fx.GraphModule) -> fx.GraphModule:
+            ctx = PassContext(kind, runtime.stage, runtime.world_size, runtime.group_name,
+                              runtime.layouts, tuple(runtime.units))
+            dump_dir = (os.path.join(dump_root, f"rank{runtime.rank}", f"graph{graph_id}_{kind}")
+                        if dump_root else None)
+            g = run_pipeline(g, ctx, pipeline(kind), disabled=config.disabled_passes, dump_dir=dump_dir)
+            record[kind] = g
+            return g
+
+        def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+            joint = run(kind="joint", g=joint)
+            fwd, bwd = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            if runtime.stage == 3:
+                check_no_saved_gathers(fwd)
+            return fwd, bwd
+
+        def compiler(kind: str) -> Callable:
+            def compile_graph(g: fx.GraphModule, inputs: list[Any]) -> Callable:
+                g = run(kind, g)
+                return _account(runtime, g, _lower(config, g, inputs, kind), backward=kind == "backward")
+            return compile_graph
+
+        return aot_module_simplified(
+            gm, example_inputs,
+            fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+            inference_compiler=compiler("inference"), partition_fn=partition,
+        )
+
+    return backend
+
+
+def _lower(config: Config, gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
+    if config.lowering == "inductor":
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        return compile_fx_inner(gm, inputs, is_backward=kind == "backward", is_inference=kind == "inference")
+    return make_boxed_func(gm.forward)
+
+
+def _account(runtime: Runtime, gm: fx.GraphModule, compiled: Callable, backward: bool) -> Callable:
+    """Count the graph's collectives into the runtime's step counter each time it runs."""
+    volume = collective_volume(gm.graph)
+
+    def call(args: list[Any]) -> Any:
+        for kind, numel, itemsize in volume:
+            runtime.current.add(kind, numel, itemsize, runtime.world_size)
+        if backward:
+            runtime.backward_ran = True
+        return compiled(args)
+
+    call._boxed_call = True  # type: ignore[attr-defined]
+    return call
