@@ -6,3 +6,9 @@ from .api import compile
 
 __all__ = ["Config", "compile", "ConfigError", "PassError", "ProcessGroupError", "ShardingError",
            "UnshardedParameterError", "ZeroGraphError"]
+from .stats import Stats, stats
+
+__all__ += ["Stats", "stats"]
+from .plan import Plan, plan
+
+__all__ += ["Plan", "plan"]

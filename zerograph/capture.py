@@ -19,6 +19,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._functorch._aot_autograd.utils import make_boxed_func
 
 from zerograph.passes.context import PassContext
+from zerograph.passes.liveness import Timeline, timeline
 from zerograph.passes.manager import check_no_saved_gathers, collective_volume, pipeline, run_pipeline
 
 from .config import Config
@@ -49,6 +50,8 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
         record: dict[str, fx.GraphModule] = {"dynamo": gm}
         captured.graphs.append(record)
         dump_root = config.resolved_dump_dir()
+        memory: dict[str, Timeline] = {}
+        runtime.graph_memory.append(memory)
 
         def run(kind: str, g: fx.GraphModule) -> fx.GraphModule:
             ctx = PassContext(kind, runtime.stage, runtime.world_size, runtime.group_name,
@@ -69,6 +72,10 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
         def compiler(kind: str) -> Callable:
             def compile_graph(g: fx.GraphModule, inputs: list[Any]) -> Callable:
                 g = run(kind, g)
+                if kind == "forward":
+                    memory["forward"] = timeline(g.graph)
+                elif kind == "backward":
+                    memory["backward"] = timeline(g.graph, carried=memory["forward"].saved)
                 return _account(runtime, g, _lower(config, g, inputs, kind), backward=kind == "backward")
             return compile_graph
 

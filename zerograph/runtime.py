@@ -77,7 +77,7 @@ class Runtime:
         self.current = CommCounter()
         self.last: CommCounter | None = None
         self.backward_ran = False
-        self.peak_bytes: dict[str, int] = {}
+        self.graph_memory: list[dict] = []  # per captured graph: {'forward'|'backward': liveness.Timeline}
         for layout in layouts:
             _LAYOUTS[layout.key] = layout
             _RUNTIME_OF_KEY[layout.key] = weakref.ref(self)

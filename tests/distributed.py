@@ -1,0 +1,89 @@
+"""Run a function on several CPU ranks (gloo), each in its own spawned process.
+
+A rank that raises makes ``spawn`` kill the others and raise with that rank's traceback; a run
+past ``timeout_s`` is killed too, so a hang fails the test instead of stalling the suite.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple, pg_timeout_s: float) -> None:
+    torch.set_num_threads(1)  # one intra-op thread per rank: ranks share 2 cores
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_timeout_s: float = 60) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
+
+    ``fn`` must be importable (a module-level function). Raises ``RankFailed`` with the first
+    failing rank's traceback, or on timeout.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as outdir:
+        port = free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, outdir, fn, args, pg_timeout_s))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.is_alive() for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed:
+                    time.sleep(1.0)  # let the others write their own error first
+                    raise RankFailed(_errors(outdir, world_size) or f"ranks {failed} died")
+                if time.monotonic() > deadline:
+                    raise RankFailed(f"timed out after {timeout_s} s\n{_errors(outdir, world_size)}")
+                time.sleep(0.05)
+            failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+            if failed:
+                raise RankFailed(_errors(outdir, world_size) or f"ranks {failed} exited non-zero")
+            return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+
+
+def _errors(outdir: str, world_size: int) -> str:
+    parts = []
+    for r in range(world_size):
+        path = os.path.join(outdir, f"rank{r}.err")
+        if os.path.exists(path):
+            with open(path) as f:
+                parts.append(f"--- rank {r} ---\n{f.read()}")
+    return "\n".join(parts)

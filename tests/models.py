@@ -1,0 +1,56 @@
+"""Models and batches shared by the tests; the reference is always single-process eager."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpt import GPT, GPTConfig
+
+TINY_GPT = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=16)
+
+
+class UnevenMLP(nn.Module):
+    """Sizes not divisible by 2 or 3, so every shard needs padding: Linear(7,5) -> Linear(5,3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.layers(x) - y) ** 2).mean()
+
+
+def build(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "gpt":
+        return GPT(TINY_GPT)
+    if name == "mlp":
+        return UnevenMLP()
+    raise KeyError(name)
+
+
+def global_batch(name: str, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    if name == "gpt":
+        x = torch.randint(0, TINY_GPT.vocab_size, (size, TINY_GPT.block_size), generator=g)
+        return x, torch.roll(x, -1, dims=1)
+    return torch.randn(size, 7, generator=g), torch.randn(size, 3, generator=g)
+
+
+def rank_slice(batch: tuple[torch.Tensor, ...], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
+    per = batch[0].shape[0] // world_size
+    return tuple(t[rank * per : (rank + 1) * per] for t in batch)
+
+
+def reference_training(name: str, steps: int, batch_size: int, lr: float) -> dict:
+    """Single-process eager AdamW on the global batch: the ground truth of every parity test."""
+    model = build(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        loss = model(*global_batch(name, step, batch_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}

@@ -1,0 +1,71 @@
+"""Functions that run on each rank (spawned by ``tests.distributed.spawn``); they return plain data."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+import zerograph
+from zerograph.passes._fx import TAG
+from zerograph.passes.liveness import PARAM_ROLES, timeline
+from zerograph.passes.manager import COLLECTIVE_OPS
+
+from .models import build, global_batch, rank_slice
+
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+
+
+def train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_size: int, lr: float,
+          config: zerograph.Config | None = None) -> dict:
+    model = zerograph.compile(build(name), stage=stage, config=config)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        loss = model(*rank_slice(global_batch(name, step, batch_size), rank, world_size))
+        loss.backward()
+        if step == steps - 1:
+            stats = zerograph.stats(model, opt)  # before zero_grad frees the gradient shards
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world_size)
+    state = model._zerograph
+    return {
+        "losses": losses,
+        "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+        "param_ids": [id(p) for p in model.parameters()],
+        "stats": stats,
+        "units": [(u.name, sum(state.runtime.layouts[k].padded_numel for k in u.keys)) for u in state.runtime.units],
+        "graphs": [graph_facts(rec) for rec in state.captured.graphs],
+        "input_params": state.captured.input_params,
+    }
+
+
+def graph_facts(record: dict[str, fx.GraphModule]) -> dict:
+    """What the structure tests check, as plain data (graphs do not cross processes)."""
+    facts = {}
+    for kind in ("forward", "backward"):
+        if kind not in record:
+            continue
+        graph = record[kind].graph
+        nodes = list(graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        gathers = []
+        for node in nodes:
+            if node.target is ALL_GATHER:
+                unit = node.meta[TAG]["unit"]
+                first_compute = min((pos[u] for n in nodes if n.meta.get(TAG, {}).get("unit") == unit
+                                     and n.meta[TAG]["role"] == "gather" for u in n.users
+                                     if TAG not in u.meta), default=None)
+                gathers.append({"unit": unit, "pos": pos[node], "first_compute": first_compute})
+        facts[kind] = {
+            "gathers": gathers,
+            "collectives": [COLLECTIVE_OPS[n.target] for n in nodes if n.target in COLLECTIVE_OPS],
+            "placeholders": [n.name for n in nodes if n.op == "placeholder"],
+        }
+    if "forward" in record:
+        fwd = timeline(record["forward"].graph)
+        facts["forward"]["saved_gathered"] = [n for n, (role, _) in fwd.saved.items() if role in PARAM_ROLES]
+        facts["forward"]["gathered_live_at_end"] = fwd.live[-1].get("gather", 0) if fwd.live else 0
+    return facts

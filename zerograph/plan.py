@@ -1,0 +1,378 @@
+"""``zerograph.plan``: how much memory and communication a ZeRO stage costs, before running anything.
+
+The figures follow the ZeRO paper (Rajbhandari et al., arXiv 1910.02054):
+
+* model-state memory per rank, section 5 / Figure 1 / Table 1. With ``Ψ`` parameters, ``N`` ranks,
+  ``P`` bytes per parameter and per gradient (2 for 16-bit training) and ``K`` bytes of optimizer
+  state per parameter (12 for mixed-precision Adam: fp32 master copy + ``m`` + ``v``)::
+
+      stage 0 (DDP)        (P + P + K) Ψ
+      stage 1 (P_os)       P Ψ + P Ψ + K Ψ / N
+      stage 2 (P_os+g)     P Ψ + (P + K) Ψ / N
+      stage 3 (P_os+g+p)   (P + P + K) Ψ / N
+
+* communication volume per step and per rank, section 7, in elements of the full tensor::
+
+      stage 0      all-reduce 2Ψ
+      stages 1, 2  reduce-scatter Ψ + all-gather Ψ            = 2Ψ
+      stage 3      reduce-scatter Ψ + all-gather 2Ψ (fwd+bwd) = 3Ψ
+
+and, as separate fields, the memory the formulas leave out: the padding of uneven shards, the
+gathered parameters alive at once under stage 3, and the full-size gradient bucket a unit
+reduce-scatters from. Nothing is allocated: a model built under ``torch.device("meta")`` works, and
+only parameter shapes are read (never their dtype or values).
+
+Entry point: ``plan(model, stage, world_size, ...)``, or ``plan(None, stage, world_size, psi=...)``
+to reproduce the paper's figures for models too large to build even on ``meta``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .config import STAGES
+from .errors import ConfigError
+from .sharding import ROOT_UNIT, find_units
+
+GB = 10**9
+"""The paper's gigabyte (Table 1, Figure 1): 1e9 bytes."""
+
+OPTIMIZER_BUFFERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+"""Optimizer name -> per-parameter state buffers kept in ``master_dtype`` (Adam: ``m`` and ``v``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Per-rank model-state memory and per-step communication of one ZeRO configuration.
+
+    Every ``*_bytes`` figure is bytes on one rank; communication is in elements of the full tensor
+    (the paper's accounting, section 7). Dict-valued fields are read-only mappings.
+
+    Attributes:
+        stage: ZeRO stage, 0 (DDP), 1 (P_os), 2 (P_os+g) or 3 (P_os+g+p).
+        world_size: N, the number of data-parallel ranks.
+        psi: Ψ, the number of parameters (tied parameters counted once).
+        optimizer: optimizer name the state size was derived from.
+        param_dtype: dtype of the compute parameters and of the gradients.
+        master_dtype: dtype of the master weights and optimizer buffers.
+        param_bytes_per_element: bytes of one parameter (and of one gradient) in ``param_dtype``.
+        optimizer_bytes_per_param: K, bytes of optimizer state per parameter (master copy when
+            ``master_dtype != param_dtype``, plus the optimizer's buffers in ``master_dtype``).
+        prefetch_depth: units gathered ahead of the one computing (stage 3).
+        bytes_per_rank: ``"params"``, ``"grads"``, ``"optimizer_states"`` and ``"total"``, bytes per
+            rank by the paper's formulas (section 5). A sharded term ``x Ψ / N`` is rounded up to a
+            whole byte.
+        comm_elements_per_step: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` and
+            ``"total"``, elements moved per step (section 7; an all-reduce counts 2Ψ, as a
+            reduce-scatter plus an all-gather).
+        padding_bytes: bytes per rank that uneven shards add to the sharded states. Each parameter
+            is sharded on dim 0 in chunks of ``c = ceil(rows / N)`` rows (``torch.chunk`` /
+            ``Shard(0)``), and every rank allocates the padded chunk of ``c * row_numel``
+            elements, where the formula charges ``numel / N``. Summed over parameters, the excess
+            on one rank is ``(N * c * row_numel - numel) / N`` elements, counted once per sharded
+            state in that state's bytes: ``K`` at stage 1, ``P + K`` at stage 2, ``P + P + K`` at
+            stage 3 (rounded up to a whole byte). 0 at stage 0 and when built from ``psi``.
+        inflight_gather_bytes: stage 3: bytes of the gathered (padded, ``param_dtype``)
+            parameters of the ``prefetch_depth + 1`` largest units, the most alive at once.
+            Stages 1-2: the full gathered compute copy of all parameters, held for the step;
+            it equals ``bytes_per_rank["params"]``, which already counts it, so it is not added
+            to ``total_with_overheads``. Stage 0: 0.
+        bucket_bytes: stages 2-3: bytes of the largest unit's full (padded, ``param_dtype``)
+            gradient, the bucket it reduce-scatters from, or the ``bucket_bytes`` argument when
+            given. Stages 0-1: 0 (full gradients are kept and already counted in ``"grads"``).
+        total_with_overheads: ``bytes_per_rank["total"] + padding_bytes + bucket_bytes``, plus
+            ``inflight_gather_bytes`` at stage 3.
+        units: ``(name, parameter count)`` per unit, the root unit (``"<root>"``, parameters
+            outside every unit) first, then the units in module order, as ``zerograph.compile``
+            groups them.
+    """
+
+    stage: int
+    world_size: int
+    psi: int
+    optimizer: str
+    param_dtype: torch.dtype
+    master_dtype: torch.dtype
+    param_bytes_per_element: int
+    optimizer_bytes_per_param: int
+    prefetch_depth: int
+    bytes_per_rank: Mapping[str, int]
+    comm_elements_per_step: Mapping[str, int]
+    padding_bytes: int
+    inflight_gather_bytes: int
+    bucket_bytes: int
+    total_with_overheads: int
+    units: tuple[tuple[str, int], ...]
+
+    def __str__(self) -> str:
+        psi = self.psi
+        rows: list[tuple[str, str]] = [
+            ("stage", str(self.stage)),
+            ("N (world size)", str(self.world_size)),
+            ("Ψ (parameters)", f"{psi:,}" + (f" ({_sig3(psi / 1e9)}B)" if psi >= 10**8 else "")),
+            ("optimizer", f"{self.optimizer}, K = {self.optimizer_bytes_per_param} B/param"),
+            ("dtypes", f"param/grad {_dtype_name(self.param_dtype)}, master {_dtype_name(self.master_dtype)}"),
+            ("units", str(len(self.units))),
+        ]
+        for key in ("params", "grads", "optimizer_states", "total"):
+            rows.append((f"{key} [GB/rank]", _gb(self.bytes_per_rank[key])))
+        rows += [
+            ("padding [GB/rank]", _gb(self.padding_bytes)),
+            ("in-flight gather [GB/rank]", _gb(self.inflight_gather_bytes)
+             + (" (counted in params)" if self.stage in (1, 2) else "")),
+            ("gradient bucket [GB/rank]", _gb(self.bucket_bytes)),
+            ("total with overheads [GB/rank]", _gb(self.total_with_overheads)),
+        ]
+        for key in ("all_gather", "reduce_scatter", "all_reduce", "total"):
+            rows.append((f"comm {key} [elements]", _in_psi(self.comm_elements_per_step[key], psi)))
+        width = max(len(name) for name, _ in rows)
+        lines = ["zerograph plan (ZeRO, arXiv 1910.02054; GB = 1e9 bytes)"]
+        lines += [f"  {name:<{width}}  {value}" for name, value in rows]
+        return "\n".join(lines)
+
+
+def plan(
+    model: nn.Module | None,
+    stage: int,
+    world_size: int,
+    *,
+    optimizer: str = "adamw",
+    param_dtype: torch.dtype = torch.bfloat16,
+    master_dtype: torch.dtype = torch.float32,
+    prefetch_depth: int = 1,
+    bucket_bytes: int | None = None,
+    psi: int | None = None,
+    unit_numels: Sequence[int] | None = None,
+    unit_classes: tuple[type[nn.Module], ...] | None = None,
+) -> Plan:
+    """Plan the per-rank memory and per-step communication of ZeRO stage ``stage`` on ``world_size`` ranks.
+
+    Args:
+        model: the model, on any device including ``meta`` (only parameter shapes are read; each
+            parameter is counted once however often it is tied). ``None`` with ``psi``.
+        stage: 0 (DDP), 1 (P_os), 2 (P_os+g) or 3 (P_os+g+p), paper section 5.
+        world_size: N, data-parallel ranks, >= 1.
+        optimizer: ``"adamw"`` / ``"adam"`` (two buffers, ``m`` and ``v``), ``"sgd"`` (none) or
+            ``"sgd_momentum"`` (one), each in ``master_dtype``.
+        param_dtype: dtype of the parameters used in compute and of the gradients (the paper's
+            fp16; bf16 by default). The model's own dtypes are ignored.
+        master_dtype: dtype of the master weights and optimizer buffers. A master copy is counted
+            only when it differs from ``param_dtype`` (fp32 training keeps no second copy).
+        prefetch_depth: units gathered ahead of the computing one at stage 3, >= 0.
+        bucket_bytes: gradient bucket size in bytes for stages 2-3, overriding the largest unit's
+            full gradient; >= 0.
+        psi: Ψ, the parameter count, instead of a model, to reproduce the paper's figures
+            (``plan(None, 3, 1024, psi=10**12)``). Padding is then 0, since no shapes are known.
+        unit_numels: with ``psi`` only: parameter counts of the units (e.g. ``[psi // L] * L``
+            for ``L`` equal blocks); the rest of ``psi`` is the root unit. Default: one root unit
+            holding all Ψ (a model with no units, gathered whole at stage 3).
+        unit_classes: with a model only: module classes whose outermost instances are the units,
+            as ``zerograph.Config.unit_classes``; default the children of the largest
+            ``nn.ModuleList`` / ``nn.Sequential``.
+
+    Returns:
+        A frozen ``Plan``; ``str(plan)`` is a readable table.
+
+    Raises:
+        ValueError (``zerograph.ConfigError``): stage not in 0-3, world_size < 1, an unknown
+            optimizer, a non-floating dtype, prefetch_depth or bucket_bytes negative, both or
+            neither of ``model`` and ``psi``, ``psi`` < 1, or ``unit_numels`` / ``unit_classes``
+            given for the other mode or summing above ``psi``.
+    """
+    stage, world_size = _check_stage(stage), _check_count("world_size", world_size, minimum=1)
+    optimizer, n_buffers = _check_optimizer(optimizer)
+    param_dtype = _check_dtype("param_dtype", param_dtype)
+    master_dtype = _check_dtype("master_dtype", master_dtype)
+    prefetch_depth = _check_count("prefetch_depth", prefetch_depth, minimum=0)
+    if bucket_bytes is not None:
+        bucket_bytes = _check_count("bucket_bytes", bucket_bytes, minimum=0)
+
+    # (unit index, shape) per unique parameter; from psi, one flat pseudo-parameter per unit.
+    if model is not None:
+        if psi is not None:
+            raise ConfigError("give either a model or psi=, not both")
+        if unit_numels is not None:
+            raise ConfigError("unit_numels= goes with psi=; with a model the units come from its modules")
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model must be an nn.Module or None, got {type(model).__name__}")
+        unit_names, params = _model_params(model, unit_classes)
+    else:
+        if psi is None:
+            raise ConfigError("give a model, or model=None with psi= (the parameter count)")
+        if unit_classes is not None:
+            raise ConfigError("unit_classes= needs a model; with psi= give unit_numels=")
+        psi = _check_count("psi", psi, minimum=1)
+        unit_names, params = _psi_params(psi, unit_numels)
+
+    n = world_size
+    unit_numel = [0] * len(unit_names)
+    unit_padded = [0] * len(unit_names)
+    pad_elements = 0
+    for unit, shape in params:
+        rows, row_numel = shape[0], math.prod(shape[1:])
+        numel = rows * row_numel
+        padded = n * -(-rows // n) * row_numel if stage >= 1 and model is not None else numel
+        unit_numel[unit] += numel
+        unit_padded[unit] += padded
+        pad_elements += padded - numel
+    total_psi = sum(unit_numel)
+
+    p_bytes = param_dtype.itemsize
+    master_bytes = master_dtype.itemsize
+    k_bytes = (master_bytes if master_dtype != param_dtype else 0) + n_buffers * master_bytes
+
+    def share(per_param: int, sharded: bool) -> int:
+        return -(-per_param * total_psi // n) if sharded else per_param * total_psi
+
+    memory = {
+        "params": share(p_bytes, stage >= 3),
+        "grads": share(p_bytes, stage >= 2),
+        "optimizer_states": share(k_bytes, stage >= 1),
+    }
+    memory["total"] = sum(memory.values())
+
+    gathered = total_psi
+    comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    if stage == 0:
+        comm["all_reduce"] = 2 * gathered
+    else:
+        comm["reduce_scatter"] = gathered
+        comm["all_gather"] = (2 if stage == 3 else 1) * gathered
+    comm["total"] = sum(comm.values())
+
+    sharded_bytes = {0: 0, 1: k_bytes, 2: p_bytes + k_bytes, 3: 2 * p_bytes + k_bytes}[stage]
+    padding = -(-pad_elements * sharded_bytes // n)
+
+    largest_first = sorted(unit_padded, reverse=True)
+    if stage == 3:
+        inflight = sum(largest_first[: prefetch_depth + 1]) * p_bytes
+    elif stage in (1, 2):
+        inflight = memory["params"]
+    else:
+        inflight = 0
+
+    if stage >= 2:
+        bucket = bucket_bytes if bucket_bytes is not None else (largest_first[0] if largest_first else 0) * p_bytes
+    else:
+        bucket = 0
+
+    total_with = memory["total"] + padding + bucket + (inflight if stage == 3 else 0)
+    return Plan(
+        stage=stage,
+        world_size=world_size,
+        psi=total_psi,
+        optimizer=optimizer,
+        param_dtype=param_dtype,
+        master_dtype=master_dtype,
+        param_bytes_per_element=p_bytes,
+        optimizer_bytes_per_param=k_bytes,
+        prefetch_depth=prefetch_depth,
+        bytes_per_rank=types.MappingProxyType(memory),
+        comm_elements_per_step=types.MappingProxyType(comm),
+        padding_bytes=padding,
+        inflight_gather_bytes=inflight,
+        bucket_bytes=bucket,
+        total_with_overheads=total_with,
+        units=tuple(zip(unit_names, unit_numel)),
+    )
+
+
+# ----------------------------------------------------------------------------- parameter discovery
+
+
+def _model_params(model: nn.Module, unit_classes) -> tuple[list[str], list[tuple[int, tuple[int, ...]]]]:
+    """Unit names (root first) and ``(unit index, shape)`` per unique parameter.
+
+    Mirrors ``sharding.shard_module_``: a parameter belongs to the unit of the first module (in
+    ``named_modules`` order) that owns it, and modules outside every unit form the root unit.
+    A 0-d parameter counts as shape ``(1,)`` (``compile`` asks for that reshape anyway).
+    """
+    try:
+        units = find_units(model, unit_classes)
+    except TypeError as exc:  # e.g. unit_classes not a tuple of classes
+        raise ConfigError(f"unit_classes must be a tuple of nn.Module subclasses: {exc}") from exc
+    owner: dict[int, int] = {}
+    for index, (_, unit_mod) in enumerate(units, start=1):
+        for mod in unit_mod.modules():
+            owner.setdefault(id(mod), index)
+    seen: set[int] = set()
+    params: list[tuple[int, tuple[int, ...]]] = []
+    for _, mod in model.named_modules():
+        for param in mod._parameters.values():
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            params.append((owner.get(id(mod), 0), tuple(param.shape) or (1,)))
+    return [ROOT_UNIT] + [name for name, _ in units], params
+
+
+def _psi_params(psi: int, unit_numels: Sequence[int] | None) -> tuple[list[str], list[tuple[int, tuple[int, ...]]]]:
+    """Units for a bare parameter count: each unit one flat "parameter" (never padded)."""
+    if unit_numels is not None and (isinstance(unit_numels, (str, bytes)) or not isinstance(unit_numels, Sequence)):
+        raise ConfigError(f"unit_numels must be a sequence of ints, got {type(unit_numels).__name__}")
+    counts = [] if unit_numels is None else [_check_count("unit_numels[]", c, minimum=0) for c in unit_numels]
+    if sum(counts) > psi:
+        raise ConfigError(f"unit_numels sum to {sum(counts):,}, more than psi = {psi:,}")
+    all_counts = [psi - sum(counts)] + counts
+    return [ROOT_UNIT] + [f"unit{i}" for i in range(1, len(counts) + 1)], [
+        (i, (c,)) for i, c in enumerate(all_counts)
+    ]
+
+
+# ----------------------------------------------------------------------------- validation, formatting
+
+
+def _check_stage(stage: object) -> int:
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
+        raise ConfigError(
+            f"stage must be one of {STAGES} (0 = DDP, 1 = P_os, 2 = P_os+g, 3 = P_os+g+p), got {stage!r}"
+        )
+    return stage
+
+
+def _check_count(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_optimizer(optimizer: object) -> tuple[str, int]:
+    if not isinstance(optimizer, str) or optimizer.lower() not in OPTIMIZER_BUFFERS:
+        raise ConfigError(f"optimizer must be one of {tuple(OPTIMIZER_BUFFERS)}, got {optimizer!r}")
+    name = optimizer.lower()
+    return name, OPTIMIZER_BUFFERS[name]
+
+
+def _check_dtype(name: str, dtype: object) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"{name} must be a floating-point torch.dtype, got {dtype!r}")
+    return dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _sig3(value: float) -> str:
+    """``value`` to 3 significant digits, without exponent notation (``120``, ``31.4``, ``1.88``)."""
+    if value == 0:
+        return "0"
+    rounded = float(f"{value:.3g}")
+    decimals = 2 - math.floor(math.log10(abs(rounded)))
+    return f"{rounded:.{max(decimals, 0)}f}"
+
+
+def _gb(nbytes: int) -> str:
+    """GB (1e9 bytes) to 3 significant digits, and the exact byte count."""
+    return f"{_sig3(nbytes / GB):<8} ({nbytes:,} bytes)"
+
+
+def _in_psi(elements: int, psi: int) -> str:
+    if elements == 0:
+        return "0"
+    return f"{elements / psi:g}Ψ" if psi else f"{elements:,}"
