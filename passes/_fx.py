@@ -75,3 +75,33 @@ def count_targets(graph: fx.Graph) -> dict[str, int]:
             name = str(node.target)
             counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def sink_below_inputs(graph: fx.Graph) -> None:
+    """Move each node that sits above one of its inputs to just below it; all else keeps its order.
+
+    The mirror image of Inductor's ``stable_topological_sort`` (which lifts inputs up to their
+    users): a pass that defines a value later than its old uses wants the uses to move down, so the
+    new definition stays where the pass put it.
+    """
+    placed: set[fx.Node] = set()
+    waiting: list[fx.Node] = []
+    for node in list(graph.nodes):
+        if not all(inp in placed for inp in node.all_input_nodes):
+            assert node.op != "output", "sink_below_inputs: a value is never defined"
+            waiting.append(node)
+            continue
+        placed.add(node)
+        cursor, progress = node, True
+        while progress and waiting:
+            progress = False
+            for pending in list(waiting):
+                if all(inp in placed for inp in pending.all_input_nodes):
+                    if cursor.op == "output":
+                        cursor.prepend(pending)
+                    else:
+                        cursor.append(pending)
+                        cursor = pending
+                    placed.add(pending)
+                    waiting.remove(pending)
+                    progress = True

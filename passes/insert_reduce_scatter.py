@@ -23,12 +23,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch._inductor.pattern_matcher import stable_topological_sort
 
 from zerograph.ops import REDUCE_GRAD
 from zerograph.sharding import ParamLayout
 
-from ._fx import position, splice
+from ._fx import position, sink_below_inputs, splice
 from .context import PassContext, PassResult
 
 funcol = torch.ops._c10d_functional
@@ -110,7 +109,7 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         for marker in markers:
             graph.erase_node(marker)
         reductions += 1
-    stable_topological_sort(graph)  # uses of an early marker now follow the unit's reduction
+    sink_below_inputs(graph)  # uses of an early marker move below the unit's reduction
     graph.eliminate_dead_code()
     gm.recompile()
     return PassResult(gm, True, {"reduce_scatter" if ctx.stage else "all_reduce": reductions})

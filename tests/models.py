@@ -20,12 +20,28 @@ class UnevenMLP(nn.Module):
         return ((self.layers(x) - y) ** 2).mean()
 
 
+@torch._dynamo.disable
+def _run_eagerly(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)
+
+
+class GraphBreakMLP(UnevenMLP):
+    """The last Linear runs in an eager frame between two compiled ones (a graph break)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.layers[1](self.layers[0](x))
+        out = _run_eagerly(self.layers[2], h)
+        return ((out - y) ** 2).mean()
+
+
 def build(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "gpt":
         return GPT(TINY_GPT)
     if name == "mlp":
         return UnevenMLP()
+    if name == "mlp_break":
+        return GraphBreakMLP()
     raise KeyError(name)
 
 
@@ -34,7 +50,7 @@ def global_batch(name: str, step: int, size: int) -> tuple[torch.Tensor, torch.T
     if name == "gpt":
         x = torch.randint(0, TINY_GPT.vocab_size, (size, TINY_GPT.block_size), generator=g)
         return x, torch.roll(x, -1, dims=1)
-    return torch.randn(size, 7, generator=g), torch.randn(size, 3, generator=g)
+    return torch.randn(size, 7, generator=g), torch.randn(size, 3, generator=g)  # the MLPs
 
 
 def rank_slice(batch: tuple[torch.Tensor, ...], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:

@@ -4,11 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .distributed import spawn
 from .models import reference_training
-from .workers import train
 
-STEPS, LR = 3, 1e-3
+STEPS, LR = 3, 1e-3  # as in conftest.training_run
 ATOL = RTOL = 1e-5
 
 
@@ -21,18 +19,26 @@ def check_parity(result: dict, reference: dict) -> None:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
-def test_matches_single_process(name: str, stage: int) -> None:
-    results = spawn(train, 2, name, stage, STEPS, 4, LR)
+def test_matches_single_process(training_run, name: str, stage: int) -> None:
+    results = training_run(name, stage)
     reference = reference_training(name, STEPS, 4, LR)
     for result in results:
         check_parity(result, reference)
-    # every rank ends with the same full parameters
-    for name_, value in results[0]["params"].items():
-        assert torch.equal(value, results[1]["params"][name_])
+    for param, value in results[0]["params"].items():  # every rank ends with the same parameters
+        assert torch.equal(value, results[1]["params"][param])
 
 
-def test_stage3_world_size_3_uneven() -> None:
-    results = spawn(train, 3, "mlp", 3, STEPS, 6, LR)
+def test_stage3_world_size_3_uneven(training_run) -> None:
+    results = training_run("mlp", 3, world_size=3, batch_size=6)
     reference = reference_training("mlp", STEPS, 6, LR)
     for result in results:
         check_parity(result, reference)
+
+
+def test_training_moves_the_parameters(training_run) -> None:
+    """Guards the parity tests against passing vacuously: three steps change every parameter."""
+    from .models import build
+
+    initial = dict(build("gpt").named_parameters())
+    for name, value in training_run("gpt", 3)[0]["params"].items():
+        assert not torch.equal(value, initial[name].detach()), name

@@ -59,8 +59,15 @@ def graph_facts(record: dict[str, fx.GraphModule]) -> dict:
                                      and n.meta[TAG]["role"] == "gather" for u in n.users
                                      if TAG not in u.meta), default=None)
                 gathers.append({"unit": unit, "pos": pos[node], "first_compute": first_compute})
+        after_comm: set[fx.Node] = set()  # nodes that need a collective's result
+        for n in nodes:
+            if n.target in COLLECTIVE_OPS or any(i in after_comm for i in n.all_input_nodes):
+                after_comm.add(n)
+        compute = [pos[n] for n in nodes if n.op == "call_function" and TAG not in n.meta and n not in after_comm]
         facts[kind] = {
             "gathers": gathers,
+            "collective_pos": [pos[n] for n in nodes if n.target in COLLECTIVE_OPS],
+            "last_compute": max(compute, default=-1),
             "collectives": [COLLECTIVE_OPS[n.target] for n in nodes if n.target in COLLECTIVE_OPS],
             "placeholders": [n.name for n in nodes if n.op == "placeholder"],
         }

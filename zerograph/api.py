@@ -76,7 +76,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     _install_optimizer_guard()
 
     captured = CapturedGraphs()
-    param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    param_names = {id(p): n for n, p in model.named_parameters()}  # first name of each (tied) parameter
     backend = make_backend(runtime, config, param_names, captured)
     compiled_forward = torch.compile(type(model).forward, backend=backend, dynamic=False)
     setattr(model, STATE_ATTR, ZeroGraphState(runtime, config, captured, compiled_forward))

@@ -1,4 +1,4 @@
-"""The Triton kernels. Imported lazily by the wrappers in ``adamw.py`` and ``pack.py``.
+"""The Triton kernels. Imported lazily by the wrappers in ``adamw.py`` and ``packing.py``.
 
 All kernels are 1-D streaming kernels: each program handles ``BLOCK`` consecutive elements and
 offsets are computed in int64 so buffers beyond 2**31 elements are addressed correctly. Casts go

@@ -17,8 +17,6 @@ fp32 grads, 30 with a bf16 copy, versus several passes for the unfused reference
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ._common import check_launchable, same_device, triton_kernels, want_triton
@@ -155,5 +153,5 @@ def adamw_step(
     kernels.launch_adamw(
         param, grad, exp_avg, exp_avg_sq, param_bf16_out, scale_tensor, scale_value,
         decay=1.0 - lr * weight_decay, lerp_w=1.0 - beta1, beta2=beta2,
-        neg_step_size=-(lr / (1.0 - beta1**step)), bc2_sqrt=math.sqrt(1.0 - beta2**step), eps=eps,
+        neg_step_size=-(lr / (1.0 - beta1**step)), bc2_sqrt=(1.0 - beta2**step) ** 0.5, eps=eps,
     )
