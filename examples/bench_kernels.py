@@ -4,13 +4,15 @@ For each kernel and size, the median time of ``--runs`` launches (CUDA events, L
 each) gives GB/s = bytes the kernel must move / time, shown next to the device's peak DRAM
 bandwidth. The byte counts are the minimal traffic of each operation:
 
-* ``adamw``       read param, grad, exp_avg, exp_avg_sq (fp32), write param, exp_avg, exp_avg_sq: 28 B/element
+* ``adamw``       read param, grad, exp_avg, exp_avg_sq (fp32), write param, exp_avg,
+                  exp_avg_sq: 28 B/element
 * ``adamw+bf16``  the same plus a bf16 copy of the new param: 30 B/element
 * ``pack``        8 fp32 shards -> one bf16 buffer, each padded to a multiple of 64 elements: 4 B read + 2 B written
 * ``unpack``      bf16 gathered buffer of 8 ranks -> 4 bf16 parameters of 1024 columns: 2 B read + 2 B written
 
-Before timing, each kernel is checked once against its reference on the GPU (exit status 1 on a
-mismatch); ``--no-check`` skips that. Without a CUDA GPU the script says so and exits 0.
+Before timing, each kernel is checked once against its reference on the GPU (fp32 to 1e-6,
+bf16 to 1 ulp; exit status 1 on a mismatch); ``--no-check`` skips that. Without a CUDA GPU the
+script says so and exits 0.
 
 Usage: ``python examples/bench_kernels.py [--sizes 1M 16M 256M] [--runs 20] [--peak-gbps 3350]``
 """
@@ -63,6 +65,15 @@ def peak_for(name: str) -> float | None:
     return float(PEAK_GBPS[max(matches, key=len)]) if matches else None
 
 
+def max_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in units in the last place between two bf16/fp16 tensors."""
+    def ordered(t):
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)  # sign-magnitude -> monotonic
+
+    return int((ordered(a) - ordered(b)).abs().max().item()) if a.numel() else 0
+
+
 def median_ms(fn, runs: int, warmup: int, flush: torch.Tensor) -> float:
     for _ in range(warmup):
         fn()
@@ -100,8 +111,9 @@ def cases(n: int, device: torch.device):
             adamw_step(*a, param_bf16_out=oa, use_triton=True, **hyper)
             adamw_step(*b, param_bf16_out=ob, use_triton=False, **hyper)
             errs = [((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item() for x, y in zip(a, b)]
-            ok = max(errs) <= 1e-6 and (not with_out or torch.equal(oa, a[0].to(torch.bfloat16)))
-            return ok, f"max relative error {max(errs):.2e}"
+            ulp = max_ulps(oa, ob) if with_out else 0
+            # fp32 results within 1e-6 of the tensor's scale; the bf16 copy within 1 ulp.
+            return max(errs) <= 1e-6 and ulp <= 1, f"max relative error {max(errs):.2e}, bf16 copy {ulp} ulp"
 
         return run(True), run(False), check
 
@@ -118,7 +130,8 @@ def cases(n: int, device: torch.device):
     def pack_check():
         a = pack(shards, padded, out=send.clone(), use_triton=True)
         b = pack(shards, padded, out=send.clone(), use_triton=False)
-        return torch.equal(a, b), "bit-exact" if torch.equal(a, b) else "MISMATCH"
+        ulp = max_ulps(a, b)  # compiled Triton rounds to nearest even like torch: expect 0
+        return ulp <= 1, f"{ulp} ulp"
 
     yield ("pack", 4 * n + 2 * sum(padded),
            lambda: pack(shards, padded, out=send, use_triton=True),
@@ -136,7 +149,7 @@ def cases(n: int, device: torch.device):
         a = unpack(gathered, shapes, world, use_triton=True)
         b = unpack(gathered, shapes, world, use_triton=False)
         ok = all(torch.equal(x, y) for x, y in zip(a, b))
-        return ok, "bit-exact" if ok else "MISMATCH"
+        return ok, "bit-exact" if ok else "not bit-exact (a pure copy must be)"
 
     yield ("unpack", moved,
            lambda: unpack(gathered, shapes, world, out=outs, use_triton=True),

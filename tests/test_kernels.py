@@ -43,7 +43,8 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str, max_
         f"{what}: {actual.dtype}{tuple(actual.shape)} vs {expected.dtype}{tuple(expected.shape)}"
     if actual.dtype == torch.float32:
         scale = expected.abs().max().item() if expected.numel() else 0.0
-        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6 * max(scale, 1e-30), msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6 * max(scale, 1e-30),
+                                   msg=lambda m: f"{what}: {m}")
     else:
         worst = ulps(actual, expected).max().item() if actual.numel() else 0
         assert worst <= max_ulp, f"{what}: {worst} ulp apart (allowed {max_ulp})"
@@ -119,7 +120,8 @@ def check_adamw() -> None:
                 for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), kern, ref):
                     assert_matches(a, b, f"{tag} step {step} {name}")
                 if odtype is not None:
-                    assert_matches(out_k, out_r, f"{tag} step {step} param_bf16_out", max_ulp=cast_ulp(torch.float32, odtype))
+                    assert_matches(out_k, out_r, f"{tag} step {step} param_bf16_out",
+                                   max_ulp=cast_ulp(torch.float32, odtype))
     print("ok adamw")
 
 
@@ -232,6 +234,8 @@ def test_subprocess_check(check_runs, name):
 
 
 # ------------------------------------------------------------------------- in-process: references
+# These pass use_triton=False where they test reference semantics, so they hold whatever
+# TRITON_INTERPRET says; the default dispatch is checked in the cpu_without_interpreter subprocess.
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
@@ -259,8 +263,9 @@ def test_adamw_grad_scale_and_low_precision_copy():
     p, g = torch.randn(n), torch.randn(n) * scale
     a, b = [p.clone(), torch.zeros(n), torch.zeros(n)], [p.clone(), torch.zeros(n), torch.zeros(n)]
     out = torch.empty(n, dtype=torch.bfloat16)
-    adamw_step(a[0], g, a[1], a[2], weight_decay=0.1, step=1, grad_scale=torch.tensor(scale), param_bf16_out=out, **HYPER)
-    adamw_step(b[0], g / scale, b[1], b[2], weight_decay=0.1, step=1, **HYPER)
+    adamw_step(a[0], g, a[1], a[2], weight_decay=0.1, step=1, grad_scale=torch.tensor(scale), param_bf16_out=out,
+               use_triton=False, **HYPER)
+    adamw_step(b[0], g / scale, b[1], b[2], weight_decay=0.1, step=1, use_triton=False, **HYPER)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
     assert torch.equal(out, a[0].to(torch.bfloat16))
@@ -285,7 +290,7 @@ def test_pack_reference_layout():
     got = pack_reference(shards, [4, 3, 2], torch.bfloat16)
     want = torch.tensor([1, 2, 3, 0, 4, 5, 0, 0, 0], dtype=torch.bfloat16)
     assert torch.equal(got, want)
-    assert torch.equal(pack(shards, [4, 3, 2], torch.bfloat16), want)
+    assert torch.equal(pack(shards, [4, 3, 2], torch.bfloat16, use_triton=False), want)
 
 
 def test_pack_rejects_bad_arguments():
@@ -307,8 +312,8 @@ def test_unpack_reference_inverts_chunk_sharding(world):
     gathered = torch.cat([pack_reference(shards, padded) for shards in per_rank])
     for got, want in zip(unpack_reference(gathered, shapes, world), params):
         assert torch.equal(got, want)
-    # Cast on the way out, and the default dispatch on CPU (reference) agrees.
-    for got, want in zip(unpack(gathered, shapes, world, dtype=torch.bfloat16), params):
+    # Cast on the way out, through the public function.
+    for got, want in zip(unpack(gathered, shapes, world, dtype=torch.bfloat16, use_triton=False), params):
         assert torch.equal(got, want.to(torch.bfloat16))
 
 

@@ -71,9 +71,12 @@ def test_matches_torch_adamw_for_10_steps():
 
 
 def test_param_groups_and_params_without_grad():
-    ours, theirs = make_params(SHAPES, 1), None
+    ours = make_params(SHAPES, 1)
     theirs = clone_params(ours)
-    groups = lambda ps: [{"params": ps[:2], "weight_decay": 0.0}, {"params": ps[2:], "lr": 3e-3}]  # noqa: E731
+
+    def groups(ps):
+        return [{"params": ps[:2], "weight_decay": 0.0}, {"params": ps[2:], "lr": 3e-3}]
+
     opt, ref = AdamW(groups(ours), **HYPER), torch.optim.AdamW(groups(theirs), **HYPER)
     for step in range(3):
         set_grads([ours[1:], theirs[1:]], seed=step)  # ours[0] never gets a gradient

@@ -76,3 +76,29 @@ def graph_facts(record: dict[str, fx.GraphModule]) -> dict:
         facts["forward"]["saved_gathered"] = [n for n, (role, _) in fwd.saved.items() if role in PARAM_ROLES]
         facts["forward"]["gathered_live_at_end"] = fwd.live[-1].get("gather", 0) if fwd.live else 0
     return facts
+
+
+def one_rank_quits(rank: int, world_size: int) -> str:
+    """Rank 1 leaves before the first step; rank 0's step must fail with an error, not wait."""
+    import time
+
+    model = zerograph.compile(build("mlp"), stage=3)
+    if rank == 1:
+        return "left"
+    start = time.monotonic()
+    try:
+        model(*rank_slice(global_batch("mlp", 0, 4), rank, world_size)).backward()
+    except Exception as exc:  # the error a user sees
+        return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
+    return "no error"
+
+
+def world_size_mismatch(rank: int, world_size: int) -> str:
+    import os
+
+    os.environ["WORLD_SIZE"] = str(world_size + 1)
+    try:
+        zerograph.compile(build("mlp"), stage=3)
+    except zerograph.ProcessGroupError as exc:
+        return str(exc)
+    return "no error"

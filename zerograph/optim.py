@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from .kernels import adamw_step
@@ -25,9 +26,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         t = t.to_local()
     # Gradients produced by functional collectives may still be in flight; a kernel reading raw
     # pointers must wait for them (torch ops on the wrapper would wait implicitly).
-    wait = getattr(t, "wait", None)
-    if callable(wait) and type(t).__name__ == "AsyncCollectiveTensor":
-        t = wait()
+    if isinstance(t, AsyncCollectiveTensor):
+        t = t.wait()
     return t
 
 

@@ -23,7 +23,12 @@ def want_triton(tensors: Iterable[torch.Tensor], use_triton: bool | None, eligib
     ``use_triton=None`` picks Triton for CUDA tensors or when the interpreter is requested, and only
     if the call is ``eligible`` (dtypes/layout the kernel supports); otherwise the reference.
     ``use_triton=True`` forces Triton and raises ``TypeError`` with ``why_not`` if not eligible.
+    Tensor subclasses are never eligible.
     """
+    tensors = list(tensors)
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors):
+        # Subclasses (DTensor, AsyncCollectiveTensor, ...) do not expose their storage to kernels.
+        eligible, why_not = False, "pass plain tensors (DTensor: .to_local())"
     if use_triton is None:
         return eligible and (any(t.is_cuda for t in tensors) or interpreter_requested())
     if use_triton and not eligible:

@@ -1,0 +1,66 @@
+"""Bad input gets a clear zerograph error, never a hang or a traceback from deep inside torch."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zerograph
+
+from .distributed import spawn
+from .models import build
+from .workers import one_rank_quits, world_size_mismatch
+
+
+@pytest.mark.parametrize("stage", [-1, 4, "3", 2.0, True])
+def test_stage_outside_0_to_3(stage) -> None:
+    with pytest.raises(zerograph.ConfigError, match="stage must be one of"):
+        zerograph.compile(build("mlp"), stage=stage)
+
+
+def test_parameters_on_several_devices() -> None:
+    model = build("mlp")
+    model.layers[2].to("meta")
+    with pytest.raises(zerograph.ShardingError, match="one device"):
+        zerograph.compile(model, stage=3)
+
+
+def test_bad_config() -> None:
+    with pytest.raises(zerograph.ConfigError, match="lowering"):
+        zerograph.Config(lowering="tvm")
+    with pytest.raises(zerograph.ConfigError, match="unit_classes"):
+        zerograph.Config(unit_classes=(int,))
+
+
+def test_optimizer_over_original_parameters() -> None:
+    model = build("mlp")
+    stale = torch.optim.AdamW(model.parameters(), lr=1e-3)  # built before compile
+    model = zerograph.compile(model, stage=3)
+    model(torch.randn(4, 7), torch.randn(4, 3)).backward()
+    with pytest.raises(zerograph.UnshardedParameterError, match="model.parameters"):
+        stale.step()
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fresh.step()  # the shards are fine
+
+
+def test_compile_twice() -> None:
+    model = zerograph.compile(build("mlp"), stage=1)
+    with pytest.raises(zerograph.ShardingError, match="already compiled"):
+        zerograph.compile(model, stage=1)
+
+
+def test_world_size_not_matching_the_launch() -> None:
+    messages = spawn(world_size_mismatch, 2)
+    assert all("WORLD_SIZE=3" in m for m in messages), messages
+
+
+def test_a_rank_that_leaves_makes_the_others_fail() -> None:
+    """Gloo reports the closed peer at once; the process-group timeout (15 s here) bounds the rest."""
+    message, left = spawn(one_rank_quits, 2, pg_timeout_s=15, timeout_s=120)
+    assert left == "left"
+    assert message != "no error" and "Error" in message, message
+
+
+def test_module_without_parameters() -> None:
+    with pytest.raises(zerograph.ShardingError, match="no parameters"):
+        zerograph.compile(nn.ReLU(), stage=3)

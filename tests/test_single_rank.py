@@ -1,0 +1,30 @@
+"""World size 1 (no launcher): everything degenerates to local ops and matches eager exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerograph
+
+from .models import build, global_batch, reference_training
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_world_size_1_matches_eager(stage: int) -> None:
+    model = zerograph.compile(build("gpt"), stage=stage)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(3):
+        loss = model(*global_batch("gpt", step, 4))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    reference = reference_training("gpt", 3, 4, 1e-3)
+    assert losses == pytest.approx(reference["losses"], rel=1e-5, abs=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.full_tensor(), reference["params"][name], rtol=1e-5, atol=1e-5)
+    stats = zerograph.stats(model, opt)
+    assert sum(stats.comm_elements.values()) == 0  # no collective at world size 1
+    graph = model._zerograph.captured.graphs[0]
+    assert not [n for n in graph["backward"].graph.nodes if "_c10d_functional" in str(n.target)]
