@@ -12,3 +12,4 @@ __all__ += ["Stats", "stats"]
 from .plan import Plan, plan
 
 __all__ += ["Plan", "plan"]
+from . import kernels, optim  # noqa: E402  (kernels import triton lazily, on first Triton call)

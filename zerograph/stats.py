@@ -32,6 +32,10 @@ class Stats:
             0-d step counters excluded); present only when the optimizer is passed.
         formula_bytes: the same keys by the paper's section-5 formulas with this run's dtypes
             (see ``formula_bytes``).
+        transient_bytes: the part of ``resident_bytes`` the formulas leave out or hold only for
+            part of the step: ``"params"``, gathered full parameters alive at once (all of them
+            at stages 1-2, the units in flight at stage 3); ``"grads"``, full gradients and
+            buckets beyond the reduced shards.
     """
 
     stage: int
@@ -41,6 +45,7 @@ class Stats:
     comm_bytes: dict[str, int]
     resident_bytes: dict[str, int]
     formula_bytes: dict[str, float]
+    transient_bytes: dict[str, int]
 
 
 def formula_bytes(stage: int, world_size: int, num_params: int, param_bytes: int, grad_bytes: int,
@@ -80,6 +85,7 @@ def stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> S
     gathered = sum(max((m[k].peak(PARAM_ROLES) for k in m), default=0) for m in rt.graph_memory)
     grads_peak = sum(m["backward"].peak(GRAD_ROLES) for m in rt.graph_memory if "backward" in m)
     resident = {"params": shard_bytes + gathered, "grads": max(grads_peak, grad_shard_bytes)}
+    transient = {"params": gathered, "grads": resident["grads"] - grad_shard_bytes}
     opt_bytes_per_elem = None
     if optimizer is not None:
         own = {id(p) for p in params}
@@ -97,4 +103,5 @@ def stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> S
     itemsize = torch.empty((), dtype=first.dtype).element_size()
     step = rt.finished_step()
     return Stats(rt.stage, rt.world_size, num_params, dict(step.elements), dict(step.bytes), resident,
-                 formula_bytes(rt.stage, rt.world_size, num_params, itemsize, itemsize, opt_bytes_per_elem))
+                 formula_bytes(rt.stage, rt.world_size, num_params, itemsize, itemsize, opt_bytes_per_elem),
+                 transient)

@@ -58,8 +58,8 @@ def _pack_kernel(src_ptr, out_ptr, n, padded, out_offset, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _unpack_kernel(src_ptr, dst_ptr, row_numel, col_offset, shard_numel, numel, BLOCK: tl.constexpr):
-    # One parameter; axis 1 is the rank. Rank r's padded chunk sits at src[r*row_numel + col_offset :
+def _unpack_kernel(src_ptr, dst_ptr, rank_stride, col_offset, shard_numel, numel, BLOCK: tl.constexpr):
+    # One parameter; axis 1 is the rank. Rank r's padded chunk sits at src[r*rank_stride + col_offset :
     # ... + shard_numel] and is element range [r*shard_numel, (r+1)*shard_numel) of the full tensor,
     # whose tail beyond `numel` is padding and is dropped.
     pid = tl.program_id(0).to(tl.int64)
@@ -67,7 +67,7 @@ def _unpack_kernel(src_ptr, dst_ptr, row_numel, col_offset, shard_numel, numel, 
     k = pid * BLOCK + tl.arange(0, BLOCK)
     dst = rank * shard_numel + k
     mask = (k < shard_numel) & (dst < numel)
-    x = tl.load(src_ptr + rank * row_numel + col_offset + k, mask=mask, other=0.0)
+    x = tl.load(src_ptr + rank * rank_stride + col_offset + k, mask=mask, other=0.0)
     tl.store(dst_ptr + dst, x.to(tl.float32).to(dst_ptr.dtype.element_ty), mask=mask)
 
 
@@ -100,9 +100,9 @@ def launch_pack(src, out, padded: int, out_offset: int) -> None:
                        BLOCK=COPY_BLOCK, num_warps=COPY_WARPS)
 
 
-def launch_unpack(src, dst, world_size: int, row_numel: int, col_offset: int, shard_numel: int) -> None:
+def launch_unpack(src, dst, world_size: int, rank_stride: int, col_offset: int, shard_numel: int) -> None:
     if shard_numel == 0 or dst.numel() == 0:
         return
     grid = (triton.cdiv(shard_numel, COPY_BLOCK), world_size)
-    _unpack_kernel[grid](src, dst, row_numel, col_offset, shard_numel, dst.numel(),
+    _unpack_kernel[grid](src, dst, rank_stride, col_offset, shard_numel, dst.numel(),
                          BLOCK=COPY_BLOCK, num_warps=COPY_WARPS)

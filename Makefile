@@ -1,0 +1,32 @@
+# Two entry points, each doing all set-up from a bare Python:
+#   make demo   create .venv, install, train the GPT example at ZeRO-3 on 2 CPU ranks
+#   make test   create .venv, install, run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+TRITON ?= triton==3.7.0
+# the CPU wheel of torch 2.13.0 (on this project's machines it lies on disk); GPU users:
+#   make TORCH="torch>=2.13" TRITON=triton   (a CUDA build and the triton it pins)
+NPROC  ?= 2
+STEPS  ?= 300
+
+BIN := $(VENV)/bin
+
+.PHONY: demo test install clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet "$(TORCH)" "$(TRITON)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) examples/train_gpt.py --stage 3 --steps $(STEPS)
+
+test: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) *.egg-info
