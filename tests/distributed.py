@@ -25,7 +25,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple, pg_timeout_s: float) -> None:
+def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple, pg_timeout_s: float,
+            teardown_barrier: bool) -> None:
     torch.set_num_threads(1)  # one intra-op thread per rank: ranks share 2 cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -34,6 +35,8 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        if teardown_barrier:
+            dist.barrier()  # no rank tears gloo down while a peer still talks to it
         dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
@@ -45,16 +48,18 @@ class RankFailed(RuntimeError):
     pass
 
 
-def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_timeout_s: float = 60) -> list[Any]:
+def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_timeout_s: float = 60,
+          teardown_barrier: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
 
-    ``fn`` must be importable (a module-level function). Raises ``RankFailed`` with the first
+    ``fn`` must be importable (a module-level function). ``teardown_barrier=False`` is for runs
+    where a rank leaves on purpose. Raises ``RankFailed`` with the first
     failing rank's traceback, or on timeout.
     """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, outdir, fn, args, pg_timeout_s))
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, outdir, fn, args, pg_timeout_s, teardown_barrier))
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -102,3 +102,27 @@ def world_size_mismatch(rank: int, world_size: int) -> str:
     except zerograph.ProcessGroupError as exc:
         return str(exc)
     return "no error"
+
+
+def checkpoint_roundtrip(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    """state_dict / torch.distributed.checkpoint on the DTensor shards, saved and loaded back."""
+    import torch.distributed.checkpoint as dcp
+
+    model = zerograph.compile(build("gpt"), stage=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = rank_slice(global_batch("gpt", 0, 4), rank, world_size)
+    model(*batch).backward()
+    opt.step()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=ckpt_dir)
+    restored = zerograph.compile(build("gpt"), stage=3)
+    state = {"model": restored.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    restored.load_state_dict(state["model"])
+    with torch.no_grad():
+        losses = (model(*batch).item(), restored(*batch).item())
+    return {
+        "losses": losses,
+        "equal": all(torch.equal(a.full_tensor(), b.full_tensor())
+                     for a, b in zip(model.parameters(), restored.parameters())),
+        "full_state": {k: v.full_tensor() for k, v in model.state_dict().items()},
+    }
