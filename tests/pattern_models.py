@@ -231,6 +231,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
 
+def _ties(model: nn.Module) -> list[list[str]]:
+    """Names sharing one parameter object: ``[[first name, other names...], ...]`` in module order."""
+    groups: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(n)
+    return [names for names in groups.values() if len(names) > 1]
+
+
 def reference(name: str, steps: int = STEPS, batch_size: int = BATCH, lr: float = LR) -> dict:
     """Single-process eager AdamW on the global batch (the ground truth)."""
     pattern = PATTERNS[name]
@@ -248,23 +256,22 @@ def reference(name: str, steps: int = STEPS, batch_size: int = BATCH, lr: float 
         losses.append(loss.item())
     return {"losses": losses, "norms": norms, "grad_none": grad_none,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "opt_state": sorted(n for n, p in model.named_parameters() if p in opt.state)}
+            "opt_state": sorted(n for n, p in model.named_parameters() if p in opt.state),
+            "ties": _ties(model)}
 
 
 def _train(name: str, stage: int, rank: int, world_size: int, steps: int, batch_size: int, lr: float) -> dict:
     pattern = PATTERNS[name]
     model = zerograph.compile(build(name), stage=stage)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, norms, norms_are_dtensors, grad_none, grad_types = [], [], [], [], set()
+    losses, norms, grad_none, grad_types = [], [], [], set()
     for step in range(steps):
         loss = pattern.loss(model, rank_slice(pattern.batch(step, batch_size), rank, world_size), step)
         loss.backward()
         grad_none.append(sorted(n for n, p in model.named_parameters() if p.grad is None))
         grad_types.update(type(p.grad).__name__ for p in model.parameters() if p.grad is not None)
         if pattern.clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), pattern.clip)
-            norms_are_dtensors.append(isinstance(norm, DTensor))
-            norms.append(_full(norm).item())
+            norms.append(_full(torch.nn.utils.clip_grad_norm_(model.parameters(), pattern.clip)).item())
         if step == steps - 1:
             stats = zerograph.stats(model, opt)  # before zero_grad frees the gradient shards
         opt.step()
@@ -273,19 +280,17 @@ def _train(name: str, stage: int, rank: int, world_size: int, steps: int, batch_
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
     runtime = model._zerograph.runtime
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    by_fqn = dict(model.named_parameters())
     return {
         "losses": losses,
         "norms": norms,
-        "norms_are_dtensors": norms_are_dtensors,
         "grad_none": grad_none,
         "grad_types": sorted(grad_types),
         "params": {n: _full(p) for n, p in model.named_parameters()},
         "opt_state": sorted(n for n, p in model.named_parameters() if p in opt.state),
         "stats": stats,
-        "trainable_padded_numel": sum(layout.padded_numel for layout in runtime.layouts.values()
-                                      if id(by_fqn[layout.fqn]) in trainable),
+        "padded_numel": {layout.fqn: layout.padded_numel for layout in runtime.layouts.values()},
+        "local_shapes": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()},
+        "ties": _ties(model),
         "graphs": len(model._zerograph.captured.graphs),
     }
 

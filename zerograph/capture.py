@@ -6,6 +6,7 @@ callables so the runtime counts the collectives each call runs.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -17,6 +18,8 @@ import torch.fx as fx
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._functorch._aot_autograd.utils import make_boxed_func
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from zerograph.passes.context import PassContext
 from zerograph.passes.liveness import Timeline, timeline
@@ -83,6 +86,7 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
             gm, example_inputs,
             fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"), partition_fn=partition,
+            decompositions=_decompositions(config),
         )
 
     return backend
@@ -91,9 +95,21 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
 def _lower(config: Config, gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
     if config.lowering == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
 
+        # the passes spliced in plain aten ops (t, reshape, ...); give Inductor its own decompositions
+        with detect_fake_mode(inputs) or contextlib.nullcontext():
+            gm = make_fx(fx.Interpreter(gm).run, decomposition_table=select_decomp_table())(*inputs)
         return compile_fx_inner(gm, inputs, is_backward=kind == "backward", is_inference=kind == "inference")
     return make_boxed_func(gm.forward)
+
+
+def _decompositions(config: Config) -> dict | None:
+    if config.lowering == "inductor":
+        from torch._inductor.decomposition import select_decomp_table
+
+        return select_decomp_table()
+    return None
 
 
 def _account(runtime: Runtime, gm: fx.GraphModule, compiled: Callable, backward: bool) -> Callable:
