@@ -11,6 +11,7 @@ parameter with one row leaves rank 1 an empty shard.
 from __future__ import annotations
 
 import dataclasses
+import time
 import traceback
 from collections.abc import Callable
 
@@ -302,8 +303,10 @@ def train_patterns(rank: int, world_size: int, names: tuple[str, ...], stages: t
     out: dict = {}
     for name in names:
         for stage in stages:
+            start = time.perf_counter()
             try:
                 out[name, stage] = _train(name, stage, rank, world_size, steps, batch_size, lr)
+                out[name, stage]["seconds"] = time.perf_counter() - start
             except Exception:  # noqa: BLE001 - reported by the test of this pattern and stage
                 out[name, stage] = traceback.format_exc()
             dist.barrier()

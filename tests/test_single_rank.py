@@ -28,3 +28,16 @@ def test_world_size_1_matches_eager(stage: int) -> None:
     assert sum(stats.comm_elements.values()) == 0  # no collective at world size 1
     graph = model._zerograph.captured.graphs[0]
     assert not [n for n in graph["backward"].graph.nodes if "_c10d_functional" in str(n.target)]
+
+
+def test_dump_writes_every_graph_before_and_after_each_pass(tmp_path) -> None:
+    import ast
+
+    model = zerograph.compile(build("mlp"), stage=3, config=zerograph.Config(dump_dir=str(tmp_path)))
+    model(*global_batch("mlp", 0, 4)).backward()
+    dumped = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.py"))
+    for kind, last_pass in (("joint", "insert_allgather"), ("backward", "insert_reduce_scatter")):
+        assert f"rank0/graph0_{kind}/00_input.py" in dumped
+        assert f"rank0/graph0_{kind}/01_{last_pass}.py" in dumped, dumped
+    for path in tmp_path.rglob("*.py"):
+        ast.parse(path.read_text())
