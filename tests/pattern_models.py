@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -298,8 +297,8 @@ def _train(name: str, stage: int, rank: int, world_size: int, steps: int, batch_
 
 def train_patterns(rank: int, world_size: int, names: tuple[str, ...], stages: tuple[int, ...],
                    steps: int = STEPS, batch_size: int = BATCH, lr: float = LR) -> dict:
-    """``{(name, stage): result dict, or the traceback string of a failure}``: one fresh model per
-    pattern and stage, compiled and trained one after the other in this process."""
+    """``{(name, stage): result dict (with its ``seconds``), or the traceback of a failure}``: one
+    fresh model per pattern and stage, compiled and trained one after the other in this process."""
     out: dict = {}
     for name in names:
         for stage in stages:
