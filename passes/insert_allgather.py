@@ -36,11 +36,11 @@ def plan_gathers(graph: fx.Graph, ctx: PassContext) -> list[tuple[int, list[fx.N
 
     Deterministic across ranks: ordered by graph position, never by set or dict-of-id order.
     """
-    groups: dict[tuple[int, torch.dtype], list[fx.Node]] = {}
+    groups: dict[tuple[int, torch.dtype, bool], list[fx.Node]] = {}
     for node in graph.find_nodes(op="call_function", target=UNSHARD):
         layout = ctx.layouts[node.args[1]]
-        groups.setdefault((layout.unit, layout.dtype), []).append(node)
-    return [(unit, markers) for (unit, _), markers in groups.items()]
+        groups.setdefault((layout.unit, layout.dtype, layout.sharded), []).append(node)
+    return [(unit, markers) for (unit, _, _), markers in groups.items()]
 
 
 def _gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str):

@@ -3,8 +3,8 @@
 Pre: a backward graph holding ``reduce_grad(full_grad, key)`` markers.
 Post: no marker is left; every trainable parameter's gradient is reduced exactly once. For each
 (unit, dtype): copy-in (pad each full gradient to ``N * chunk_rows`` rows, lay the rank chunks side
-by side) -> ``reduce_scatter_tensor`` (stages 1-3) or ``all_reduce`` (stage 0, buckets of whole
-gradients) -> ``wait_tensor`` -> divide by N (ranks' gradients are averaged, as DDP does) ->
+by side) -> ``reduce_scatter_tensor`` (stages 1-3) or ``all_reduce`` (stage 0 and 0-d parameters,
+buckets of whole gradients) -> ``wait_tensor`` -> divide by N (ranks' gradients are averaged, as DDP does) ->
 copy-out of each shard's rows. A parameter used several times (tied weights) has several markers;
 their gradients are summed first and reduced once.
 
@@ -35,11 +35,11 @@ funcol = torch.ops._c10d_functional
 
 def plan_reductions(graph: fx.Graph, ctx: PassContext) -> list[tuple[int, list[fx.Node]]]:
     """Group the markers into collectives: ``[(unit, markers)]`` in graph order (rank-agreed)."""
-    groups: dict[tuple[int, torch.dtype], list[fx.Node]] = {}
+    groups: dict[tuple[int, torch.dtype, bool], list[fx.Node]] = {}
     for node in graph.find_nodes(op="call_function", target=REDUCE_GRAD):
         layout = ctx.layouts[node.args[1]]
-        groups.setdefault((layout.unit, layout.dtype), []).append(node)
-    return [(unit, markers) for (unit, _), markers in groups.items()]
+        groups.setdefault((layout.unit, layout.dtype, layout.sharded), []).append(node)
+    return [(unit, markers) for (unit, _, _), markers in groups.items()]
 
 
 def _reduce_fn(layouts: list[ParamLayout], local_rows: list[int], world_size: int, group_name: str, scatter: bool):
@@ -59,8 +59,9 @@ def _reduce_fn(layouts: list[ParamLayout], local_rows: list[int], world_size: in
         shards, offset = [], 0
         for layout, rows in zip(layouts, local_rows):
             size = layout.shard_numel if scatter else layout.numel
-            chunk = out[offset : offset + size].view(-1, *layout.shape[1:])
-            shards.append(chunk[:rows].clone())  # own storage: the flat bucket dies here
+            chunk = out[offset : offset + size]
+            chunk = chunk.view(-1, *layout.shape[1:])[:rows] if scatter else chunk.view(layout.shape)
+            shards.append(chunk.clone())  # own storage: the flat bucket dies here
             offset += size
         return shards
 
@@ -94,8 +95,8 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             key_grads = [m.args[0] for m in by_key[key]]
             summed.append(key_grads[0] if len(key_grads) == 1 else
                           splice(graph, lambda *gs: sum(gs[1:], gs[0]), key_grads, before=point))
-        local_rows = [by_key[k][0].meta["val"].shape[0] for k in keys]
-        scatter = layouts[0].sharded
+        scatter = layouts[0].sharded  # plan_reductions keeps sharded and replicated apart
+        local_rows = [by_key[k][0].meta["val"].shape[0] if scatter else 0 for k in keys]
         shards = splice(graph, _reduce_fn(layouts, local_rows, ctx.world_size, ctx.group_name, scatter),
                         summed, before=point, tag={"role": "reduce", "unit": unit})
         for key, shard in zip(keys, shards):

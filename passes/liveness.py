@@ -39,8 +39,12 @@ class Timeline:
         return max((sum(step.get(r, 0) for r in roles) for step in self.live), default=0)
 
 
+# ops whose schema declares no alias but whose output shares its input's storage
+SAME_STORAGE = (WAIT, torch.ops.aten._unsafe_view.default)
+
+
 def storage_root(node: fx.Node) -> fx.Node:
-    while (is_alias_of_input(node) or node.target is WAIT) and node.all_input_nodes:
+    while (is_alias_of_input(node) or node.target in SAME_STORAGE) and node.all_input_nodes:
         node = node.all_input_nodes[0]
     return node
 

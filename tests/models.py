@@ -34,6 +34,17 @@ class GraphBreakMLP(UnevenMLP):
         return ((out - y) ** 2).mean()
 
 
+class ScaledMLP(UnevenMLP):
+    """A 0-d learned scale in the root unit (CLIP's logit_scale pattern): replicated, all-reduced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.scale * self.layers(x) - y) ** 2).mean()
+
+
 def build(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "gpt":
@@ -42,6 +53,8 @@ def build(name: str) -> nn.Module:
         return UnevenMLP()
     if name == "mlp_break":
         return GraphBreakMLP()
+    if name == "mlp_scalar":
+        return ScaledMLP()
     raise KeyError(name)
 
 

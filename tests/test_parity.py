@@ -28,6 +28,13 @@ def test_matches_single_process(training_run, name: str, stage: int) -> None:
         assert torch.equal(value, results[1]["params"][param])
 
 
+def test_zero_dim_parameter_stays_replicated(training_run) -> None:
+    results = training_run("mlp_scalar", 3)
+    reference = reference_training("mlp_scalar", STEPS, 4, LR)
+    for result in results:
+        check_parity(result, reference)
+
+
 def test_stage3_world_size_3_uneven(training_run) -> None:
     results = training_run("mlp", 3, world_size=3, batch_size=6)
     reference = reference_training("mlp", STEPS, 6, LR)

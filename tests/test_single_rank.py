@@ -41,3 +41,16 @@ def test_dump_writes_every_graph_before_and_after_each_pass(tmp_path) -> None:
         assert f"rank0/graph0_{kind}/01_{last_pass}.py" in dumped, dumped
     for path in tmp_path.rglob("*.py"):
         ast.parse(path.read_text())
+
+
+def test_parameter_attribute_outside_forward_is_the_shard() -> None:
+    """As in FSDP2: outside forward, ``module.weight`` is the registered DTensor shard, so writes
+    reach the parameter and reads run no collective."""
+    model = zerograph.compile(build("mlp"), stage=3)
+    params = dict(model.named_parameters())
+    assert model.layers[0].weight is params["layers.0.weight"]
+    with torch.no_grad():
+        torch.nn.init.zeros_(model.layers[2].bias)
+        model.layers[2].weight.zero_()
+    x, y = global_batch("mlp", 0, 4)
+    assert model(x, y).item() == pytest.approx((y ** 2).mean().item())  # the net now outputs zeros

@@ -19,7 +19,7 @@ from .capture import CapturedGraphs, make_backend
 from .config import Config, check_stage
 from .errors import ProcessGroupError, ShardingError, UnshardedParameterError
 from .runtime import Runtime
-from .sharding import find_units, shard_module_
+from .sharding import find_units, set_gathering, shard_module_
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,11 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
 def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: ZeroGraphState = getattr(self, STATE_ATTR)
     state.runtime.start_forward()
-    return state.compiled_forward(self, *args, **kwargs)
+    previous = set_gathering(True)
+    try:
+        return state.compiled_forward(self, *args, **kwargs)
+    finally:
+        set_gathering(previous)
 
 
 def _single_device(model: nn.Module) -> torch.device:

@@ -36,7 +36,7 @@ class ParamLayout:
         shape: full (unsharded) shape.
         dtype: parameter dtype.
         world_size: N.
-        sharded: False at stage 0 (every rank holds the full tensor).
+        sharded: False at stage 0 and for 0-d parameters (every rank holds the full tensor).
         rank_rows: rows held by each rank, ``len == world_size`` (unpadded).
         chunk_rows: padded rows per rank, ``c = ceil(rows / N)`` (``rows`` when not sharded).
     """
@@ -70,8 +70,7 @@ class ParamLayout:
         return self.shard_numel * (self.world_size if self.sharded else 1)
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
-        rows = self.rank_rows[rank] if self.sharded else self.shape[0]
-        return (rows, *self.shape[1:])
+        return (self.rank_rows[rank], *self.shape[1:]) if self.sharded else self.shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +83,10 @@ class Unit:
 
 
 def make_layout(key: int, fqn: str, unit: int, param: torch.Tensor, world_size: int, sharded: bool) -> ParamLayout:
-    if param.dim() == 0:
-        raise ShardingError(f"parameter {fqn!r} is 0-dimensional; give it shape (1,) to shard it on dim 0")
-    rows = param.shape[0]
+    """Layout of one parameter. A 0-d parameter (a learned scale) has no dim 0 to shard: it stays
+    replicated on every rank at every stage and its gradient is all-reduced."""
+    sharded = sharded and param.dim() > 0
+    rows = param.shape[0] if param.dim() else 1
     if sharded:
         chunk = -(-rows // world_size)
         rank_rows = tuple(max(0, min(chunk, rows - r * chunk)) for r in range(world_size))
@@ -133,14 +133,29 @@ class _ShardedParamAccess:
     """Mixin installed under each parameter-owning module's class (see module docstring)."""
 
 
+# True while a zerograph forward runs or is traced. Outside it a parameter attribute is the
+# DTensor shard itself (FSDP2's behaviour), so reads run no collective that only some ranks would
+# join, and writes (``nn.init``, ``weight.data``, ``requires_grad``) reach the real parameter.
+_gathering = False
+
+
+def set_gathering(active: bool) -> bool:
+    """Turn full-parameter access on or off; returns the previous setting."""
+    global _gathering
+    previous, _gathering = _gathering, active
+    return previous
+
+
 def _param_property(name: str, key: int) -> property:
     from .ops import unshard  # local import: ops imports runtime state
 
     def get(self: nn.Module) -> torch.Tensor:
         shard = self._parameters[name]
+        if not _gathering:
+            return shard
         return unshard(shard.to_local(), key)
 
-    return property(get, doc=f"full parameter {name!r}, gathered from this rank's shard")
+    return property(get, doc=f"parameter {name!r}: the full tensor inside forward, this rank's DTensor shard outside")
 
 
 def shard_module_(
@@ -157,7 +172,6 @@ def shard_module_(
     use sum into it. ``requires_grad`` is kept.
 
     Returns the layouts in key order and the units (index 0 is the root unit).
-    Raises ``ShardingError`` for 0-d parameters.
     """
     world_size, rank = mesh.size(), mesh.get_local_rank()
     sharded = stage >= 1
