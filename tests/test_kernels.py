@@ -9,17 +9,15 @@ both cores.
 """
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.subprocess_checks import assert_check_passed, start_checks, stop_checks
+
 from zerograph.kernels import adamw_step, adamw_step_reference, pack, pack_reference, unpack, unpack_reference
 
-REPO = Path(__file__).resolve().parents[1]
 SIZES = (1, 7, 1023, 4097)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
@@ -211,26 +209,14 @@ INTERPRETED = ("adamw", "pack", "unpack")
 @pytest.fixture(scope="module")
 def check_runs():
     """Start every subprocess check at once; each test then waits for its own."""
-    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    base["OMP_NUM_THREADS"] = "1"
-    base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    procs = {}
-    for name in CHECKS:
-        env = dict(base, TRITON_INTERPRET="1") if name in INTERPRETED else base
-        procs[name] = subprocess.Popen([sys.executable, "-m", "tests.test_kernels", name], cwd=REPO, env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = start_checks("tests.test_kernels", CHECKS, INTERPRETED)
     yield procs
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    stop_checks(procs)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_subprocess_check(check_runs, name):
-    proc = check_runs[name]
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0 and f"ok {name}" in output, output[-6000:]
+    assert_check_passed(check_runs[name], name)
 
 
 # ------------------------------------------------------------------------- in-process: references

@@ -8,17 +8,15 @@ other tests (a fake, communication-free group of world size 2; rank 1 holds a sh
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.subprocess_checks import assert_check_passed, start_checks, stop_checks
+
 from zerograph.optim import AdamW
 
-REPO = Path(__file__).resolve().parents[1]
 SHAPES = [(1,), (7,), (33, 17), (4, 5, 6), (1023,)]
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 
@@ -230,26 +228,15 @@ CHECKS = {"triton": check_triton, "dtensor": check_dtensor}
 
 @pytest.fixture(scope="module")
 def check_runs():
-    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    base["OMP_NUM_THREADS"] = "1"
-    base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    procs = {}
-    for name in CHECKS:
-        env = dict(base, TRITON_INTERPRET="1") if name == "triton" else base
-        procs[name] = subprocess.Popen([sys.executable, "-m", "tests.test_optim", name], cwd=REPO, env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """Start every subprocess check at once; each test then waits for its own."""
+    procs = start_checks("tests.test_optim", CHECKS, ("triton",))
     yield procs
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    stop_checks(procs)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_subprocess_check(check_runs, name):
-    proc = check_runs[name]
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0 and f"ok {name}" in output, output[-6000:]
+    assert_check_passed(check_runs[name], name)
 
 
 if __name__ == "__main__":
