@@ -5,7 +5,6 @@ import dataclasses
 import os
 from typing import Literal
 
-import torch
 from torch import nn
 
 from .errors import ConfigError
@@ -60,6 +59,3 @@ def check_stage(stage: object) -> int:
         )
     return stage
 
-
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

@@ -215,8 +215,3 @@ def _make_shard(param: nn.Parameter, layout: ParamLayout, mesh: DeviceMesh, rank
     dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=data.shape, stride=data.stride())
     return nn.Parameter(dt, requires_grad=param.requires_grad)
 
-
-def restore_class(mod: nn.Module) -> None:
-    """Undo the class swap of ``shard_module_`` (used when compile fails half way)."""
-    if isinstance(mod, _ShardedParamAccess):
-        mod.__class__ = mod.__class__.__mro__[1]
