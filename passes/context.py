@@ -24,6 +24,8 @@ class PassContext:
         group_name: the process group's registered name, as functional collectives take it.
         layouts: marker key -> where that parameter's elements live.
         units: the sharding units; ``units[0]`` is the root unit.
+        bucket_bytes, prefetch_depth, max_inflight_bytes: the schedule knobs of ``Config``
+            (bytes, units, bytes).
     """
 
     graph_kind: GraphKind
@@ -32,6 +34,9 @@ class PassContext:
     group_name: str
     layouts: Mapping[int, ParamLayout]
     units: tuple[Unit, ...]
+    bucket_bytes: int = 0
+    prefetch_depth: int = 1
+    max_inflight_bytes: int | None = None
 
     @property
     def communicates(self) -> bool:

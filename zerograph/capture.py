@@ -58,7 +58,9 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
 
         def run(kind: str, g: fx.GraphModule) -> fx.GraphModule:
             ctx = PassContext(kind, runtime.stage, runtime.world_size, runtime.group_name,
-                              runtime.layouts, tuple(runtime.units))
+                              runtime.layouts, tuple(runtime.units), bucket_bytes=config.bucket_bytes,
+                              prefetch_depth=config.prefetch_depth,
+                              max_inflight_bytes=config.max_inflight_bytes)
             dump_dir = (os.path.join(dump_root, f"rank{runtime.rank}", f"graph{graph_id}_{kind}")
                         if dump_root else None)
             g = run_pipeline(g, ctx, pipeline(kind), disabled=config.disabled_passes, dump_dir=dump_dir)

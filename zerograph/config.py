@@ -11,6 +11,9 @@ from .errors import ConfigError
 
 STAGES = (0, 1, 2, 3)
 LOWERINGS = ("eager", "inductor")
+# the passes that only reorder (no effect on what is computed or moved); disable both for the
+# "scheduling off" baseline: every collective's wait right after its start
+OVERLAP_PASSES = ("prefetch", "schedule_overlap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +31,18 @@ class Config:
             (seconds; passed to ``init_process_group`` when zerograph creates the group).
         dump_dir: directory to write every graph before and after every pass; ``None`` reads
             the ``ZEROGRAPH_DUMP`` environment variable, and an empty value turns dumping off.
-        disabled_passes: exact pass names to skip (for debugging a pipeline).
+        disabled_passes: exact pass names to skip (for debugging a pipeline, or
+            ``OVERLAP_PASSES`` for the no-overlap baseline). Disabling ``bucketing`` leaves one
+            collective per parameter.
+        bucket_bytes: fuse the collectives of adjacent units into one while the fused buffer
+            stays within this many bytes (full, unsharded bytes). 0 keeps one collective per unit
+            (FSDP2's grouping); a unit larger than the cap is never split.
+        prefetch_depth: how many units ahead an all-gather starts (0 = issue it just before
+            its unit's first use), in forward and, in reverse unit order, in backward.
+        max_inflight_bytes: bound on gathered bytes (full, unsharded) of all-gathers started
+            but not yet consumed; prefetch starts a gather later rather than exceed it.
+            ``None`` bounds by ``prefetch_depth`` alone. The same bound applies to reduce-scatters
+            whose waits the scheduler sinks.
     """
 
     unit_classes: tuple[type[nn.Module], ...] | None = None
@@ -36,12 +50,21 @@ class Config:
     timeout_s: float = 300.0
     dump_dir: str | None = None
     disabled_passes: tuple[str, ...] = ()
+    bucket_bytes: int = 0
+    prefetch_depth: int = 1
+    max_inflight_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.lowering not in LOWERINGS:
             raise ConfigError(f"Config.lowering must be one of {LOWERINGS}, got {self.lowering!r}")
         if self.timeout_s <= 0:
             raise ConfigError(f"Config.timeout_s must be positive seconds, got {self.timeout_s}")
+        if self.bucket_bytes < 0:
+            raise ConfigError(f"Config.bucket_bytes must be >= 0 bytes, got {self.bucket_bytes}")
+        if self.prefetch_depth < 0:
+            raise ConfigError(f"Config.prefetch_depth must be >= 0 units, got {self.prefetch_depth}")
+        if self.max_inflight_bytes is not None and self.max_inflight_bytes <= 0:
+            raise ConfigError(f"Config.max_inflight_bytes must be positive bytes or None, got {self.max_inflight_bytes}")
         if self.unit_classes is not None:
             bad = [c for c in self.unit_classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
             if bad:
