@@ -1,6 +1,7 @@
 """Small FX helpers shared by the passes: splice a traced function in, find aliases, tag nodes."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,7 +11,24 @@ import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-TAG = "zerograph"  # node.meta[TAG] = {"role": ..., "unit": ...} on every node a pass inserts
+TAG = "zerograph"  # node.meta[TAG] = {"role": ..., "unit": ..., "units": ...} on every node a pass inserts
+
+
+def group_markers(markers: Sequence[fx.Node], ctx: Any) -> list[list[fx.Node]]:
+    """Markers grouped into one collective each: by (bucket, dtype, sharded), in the order the
+    groups first appear. A marker without a ``bucketing`` decision is a bucket of its own key."""
+    groups: dict[tuple[Any, torch.dtype, bool], list[fx.Node]] = {}
+    for node in markers:
+        layout = ctx.layouts[node.args[1]]
+        bucket = node.meta.get(TAG, {}).get("bucket", ("param", node.args[1]))
+        groups.setdefault((bucket, layout.dtype, layout.sharded), []).append(node)
+    return list(groups.values())
+
+
+def bucket_tag(role: str, layouts: Sequence[Any]) -> dict[str, Any]:
+    """The tag of a collective's nodes: its role, first unit and every unit it moves."""
+    units = list(dict.fromkeys(layout.unit for layout in layouts))
+    return {"role": role, "unit": units[0], "units": units}
 
 
 def splice(graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], *, before: fx.Node,
@@ -105,3 +123,103 @@ def sink_below_inputs(graph: fx.Graph) -> None:
                     placed.add(pending)
                     waiting.remove(pending)
                     progress = True
+
+
+COLLECTIVE_KINDS = {
+    torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
+    torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+    torch.ops._c10d_functional.all_reduce.default: "all_reduce",
+}
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+@dataclasses.dataclass
+class Collective:
+    """One inserted collective and the nodes that travel with it when it is rescheduled.
+
+    ``issue``: the copy-in nodes feeding only this collective, then the collective itself (the
+    "start"); ``finish``: its ``wait_tensor``, then the copy-out nodes that read the result.
+    ``full_bytes``: bytes of the full (unsharded) buffer it moves.
+    """
+
+    kind: str
+    role: str
+    units: list[int]
+    issue: list[fx.Node]
+    finish: list[fx.Node]
+    full_bytes: int
+
+    @property
+    def start(self) -> fx.Node:
+        return self.issue[-1]
+
+    @property
+    def wait(self) -> fx.Node:
+        return self.finish[0]
+
+
+def find_collectives(graph: fx.Graph) -> list[Collective]:
+    """Every tagged collective of the graph, in graph order of its start."""
+    order = position(graph)
+    found = []
+    for node in graph.nodes:
+        kind = COLLECTIVE_KINDS.get(node.target)
+        tag = node.meta.get(TAG)
+        if kind is None or tag is None:
+            continue
+        (wait,) = node.users
+        issue = _tagged_ancestors(node, tag["role"])
+        finish = _tagged_descendants(wait, tag["role"])
+        val = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+        found.append(Collective(kind, tag["role"], list(tag.get("units", [tag["unit"]])),
+                                sorted(issue, key=order.__getitem__), sorted(finish, key=order.__getitem__),
+                                val.numel() * val.element_size()))
+    return found
+
+
+def _tagged_ancestors(start: fx.Node, role: str) -> set[fx.Node]:
+    """``start`` and the tagged nodes of ``role`` whose every use leads only into it (its copy-in)."""
+    chain = {start}
+    stack = list(start.all_input_nodes)
+    while stack:
+        node = stack.pop()
+        if (node in chain or node.op != "call_function" or node.meta.get(TAG, {}).get("role") != role
+                or not all(user in chain for user in node.users)):
+            continue
+        chain.add(node)
+        stack.extend(node.all_input_nodes)
+    return chain
+
+
+def _tagged_descendants(wait: fx.Node, role: str) -> set[fx.Node]:
+    """``wait`` and the nodes computed only from it that are its copy-out: tagged nodes of
+    ``role``, and views of them (a view costs nothing, and moving it keeps the chain whole)."""
+    chain = {wait}
+    stack = list(wait.users)
+    while stack:
+        node = stack.pop()
+        if (node in chain or node.op != "call_function"
+                or not (node.meta.get(TAG, {}).get("role") == role or is_alias_of_input(node))
+                or not all(inp in chain for inp in node.all_input_nodes)):
+            continue
+        chain.add(node)
+        stack.extend(node.users)
+    return chain
+
+
+def move_before(nodes: Sequence[fx.Node], point: fx.Node) -> None:
+    """Move ``nodes`` (in their given order) to just before ``point``."""
+    for node in nodes:
+        if node is not point:
+            point.prepend(node)
+
+
+def sink_to_first_use(nodes: Sequence[fx.Node], limit: fx.Node | None = None) -> None:
+    """Move each of ``nodes`` down to just before its earliest user (or ``limit``, whichever is
+    first), last node first, so that a chain stays in dependency order."""
+    for node in reversed(list(nodes)):
+        order = position(node.graph)
+        candidates = list(node.users) + ([limit] if limit is not None else [])
+        first = min(candidates, key=order.__getitem__)
+        if order[first] > order[node] + 1:
+            first.prepend(node)

@@ -24,8 +24,8 @@ class PassContext:
         group_name: the process group's registered name, as functional collectives take it.
         layouts: marker key -> where that parameter's elements live.
         units: the sharding units; ``units[0]`` is the root unit.
-        bucket_bytes, prefetch_depth, max_inflight_bytes: the schedule knobs of ``Config``
-            (bytes, units, bytes).
+        bucket_bytes, prefetch_depth, max_inflight_bytes, unshard_budget_bytes: the schedule
+            and memory knobs of ``Config`` (bytes, units, bytes, bytes).
     """
 
     graph_kind: GraphKind
@@ -37,6 +37,7 @@ class PassContext:
     bucket_bytes: int = 0
     prefetch_depth: int = 1
     max_inflight_bytes: int | None = None
+    unshard_budget_bytes: int = 0
 
     @property
     def communicates(self) -> bool:

@@ -1,11 +1,13 @@
-"""Replace ``zerograph::unshard`` markers by one all-gather per unit.
+"""Replace ``zerograph::unshard`` markers by one all-gather per bucket.
 
-Pre: the graph holds ``unshard(shard, key)`` markers (joint, forward or inference graph).
-Post: no marker is left. For each (unit, dtype) with sharded parameters, in order of first use:
+Pre: the graph holds ``unshard(shard, key)`` markers (joint, forward or inference graph), with
+``bucketing``'s bucket ids (a unit, or adjacent units up to a byte cap; without it, a parameter).
+Post: no marker is left. For each (bucket, dtype) with sharded parameters, in order of first use:
     copy-in (pad each shard to ``chunk_rows``, flatten, concatenate) -> all_gather_into_tensor ->
     wait_tensor -> copy-out views of each full parameter,
-inserted right before the unit's first marker, so the unit is gathered once even when a
-parameter is used several times (tied weights). At stage 3 every inserted node and every view of
+inserted right before the bucket's first marker, so it is gathered once even when a parameter
+is used several times (tied weights). ``prefetch`` and ``schedule_overlap`` move the start and
+the wait apart later. At stage 3 every inserted node and every view of
 a gathered parameter is marked ``MUST_RECOMPUTE``: the min-cut partitioner then saves only the
 shards for backward and re-gathers there (ZeRO-3's "gather for forward, release, gather again for
 backward"); gathered buffers die after their last use (FX codegen and Inductor free them).
@@ -25,22 +27,19 @@ from torch.utils.checkpoint import CheckpointPolicy
 from zerograph.ops import UNSHARD
 from zerograph.sharding import ParamLayout
 
-from ._fx import TAG, hoist_before, is_alias_of_input, position, splice
+from ._fx import TAG, bucket_tag, group_markers, hoist_before, is_alias_of_input, position, splice
 from .context import PassContext, PassResult
 
 funcol = torch.ops._c10d_functional
 
 
-def plan_gathers(graph: fx.Graph, ctx: PassContext) -> list[tuple[int, list[fx.Node]]]:
-    """Group the markers into all-gathers: ``[(unit, markers)]`` in order of first use.
+def plan_gathers(graph: fx.Graph, ctx: PassContext) -> list[list[fx.Node]]:
+    """Group the markers into all-gathers, in order of first use: one per (bucket, dtype,
+    sharded), where the bucket is ``bucketing``'s choice or, without it, the parameter itself.
 
     Deterministic across ranks: ordered by graph position, never by set or dict-of-id order.
     """
-    groups: dict[tuple[int, torch.dtype, bool], list[fx.Node]] = {}
-    for node in graph.find_nodes(op="call_function", target=UNSHARD):
-        layout = ctx.layouts[node.args[1]]
-        groups.setdefault((layout.unit, layout.dtype, layout.sharded), []).append(node)
-    return [(unit, markers) for (unit, _, _), markers in groups.items()]
+    return group_markers(graph.find_nodes(op="call_function", target=UNSHARD), ctx)
 
 
 def _gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str):
@@ -71,7 +70,7 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False)
     recompute = ctx.stage == 3 and ctx.graph_kind == "joint"
     gathers = 0
-    for unit, markers in plan:
+    for markers in plan:
         keys = list(dict.fromkeys(m.args[1] for m in markers))
         layouts = [ctx.layouts[k] for k in keys]
         if not ctx.communicates or not layouts[0].sharded:
@@ -86,7 +85,7 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             hoist_before(shard, first, order)
         fulls = splice(graph, _gather_fn(layouts, ctx.world_size, ctx.group_name),
                        [shard_of[k] for k in keys], before=first,
-                       tag={"role": "gather", "unit": unit})
+                       tag=bucket_tag("gather", layouts))
         full_of = dict(zip(keys, fulls))
         for marker in markers:
             marker.replace_all_uses_with(full_of[marker.args[1]])

@@ -1,15 +1,16 @@
-"""Replace ``zerograph::reduce_grad`` markers by one gradient reduction per unit.
+"""Replace ``zerograph::reduce_grad`` markers by one gradient reduction per bucket.
 
-Pre: a backward graph holding ``reduce_grad(full_grad, key)`` markers.
+Pre: a backward graph holding ``reduce_grad(full_grad, key)`` markers, with ``bucketing``'s bucket
+ids (without it, each parameter is a bucket).
 Post: no marker is left; every trainable parameter's gradient is reduced exactly once. For each
-(unit, dtype): copy-in (pad each full gradient to ``N * chunk_rows`` rows, lay the rank chunks side
+(bucket, dtype): copy-in (pad each full gradient to ``N * chunk_rows`` rows, lay the rank chunks side
 by side) -> ``reduce_scatter_tensor`` (stages 1-3) or ``all_reduce`` (stage 0 and 0-d parameters,
 buckets of whole gradients) -> ``wait_tensor`` -> divide by N (ranks' gradients are averaged, as DDP does) ->
 copy-out of each shard's rows. A parameter used several times (tied weights) has several markers;
 their gradients are summed first and reduced once.
 
 Placement (the stage's promise about full gradients):
-- stages 0 and 2: right after the unit's last gradient is produced, so the full gradients die
+- stages 0 and 2: right after the bucket's last gradient is produced, so the full gradients die
   there (ZeRO-2 "reduce as produced, free at once"; DDP's bucketed all-reduce);
 - stage 1: at the end of backward (P_os keeps full gradients until the step, then reduces);
 - stage 3: as stage 2.
@@ -27,19 +28,16 @@ import torch.nn.functional as F
 from zerograph.ops import REDUCE_GRAD
 from zerograph.sharding import ParamLayout
 
-from ._fx import position, sink_below_inputs, splice
+from ._fx import bucket_tag, group_markers, position, sink_below_inputs, splice
 from .context import PassContext, PassResult
 
 funcol = torch.ops._c10d_functional
 
 
-def plan_reductions(graph: fx.Graph, ctx: PassContext) -> list[tuple[int, list[fx.Node]]]:
-    """Group the markers into collectives: ``[(unit, markers)]`` in graph order (rank-agreed)."""
-    groups: dict[tuple[int, torch.dtype, bool], list[fx.Node]] = {}
-    for node in graph.find_nodes(op="call_function", target=REDUCE_GRAD):
-        layout = ctx.layouts[node.args[1]]
-        groups.setdefault((layout.unit, layout.dtype, layout.sharded), []).append(node)
-    return [(unit, markers) for (unit, _, _), markers in groups.items()]
+def plan_reductions(graph: fx.Graph, ctx: PassContext) -> list[list[fx.Node]]:
+    """Group the markers into collectives, one per (bucket, dtype, sharded), in graph order
+    (rank-agreed); without ``bucketing`` each parameter is its own bucket."""
+    return group_markers(graph.find_nodes(op="call_function", target=REDUCE_GRAD), ctx)
 
 
 def _reduce_fn(layouts: list[ParamLayout], local_rows: list[int], world_size: int, group_name: str, scatter: bool):
@@ -75,7 +73,7 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False)
     output = graph.find_nodes(op="output")[0]
     reductions = 0
-    for unit, markers in plan:
+    for markers in plan:
         if not ctx.communicates:
             for marker in markers:
                 marker.replace_all_uses_with(marker.args[0])
@@ -98,7 +96,7 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         scatter = layouts[0].sharded  # plan_reductions keeps sharded and replicated apart
         local_rows = [by_key[k][0].meta["val"].shape[0] if scatter else 0 for k in keys]
         shards = splice(graph, _reduce_fn(layouts, local_rows, ctx.world_size, ctx.group_name, scatter),
-                        summed, before=point, tag={"role": "reduce", "unit": unit})
+                        summed, before=point, tag=bucket_tag("reduce", layouts))
         for key, shard in zip(keys, shards):
             first, *others = by_key[key]
             first.replace_all_uses_with(shard)

@@ -1,8 +1,9 @@
 """Live bytes of parameters and gradients after every node of a graph (an analysis, no rewrite).
 
 A tensor's storage is owned by its *root*: the node that allocated it (views and ``wait_tensor``
-alias their input). A root is live from its node to the last use of any alias of it; a root that
-reaches the graph's output (saved for backward) stays live to the end. Roots are classed by the
+alias their input). A root is live from its node to the last use of any alias of it (a collective's send buffer to
+the collective's wait); a root that reaches the graph's output (saved for backward) stays live to
+the end. Roots are classed by the
 tag the passes put on their nodes (``gather`` for gathered parameters, ``reduce`` for gradient
 buckets) and, for gradients, by being the input of a reduction (``full_grad``).
 
@@ -17,9 +18,8 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from ._fx import TAG, is_alias_of_input
+from ._fx import TAG, WAIT, is_alias_of_input
 
-WAIT = torch.ops._c10d_functional.wait_tensor.default
 PARAM_ROLES = ("gather",)
 GRAD_ROLES = ("full_grad", "reduce")
 
@@ -54,6 +54,14 @@ def _nbytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
+def reads(node: fx.Node) -> list[fx.Node]:
+    """The values ``node`` keeps alive: its inputs and, for a wait, its collective's inputs (the
+    process group holds a collective's send buffer until the collective is waited on)."""
+    if node.target is WAIT:
+        return node.all_input_nodes + [i for c in node.all_input_nodes for i in c.all_input_nodes]
+    return node.all_input_nodes
+
+
 def timeline(graph: fx.Graph, carried: dict[str, tuple[str, int]] | None = None) -> Timeline:
     """Sweep the graph once. ``carried``: roles of placeholders by name (a forward's ``saved``)."""
     carried = carried or {}
@@ -76,7 +84,7 @@ def timeline(graph: fx.Graph, carried: dict[str, tuple[str, int]] | None = None)
     last: dict[fx.Node, int] = {}
     saved: dict[str, tuple[str, int]] = {}
     for node in nodes:
-        for inp in node.all_input_nodes:
+        for inp in reads(node):
             root = storage_root(inp)
             if root in role:
                 last[root] = end if node.op == "output" else max(last.get(root, 0), pos[node])

@@ -9,7 +9,6 @@ Modelled on ``torch.fx.passes.infra.pass_manager.PassManager`` and torchtitan's 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -19,48 +18,52 @@ import torch.fx as fx
 from zerograph.errors import PassError
 from zerograph.ops import REDUCE_GRAD, UNSHARD
 
-from ._fx import TAG, count_targets, is_alias_of_input
+from ._fx import COLLECTIVE_KINDS, TAG, WAIT, count_targets, is_alias_of_input
+from .bucketing import bucketing
 from .context import PassContext, PassResult
 from .insert_allgather import insert_allgather
 from .insert_reduce_scatter import insert_reduce_scatter
+from .prefetch import prefetch
+from .schedule_overlap import schedule_overlap
+from .selective_unshard import selective_unshard
 
 log = logging.getLogger(__name__)
 
 Pass = Callable[[fx.GraphModule, PassContext], PassResult]
-WAIT = torch.ops._c10d_functional.wait_tensor.default
-COLLECTIVE_OPS = {
-    torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
-    torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
-    torch.ops._c10d_functional.all_reduce.default: "all_reduce",
-}
 
 
 def pipeline(kind: str) -> list[Pass]:
     """The passes for one graph kind, in the order they run.
 
     - joint: sharding decisions, made before the partitioner so that its min-cut sees them
-      (stage 3's recompute-tagged gathers decide what backward re-gathers).
-    - forward / inference: the same gathers, for graphs that never were joint (``no_grad``).
-    - backward: gradient reductions, placed where the stage says full gradients die.
+      (stage 3's recompute-tagged gathers decide what backward re-gathers, less the units
+      ``selective_unshard`` keeps).
+    - forward / inference: the same gathers, for graphs that never were joint (``no_grad``);
+      then the schedule (prefetch the gathers, sink their waits to first use).
+    - backward: gradient reductions, placed where the stage says full gradients die; then the
+      schedule (prefetch backward's re-gathers, sink every wait as far as memory allows).
+    The bucketing and insert passes find nothing to do on a graph whose markers are expanded.
     """
+    gathers = [bucketing, insert_allgather]
+    schedule = [prefetch, schedule_overlap]
     return {
-        "joint": [insert_allgather],
-        "forward": [insert_allgather],
-        "inference": [insert_allgather],
-        "backward": [insert_reduce_scatter],
+        "joint": gathers + [selective_unshard],
+        "forward": gathers + schedule,
+        "inference": gathers + schedule,
+        "backward": [bucketing, insert_reduce_scatter] + schedule,
     }[kind]
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *,
                  disabled: Sequence[str] = (), dump_dir: str | None = None) -> fx.GraphModule:
-    if dump_dir:
-        os.makedirs(dump_dir, exist_ok=True)
-        _write(dump_dir, "00_input.py", gm)
+    dump = _open_dump(dump_dir, ctx, gm)
     done: list[str] = []
     for number, pass_fn in enumerate(passes, start=1):
         name = pass_fn.__name__
         if name in disabled:
             log.info("pass %s disabled", name)
+            if dump is not None:
+                dump.disabled(number, name)
             continue
         before = count_targets(gm.graph)
         start = time.perf_counter()
@@ -77,21 +80,26 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *
         after = count_targets(gm.graph)
         log.info("%s graph: pass %d %s %s in %.1f ms, nodes %d -> %d", ctx.graph_kind, number, name,
                  result.counts, 1e3 * (time.perf_counter() - start), sum(before.values()), sum(after.values()))
-        if dump_dir and result.modified:
-            _write(dump_dir, f"{number:02d}_{name}.py", gm)
+        if dump is not None:
+            dump.after_pass(number, name, gm, result.modified, seconds=time.perf_counter() - start)
     check_markers_expanded(gm.graph, ctx, done)
     return gm
 
 
-def _write(dump_dir: str, name: str, gm: fx.GraphModule) -> None:
-    with open(os.path.join(dump_dir, name), "w") as f:
-        f.write(gm.print_readable(print_output=False))
+def _open_dump(dump_dir: str | None, ctx: PassContext, gm: fx.GraphModule):
+    """A ``zerograph.dump.GraphDump`` that has written the input graph, or ``None`` when dumping is
+    off. Imported here, not at the top, so that dumping off costs nothing."""
+    if not dump_dir:
+        return None
+    from zerograph.dump import GraphDump
+
+    return GraphDump(dump_dir, ctx, gm)
 
 
 def check_collectives_waited(graph: fx.Graph) -> None:
     """Every collective's result is waited on exactly once (an unwaited one would leak or race)."""
     for node in graph.nodes:
-        if node.target in COLLECTIVE_OPS:
+        if node.target in COLLECTIVE_KINDS:
             waits = [u for u in node.users if u.target is WAIT]
             if len(waits) != 1 or len(node.users) != 1:
                 raise PassError(f"collective {node.name} must have exactly one wait_tensor user, has {list(node.users)}")
@@ -107,13 +115,15 @@ def check_markers_expanded(graph: fx.Graph, ctx: PassContext, done: list[str]) -
 
 
 def check_no_saved_gathers(fwd: fx.GraphModule) -> None:
-    """Stage 3: the forward graph saves shards only, never a gathered parameter or a view of one."""
+    """Stage 3: the forward graph saves shards only, never a gathered parameter or a view of one
+    (except the gathers ``selective_unshard`` chose to keep)."""
     output = fwd.graph.find_nodes(op="output")[0]
     for saved in output.all_input_nodes:
         node = saved
         while is_alias_of_input(node):
             node = node.all_input_nodes[0]
-        if node.meta.get(TAG, {}).get("role") == "gather":
+        tag = node.meta.get(TAG, {})
+        if tag.get("role") == "gather" and not tag.get("kept"):
             raise PassError(f"stage 3 forward saves gathered parameter {saved.name} for backward")
 
 
@@ -121,7 +131,7 @@ def collective_volume(graph: fx.Graph) -> list[tuple[str, int, int]]:
     """``[(kind, full_numel, itemsize)]`` of every collective in the graph, in graph order."""
     volume = []
     for node in graph.nodes:
-        kind = COLLECTIVE_OPS.get(node.target)
+        kind = COLLECTIVE_KINDS.get(node.target)
         if kind is None:
             continue
         val = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]

@@ -7,6 +7,7 @@ from torch import nn
 from gpt import GPT, GPTConfig
 
 TINY_GPT = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=16)
+DEEP_GPT = GPTConfig(block_size=16, n_layer=8, n_head=2, n_embd=16)  # units small beside Ψ
 
 
 class UnevenMLP(nn.Module):
@@ -49,6 +50,8 @@ def build(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "gpt":
         return GPT(TINY_GPT)
+    if name == "gpt_deep":
+        return GPT(DEEP_GPT)
     if name == "mlp":
         return UnevenMLP()
     if name == "mlp_break":
@@ -60,7 +63,7 @@ def build(name: str) -> nn.Module:
 
 def global_batch(name: str, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    if name == "gpt":
+    if name.startswith("gpt"):
         x = torch.randint(0, TINY_GPT.vocab_size, (size, TINY_GPT.block_size), generator=g)
         return x, torch.roll(x, -1, dims=1)
     return torch.randn(size, 7, generator=g), torch.randn(size, 3, generator=g)  # the MLPs

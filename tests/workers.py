@@ -8,7 +8,7 @@ import torch.fx as fx
 import zerograph
 from zerograph.passes._fx import TAG
 from zerograph.passes.liveness import PARAM_ROLES, timeline
-from zerograph.passes.manager import COLLECTIVE_OPS
+from zerograph.passes._fx import COLLECTIVE_KINDS as COLLECTIVE_OPS
 
 from .models import build, global_batch, rank_slice
 

@@ -13,3 +13,10 @@ from .plan import Plan, plan
 
 __all__ += ["Plan", "plan"]
 from . import kernels, optim  # noqa: E402  (kernels import triton lazily, on first Triton call)
+from .costmodel import CostModel, calibrate
+from .timeline import Event, Schedule, measure, predict
+
+__all__ += ["CostModel", "calibrate", "Event", "Schedule", "measure", "predict"]
+from .dump import explain, write_summary
+
+__all__ += ["explain", "write_summary"]

@@ -43,6 +43,9 @@ class Config:
             but not yet consumed; prefetch starts a gather later rather than exceed it.
             ``None`` bounds by ``prefetch_depth`` alone. The same bound applies to reduce-scatters
             whose waits the scheduler sinks.
+        unshard_budget_bytes: stage 3: full bytes of gathered parameters that may stay alive
+            from forward to backward instead of being gathered again (``selective_unshard``
+            keeps the smallest units first). 0 re-gathers every unit (ZeRO-3 proper).
     """
 
     unit_classes: tuple[type[nn.Module], ...] | None = None
@@ -53,6 +56,7 @@ class Config:
     bucket_bytes: int = 0
     prefetch_depth: int = 1
     max_inflight_bytes: int | None = None
+    unshard_budget_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.lowering not in LOWERINGS:
@@ -65,6 +69,8 @@ class Config:
             raise ConfigError(f"Config.prefetch_depth must be >= 0 units, got {self.prefetch_depth}")
         if self.max_inflight_bytes is not None and self.max_inflight_bytes <= 0:
             raise ConfigError(f"Config.max_inflight_bytes must be positive bytes or None, got {self.max_inflight_bytes}")
+        if self.unshard_budget_bytes < 0:
+            raise ConfigError(f"Config.unshard_budget_bytes must be >= 0 bytes, got {self.unshard_budget_bytes}")
         if self.unit_classes is not None:
             bad = [c for c in self.unit_classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
             if bad:

@@ -1,0 +1,63 @@
+"""Place every collective's wait as late as its consumers and the memory bound allow.
+
+Pre: a forward, backward or inference graph with tagged collectives (``find_collectives``).
+Post: the same nodes, reordered; every start still precedes its wait, every wait its uses.
+- All-gathers: the wait and copy-out sink to just before the first op that reads a gathered
+  parameter, so whatever compute sits between the (prefetched) start and that op runs while the
+  gather is in flight.
+- Reductions (reduce-scatter / all-reduce): issued where ``insert_reduce_scatter`` put them (as
+  soon as the bucket's last gradient exists); the wait, the division by N and the copy-out sink
+  toward the end of backward, where the sharded gradients are returned. At stages 0, 2 and 3 a
+  reduction's send buffer (full-size gradients) lives until its wait, so at most
+  ``max(1, prefetch_depth)`` reductions are left in flight, and fewer when their bytes would exceed
+  ``max_inflight_bytes``: with the default depth 1, reduction ``j`` runs during the next bucket's
+  backward compute and is waited before reduction ``j + 1`` is issued (as FSDP2 does).
+  Stage 1 keeps full gradients to the end of backward anyway, so its waits all sink to the end.
+A wait stays right after its start only where nothing independent exists between them.
+
+Source: PyTorch Inductor's ``reorder_compute_and_comm_for_overlap`` (``torch/_inductor/comms.py``);
+SimpleFSDP (arXiv 2411.00284) section 4.2; FSDP2's reduce-scatter left in flight during the
+next unit's backward.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ._fx import Collective, find_collectives, position, sink_to_first_use
+from .context import PassContext, PassResult
+
+
+def reduction_limits(reductions: list[Collective], ctx: PassContext) -> list[fx.Node | None]:
+    """For each reduction in issue order, the node its wait must precede (``None``: no bound)."""
+    if ctx.stage == 1:
+        return [None] * len(reductions)
+    limits: list[fx.Node | None] = []
+    for j in range(len(reductions)):
+        limit = None
+        for m in range(j + 1, len(reductions)):
+            inflight = reductions[j : m + 1]
+            too_many = len(inflight) > max(1, ctx.prefetch_depth)
+            too_big = ctx.max_inflight_bytes is not None and sum(r.full_bytes for r in inflight) > ctx.max_inflight_bytes
+            if too_many or too_big:
+                limit = reductions[m].issue[0]
+                break
+        limits.append(limit)
+    return limits
+
+
+def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    graph = gm.graph
+    collectives = find_collectives(graph)
+    if not collectives:
+        return PassResult(gm, False)
+    before = [n.name for n in graph.nodes]
+    for gather in (c for c in collectives if c.role == "gather"):
+        sink_to_first_use(gather.finish)
+    order = position(graph)
+    reductions = sorted((c for c in collectives if c.role == "reduce"), key=lambda c: order[c.start])
+    for reduction, limit in zip(reductions, reduction_limits(reductions, ctx)):
+        sink_to_first_use(reduction.finish, limit)
+    changed = [n.name for n in graph.nodes] != before
+    if changed:
+        gm.recompile()
+    return PassResult(gm, changed, {"collectives": len(collectives)})

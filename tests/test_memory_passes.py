@@ -1,0 +1,41 @@
+"""The memory passes (issue 4): selective_unshard keeps the smallest units gathered for backward."""
+from __future__ import annotations
+
+import functools
+
+import zerograph
+from zerograph.passes.selective_unshard import choose_kept
+
+from .distributed import spawn
+from .models import reference_training
+from .test_parity import LR, STEPS, check_parity
+from .workers import train
+
+BLOCK_BYTES = 4 * 3280  # one block of the tiny GPT, fp32, full (at 2 ranks nothing is padded)
+
+
+def test_choose_kept_takes_smallest_first_within_budget() -> None:
+    assert choose_kept([300, 100, 200, 100], 250) == [1, 3]
+    assert choose_kept([300, 100, 200], 0) == []
+    assert choose_kept([300, 100, 200], 10_000) == [0, 1, 2]
+    assert choose_kept([300, 100, 200], 99) == []
+
+
+@functools.lru_cache(maxsize=None)
+def kept_run() -> tuple:
+    config = zerograph.Config(unshard_budget_bytes=BLOCK_BYTES)
+    return tuple(spawn(train, 2, "gpt", 3, STEPS, 4, LR, config))
+
+
+def test_selective_unshard_skips_one_regather_and_matches_eager() -> None:
+    results = kept_run()
+    for result in results:
+        check_parity(result, reference_training("gpt", STEPS, 4, LR))
+    backward = results[0]["graphs"][0]["backward"]
+    assert backward["collectives"].count("all_gather") == 2  # root + one block; the other is kept
+    forward = results[0]["graphs"][0]["forward"]
+    assert len(forward["saved_gathered"]) > 0  # the kept block's parameters are saved for backward
+    gathered = sum(size for _, size in results[0]["units"])  # Ψ, padded
+    block = results[0]["units"][1][1]
+    assert block * 4 == BLOCK_BYTES
+    assert results[0]["stats"].comm_elements["all_gather"] == 2 * gathered - block  # one re-gather less

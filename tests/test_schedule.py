@@ -1,0 +1,175 @@
+"""The scheduling passes (issue 3): bucketing, prefetch and schedule_overlap, read off real graphs.
+
+Each check compiles the tiny GPT (2 blocks + the root unit) at world size 2, trains one step and
+looks at where the passes put every collective's start and wait relative to the compute that
+needs it. Parity with all passes on is covered by test_parity (the default pipeline); here also
+with a byte cap and a deeper prefetch.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.fx as fx
+
+import zerograph
+from zerograph.passes._fx import TAG, find_collectives, is_alias_of_input
+
+from .distributed import spawn
+from .models import build, global_batch, rank_slice, reference_training
+from .test_parity import LR, STEPS, check_parity
+from .workers import train
+
+
+def _depends_on(nodes: list[fx.Node], source: fx.Node) -> set[fx.Node]:
+    reached = {source}
+    for node in nodes:
+        if any(i in reached for i in node.all_input_nodes):
+            reached.add(node)
+    return reached
+
+
+def schedule_facts(gm: fx.GraphModule) -> dict:
+    """Plain data about one graph: per collective its kind, units, start/wait positions; per unit
+    the first compute op reading its gathered parameters; and which compute is independent of
+    each reduction."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    compute = [n for n in nodes if n.op == "call_function" and TAG not in n.meta and not is_alias_of_input(n)]
+    collectives, first_compute = [], {}
+    for c in find_collectives(gm.graph):
+        entry = {"kind": c.kind, "role": c.role, "units": c.units, "start": pos[c.start], "wait": pos[c.wait],
+                 "between": sum(1 for n in compute if pos[c.start] < pos[n] < pos[c.wait])}
+        if c.role == "gather":
+            outs = [n for n in c.finish if n.users]
+            users = [u for o in outs for u in o.users if u not in c.finish]
+            first_compute[c.units[0]] = min((pos[u] for u in users), default=None)
+        else:
+            needs = _depends_on(nodes, c.wait)
+            entry["last_independent_compute"] = max((pos[n] for n in compute if n not in needs), default=-1)
+        collectives.append(entry)
+    return {"collectives": collectives, "first_compute": first_compute}
+
+
+def one_step_facts(stage: int, config_kwargs: dict, rank: int, world_size: int) -> dict:
+    torch._dynamo.reset()  # one process compiles many models of one class: stay under Dynamo's recompile limit
+    model = zerograph.compile(build("gpt"), stage=stage, config=zerograph.Config(**config_kwargs))
+    loss = model(*rank_slice(global_batch("gpt", 0, 4), rank, world_size))
+    loss.backward()
+    record = model._zerograph.captured.graphs[0]
+    runtime = model._zerograph.runtime
+    return {"forward": schedule_facts(record["forward"]), "backward": schedule_facts(record["backward"]),
+            "units": [u.name for u in runtime.units],
+            "sharded_params": sum(1 for layout in runtime.layouts.values() if layout.sharded)}
+
+
+SCHEDULES = {
+    "default": {},
+    "depth2": {"prefetch_depth": 2},
+    "deep_unbounded": {"prefetch_depth": 8},
+    "no_overlap": {"disabled_passes": zerograph.config.OVERLAP_PASSES},
+    "no_bucketing": {"disabled_passes": ("bucketing",)},
+    "cap_all": {"bucket_bytes": 1 << 30},
+}
+RUNS = [(3, "default"), (3, "depth2"), (3, "no_overlap"), (3, "no_bucketing"), (3, "cap_all"),
+        (3, "deep_unbounded"), (2, "deep_unbounded"), (2, "default"), (1, "default")]
+
+
+def all_facts(rank: int, world_size: int) -> dict:
+    """Every (stage, schedule) the tests read, compiled one after another in one process group."""
+    return {run: one_step_facts(run[0], SCHEDULES[run[1]], rank, world_size) for run in RUNS}
+
+
+@functools.lru_cache(maxsize=None)
+def _all_facts() -> dict:
+    return spawn(all_facts, 2)[0]
+
+
+def facts(stage: int, schedule: str) -> dict:
+    return _all_facts()[(stage, schedule)]
+
+
+def gathers_in_use_order(graph: dict) -> list[dict]:
+    return sorted((c for c in graph["collectives"] if c["role"] == "gather"), key=lambda c: c["wait"])
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_prefetch_starts_gather_before_compute_of_unit_depth_places_earlier(kind: str, depth: int) -> None:
+    graph = facts(3, "default" if depth == 1 else "depth2")[kind]
+    gathers = gathers_in_use_order(graph)
+    assert len(gathers) == 3  # root unit + 2 blocks, each gathered again in backward
+    for i in range(depth, len(gathers)):
+        earlier_unit = gathers[i - depth]["units"][0]
+        assert gathers[i]["start"] < graph["first_compute"][earlier_unit], (i, gathers, graph["first_compute"])
+    for i, gather in enumerate(gathers):  # and never later than the compute that needs it
+        assert gather["wait"] < graph["first_compute"][gather["units"][0]]
+
+
+def test_without_overlap_passes_each_wait_follows_its_start() -> None:
+    for kind in ("forward", "backward"):
+        for c in facts(3, "no_overlap")[kind]["collectives"]:
+            assert c["between"] == 0, c
+        # with them on, compute runs while gathers are in flight
+        gathers = gathers_in_use_order(facts(3, "default")[kind])
+        assert all(g["between"] > 0 for g in gathers[1:]), gathers
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_reduction_waits_sink_past_all_independent_backward_compute(stage: int) -> None:
+    """With the in-flight bound not binding (depth 8 > units), every reduction's wait comes after
+    all backward compute that does not need its result."""
+    schedule = "default" if stage == 1 else "deep_unbounded"
+    reductions = [c for c in facts(stage, schedule)["backward"]["collectives"] if c["role"] == "reduce"]
+    assert reductions
+    for c in reductions:
+        assert c["wait"] > c["last_independent_compute"], c
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_reduction_waits_respect_the_inflight_bound(stage: int) -> None:
+    """Default depth 1: one reduction in flight, waited before the next one is issued, after
+    running beside the next bucket's backward compute."""
+    reductions = sorted((c for c in facts(stage, "default")["backward"]["collectives"] if c["role"] == "reduce"),
+                        key=lambda c: c["start"])
+    assert len(reductions) == 3
+    for current, following in zip(reductions, reductions[1:]):
+        assert current["wait"] < following["start"]
+        assert current["between"] > 0, current  # overlapped with compute
+
+
+def test_bucketing_one_collective_per_unit_per_parameter_or_per_cap() -> None:
+    per_unit = facts(3, "default")
+    n_units = len(per_unit["units"])
+    for kind in ("forward", "backward"):
+        gathers = [c for c in per_unit[kind]["collectives"] if c["role"] == "gather"]
+        assert sorted(c["units"][0] for c in gathers) == list(range(n_units))
+    reduces = [c for c in per_unit["backward"]["collectives"] if c["role"] == "reduce"]
+    assert sorted(c["units"][0] for c in reduces) == list(range(n_units))
+    per_param = facts(3, "no_bucketing")
+    gathers = [c for c in per_param["forward"]["collectives"] if c["role"] == "gather"]
+    assert len(gathers) == per_param["sharded_params"]
+    capped = facts(3, "cap_all")  # a cap above the model's size: one bucket of every unit
+    for kind in ("forward", "backward"):
+        gathers = [c for c in capped[kind]["collectives"] if c["role"] == "gather"]
+        assert len(gathers) == 1 and sorted(gathers[0]["units"]) == list(range(n_units))
+
+
+def train_under_schedules(rank: int, world_size: int, schedules: tuple[str, ...]) -> dict:
+    results = {}
+    for name in schedules:
+        torch._dynamo.reset()
+        results[name] = train(rank, world_size, "gpt", 3, STEPS, 4, LR, zerograph.Config(**SCHEDULES[name]))
+    return results
+
+
+def test_parity_under_other_schedules() -> None:
+    """Loss and parameters match single-process eager to 1e-5 under each schedule (the default
+    one is test_parity's)."""
+    schedules = ("depth2", "cap_all", "no_bucketing", "no_overlap")
+    results = spawn(train_under_schedules, 2, schedules)
+    reference = reference_training("gpt", STEPS, 4, LR)
+    for by_schedule in results:
+        for name in schedules:
+            check_parity(by_schedule[name], reference)

@@ -1,0 +1,334 @@
+"""How long a graph node or a collective takes on one rank: roofline compute, alpha-beta collectives.
+
+The scheduling passes and ``zerograph.timeline.predict`` ask this model, never a hard-coded guess
+(DESIGN.md, "decisions that depend on sizes and speeds come from a cost model"). ``calibrate``
+measures the model on the machine at hand in about a second; ``to_dict`` / ``from_dict`` describe
+another cluster as JSON (the benchmark's ``--simulate``).
+
+Sources: the alpha-beta (latency-bandwidth) model of collectives (Hockney 1994; Thakur et al.,
+"Optimization of Collective Communication Operations in MPICH", 2005); the roofline model
+(Williams et al., CACM 2009); FLOPs from ``torch.utils.flop_counter``, the formulas
+``FlopCounterMode`` uses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.utils.flop_counter import flop_registry
+
+from .errors import ConfigError
+
+from .passes._fx import COLLECTIVE_KINDS as COLLECTIVE_OPS, WAIT  # the ops the passes insert
+
+COLLECTIVE_KINDS = tuple(COLLECTIVE_OPS.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Alpha-beta collectives + roofline compute, per rank.
+
+    Attributes:
+        world_size: ranks taking part in every collective (collectives cost 0 at 1).
+        flops_per_s: achieved matmul FLOP/s on this device (FLOP/s).
+        bytes_per_s: achieved memory bandwidth of a copy, bytes read + written per second.
+        op_overhead_s: fixed cost of launching one op (dispatch, kernel launch), seconds.
+        collectives: kind in ``COLLECTIVE_KINDS`` -> ``(alpha_s, beta_s_per_byte)``; a collective
+            over a full (unsharded) buffer of ``b`` bytes takes ``alpha_s + beta_s_per_byte * b``
+            seconds at this ``world_size`` (beta folds in the algorithm's ``(N-1)/N`` factor).
+
+    Raises:
+        ConfigError: a non-positive rate or world size, a negative overhead/alpha/beta, or an
+            unknown collective kind.
+    """
+
+    world_size: int
+    flops_per_s: float
+    bytes_per_s: float
+    op_overhead_s: float
+    collectives: dict[str, tuple[float, float]]
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"CostModel.world_size must be >= 1, got {self.world_size}")
+        if self.flops_per_s <= 0 or self.bytes_per_s <= 0:
+            raise ConfigError(f"CostModel rates must be positive, got flops_per_s={self.flops_per_s}, "
+                              f"bytes_per_s={self.bytes_per_s}")
+        if self.op_overhead_s < 0:
+            raise ConfigError(f"CostModel.op_overhead_s must be >= 0 seconds, got {self.op_overhead_s}")
+        for kind, (alpha, beta) in self.collectives.items():
+            if kind not in COLLECTIVE_KINDS:
+                raise ConfigError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")
+            if alpha < 0 or beta < 0:
+                raise ConfigError(f"collective {kind!r} needs alpha, beta >= 0, got ({alpha}, {beta})")
+
+    def __hash__(self) -> int:  # the generated hash would fail on the dict field; hash its items instead
+        return hash((self.world_size, self.flops_per_s, self.bytes_per_s, self.op_overhead_s,
+                     tuple(sorted(self.collectives.items()))))
+
+    def collective_time(self, kind: str, full_bytes: int) -> float:
+        """Seconds for one collective of ``kind`` over a full (unsharded) buffer of ``full_bytes``.
+
+        0 at world size 1, where every collective degenerates to a local op.
+
+        Raises:
+            ConfigError: ``kind`` has no (alpha, beta) in this model.
+        """
+        if self.world_size == 1:
+            return 0.0
+        if kind not in self.collectives:
+            raise ConfigError(f"cost model has no {kind!r} collective; it knows {sorted(self.collectives)}")
+        alpha, beta = self.collectives[kind]
+        return alpha + beta * full_bytes
+
+    def node_time(self, node: fx.Node) -> float:
+        """Seconds the compute stream spends on one FX node, from its ``meta["val"]`` shapes.
+
+        Roofline: ``max(flops / flops_per_s, bytes / bytes_per_s) + op_overhead_s``. Placeholders,
+        outputs, views, ``getitem``, symbolic-int ops and ``wait_tensor`` cost 0; a collective costs
+        ``op_overhead_s`` here (its launch; the transfer itself is ``collective_time``).
+        """
+        if node.op != "call_function" or node.target is WAIT or not isinstance(node.target, torch._ops.OpOverload):
+            return 0.0  # operator.getitem and other Python callables only unpack or compute sizes
+        if node.target in COLLECTIVE_OPS:
+            return self.op_overhead_s
+        if is_view(node) or not _tensors(node.meta.get("val")):
+            return 0.0
+        roofline = max(node_flops(node) / self.flops_per_s, node_bytes(node) / self.bytes_per_s)
+        return roofline + self.op_overhead_s
+
+    def to_dict(self) -> dict:
+        """A JSON-able description (plain floats and lists); ``from_dict`` reads it back."""
+        return {
+            "world_size": self.world_size,
+            "flops_per_s": self.flops_per_s,
+            "bytes_per_s": self.bytes_per_s,
+            "op_overhead_s": self.op_overhead_s,
+            "collectives": {kind: [alpha, beta] for kind, (alpha, beta) in self.collectives.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CostModel":
+        """Build a model from ``to_dict``'s layout (e.g. a cluster described in a JSON file).
+
+        Raises:
+            ConfigError: a field is missing or out of range.
+        """
+        missing = {"world_size", "flops_per_s", "bytes_per_s", "op_overhead_s", "collectives"} - set(d)
+        if missing:
+            raise ConfigError(f"cost model description lacks {sorted(missing)}")
+        return cls(world_size=int(d["world_size"]), flops_per_s=float(d["flops_per_s"]),
+                   bytes_per_s=float(d["bytes_per_s"]), op_overhead_s=float(d["op_overhead_s"]),
+                   collectives={k: (float(a), float(b)) for k, (a, b) in d["collectives"].items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# what one node does: FLOPs, bytes, collective volume
+
+
+def is_view(node: fx.Node) -> bool:
+    """True when the node's op returns an alias of an input (its schema says ``Tensor(a)``)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    returns = target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one ``call_function`` node (0 for ops without a formula, e.g. elementwise ones).
+
+    Uses the formulas registered in ``torch.utils.flop_counter`` (what ``FlopCounterMode``
+    counts: 2 per multiply-add), evaluated on the node's fake input/output values.
+    """
+    target = node.target
+    formula = flop_registry.get(getattr(target, "overloadpacket", None))
+    if formula is None:
+        return 0
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    return _as_int(formula(*args, out_val=node.meta.get("val"), **kwargs))
+
+
+def node_bytes(node: fx.Node) -> int:
+    """Bytes one node reads and writes: its tensor inputs plus its outputs (an in-place op's
+    output, which aliases its input, is counted once)."""
+    inputs = [n.meta.get("val") for n in node.all_input_nodes]
+    total = sum(_nbytes(t) for t in _tensors(inputs))
+    schema = getattr(node.target, "_schema", None)
+    aliases_input = schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
+    if not aliases_input:
+        total += sum(_nbytes(t) for t in _tensors(node.meta.get("val")))
+    return total
+
+
+def collective_bytes(node: fx.Node) -> int:
+    """Full (unsharded) bytes a collective node moves: the output of an all-gather, the input of a
+    reduce-scatter or all-reduce (as ``passes.manager.collective_volume`` counts them)."""
+    kind = COLLECTIVE_OPS[node.target]
+    val = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+    return _nbytes(val)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return _as_int(t.numel()) * t.element_size()
+
+
+def _as_int(x: Any) -> int:
+    """A concrete int from an int or a SymInt (its size hint; no guard is added)."""
+    return optimization_hint(x, fallback=0) if isinstance(x, torch.SymInt) else int(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# calibration on the machine at hand
+
+_MATMUL_N = {"cpu": 256, "cuda": 4096}  # elements per side of the timed square matmul (2 n^3 FLOPs)
+_OVERHEAD_OPS = 100      # tiny ops per timing of the per-op overhead
+_COLLECTIVE_SIZES = 5    # message sizes per collective kind, geometric from max_bytes / 4096
+
+
+def calibrate(group: dist.ProcessGroup | None = None, *, max_bytes: int = 4 << 20, repeats: int = 5) -> CostModel:
+    """Measure this machine: matmul FLOP/s, copy bandwidth, per-op overhead, collectives.
+
+    Each quantity is the median of ``repeats`` timings after one warm-up: a float32 square matmul,
+    a copy of ``max_bytes`` (bandwidth = bytes read + written per second), a loop of 1-element
+    ``aten.add`` calls (the overhead of one op called the way the lowered FX graphs call them).
+    Collectives are the functional ones the graphs run (``_c10d_functional`` + ``wait_tensor``),
+    timed back to back on ``group`` at ``_COLLECTIVE_SIZES`` full sizes up to ``max_bytes``
+    (float32); ``fit_alpha_beta`` fits one line per kind. With a group, every rank must call this;
+    the timings are agreed by an all-reduce MAX (the slowest rank's) before fitting, so every rank
+    returns the same model. ``group=None`` or a one-rank group gives zero-cost collectives. The
+    device is CUDA for an NCCL group, else the CPU. About 0.3 s on a 2-core CPU at the defaults.
+
+    Source: Inductor decides comm/compute overlap from estimates agreed across ranks
+    (``torch/_inductor/comms.py``); the alpha-beta model follows Thakur et al. 2005.
+
+    Raises:
+        ConfigError: ``max_bytes`` below 4 KiB or ``repeats`` < 1.
+    """
+    if max_bytes < 4096 or repeats < 1:
+        raise ConfigError(f"calibrate needs max_bytes >= 4096 bytes and repeats >= 1, got {max_bytes}, {repeats}")
+    world_size = 1 if group is None else dist.get_world_size(group)
+    device = _device_of(group)
+    sizes = _message_sizes(max_bytes, world_size)
+    n = _MATMUL_N.get(device.type, _MATMUL_N["cpu"])
+    timings = [_time_matmul(n, device, repeats), _time_copy(max_bytes, device, repeats),
+               _time_op_overhead(device, repeats)]
+    if world_size > 1:
+        for kind in COLLECTIVE_KINDS:
+            timings += [_time_collective(kind, size, group, device, repeats) for size in sizes]
+        agreed = torch.tensor(timings, dtype=torch.float64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        timings = agreed.tolist()
+    matmul_s, copy_s, overhead_s = timings[:3]
+    collectives = {kind: (0.0, 0.0) for kind in COLLECTIVE_KINDS}
+    for i, kind in enumerate(COLLECTIVE_KINDS if world_size > 1 else ()):
+        seconds = timings[3 + i * len(sizes): 3 + (i + 1) * len(sizes)]
+        collectives[kind] = fit_alpha_beta(sizes, seconds)
+    return CostModel(world_size=world_size, flops_per_s=2 * n ** 3 / matmul_s,
+                     bytes_per_s=2 * max_bytes / copy_s, op_overhead_s=overhead_s, collectives=collectives)
+
+
+def fit_alpha_beta(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares ``seconds ~ alpha + beta * bytes`` with ``alpha, beta >= 0``.
+
+    Residuals are relative (``numpy.polyfit`` weighted by ``1 / seconds``): timing noise grows
+    with the time, and an absolute fit would let the largest message decide the latency. A
+    negative intercept refits through the origin, a negative slope keeps the mean as alpha.
+    Returns ``(alpha_s, beta_s_per_byte)``.
+    """
+    x = np.asarray(sizes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    w = 1.0 / np.maximum(t, t[t > 0].min(initial=1.0))  # a zero or negative time (noise) weighs as the smallest one
+    beta, alpha = np.polyfit(x, t, 1, w=w)
+    if beta < 0:
+        return float(t.mean()), 0.0
+    if alpha < 0:
+        xw, tw = x * w, t * w  # through the origin, same relative weighting
+        return 0.0, float(xw @ tw / (xw @ xw))
+    return float(alpha), float(beta)
+
+
+def _message_sizes(max_bytes: int, world_size: int) -> list[int]:
+    """Full sizes in bytes, geometric up to ``max_bytes``, each divisible into float32 shards."""
+    quantum = 4 * world_size
+    sizes = np.geomspace(max_bytes / 4096, max_bytes, _COLLECTIVE_SIZES)
+    return [max(quantum, int(s) // quantum * quantum) for s in sizes]
+
+
+def _device_of(group: dist.ProcessGroup | None) -> torch.device:
+    """The device a group's collectives run on: CUDA for NCCL, else the CPU."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _median_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs, after one untimed warm-up run."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # kernels finish before the clock stops
+    fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return float(np.median(samples))
+
+
+def _time_matmul(n: int, device: torch.device, repeats: int) -> float:
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    out = torch.empty(n, n, device=device)
+    return _median_time(lambda: torch.mm(a, b, out=out), device, repeats)
+
+
+def _time_copy(nbytes: int, device: torch.device, repeats: int) -> float:
+    src = torch.ones(nbytes // 4, device=device)  # float32
+    dst = torch.empty_like(src)
+    return _median_time(lambda: dst.copy_(src), device, repeats)
+
+
+def _time_op_overhead(device: torch.device, repeats: int) -> float:
+    x = torch.zeros(1, device=device)
+    add = torch.ops.aten.add.Tensor  # an OpOverload, called as the lowered FX graphs call their ops
+
+    def tiny_ops() -> None:
+        for _ in range(_OVERHEAD_OPS):
+            add(x, x)
+
+    return _median_time(tiny_ops, device, repeats) / _OVERHEAD_OPS
+
+
+def _time_collective(kind: str, full_bytes: int, group: dist.ProcessGroup, device: torch.device, repeats: int) -> float:
+    world_size = dist.get_world_size(group)
+    name = group.group_name
+    full = torch.ones(full_bytes // 4, device=device)             # (full,) float32
+    shard = torch.ones(full.numel() // world_size, device=device)  # (full // world,)
+    c10d = torch.ops._c10d_functional
+    run = {
+        "all_gather": lambda: c10d.all_gather_into_tensor(shard, world_size, name),
+        "reduce_scatter": lambda: c10d.reduce_scatter_tensor(full, "sum", world_size, name),
+        "all_reduce": lambda: c10d.all_reduce(full, "sum", name),
+    }[kind]
+    # one barrier, then back-to-back timings: after the untimed warm-up collective the ranks run in
+    # lockstep, as in a training step, so no timing includes waiting for a late peer (a barrier
+    # before each timing measured thread wake-ups too: 2-5x the latency on 2 loaded CPU cores)
+    dist.barrier(group=group)
+    return _median_time(lambda: c10d.wait_tensor(run()), device, repeats)
+
+
+__all__ = ["COLLECTIVE_KINDS", "COLLECTIVE_OPS", "CostModel", "calibrate", "collective_bytes", "fit_alpha_beta",
+           "is_view", "node_bytes", "node_flops"]
