@@ -7,12 +7,13 @@ Post: the same nodes, reordered; every start still precedes its wait, every wait
   gather is in flight.
 - Reductions (reduce-scatter / all-reduce): issued where ``insert_reduce_scatter`` put them (as
   soon as the bucket's last gradient exists); the wait, the division by N and the copy-out sink
-  toward the end of backward, where the sharded gradients are returned. At stages 0, 2 and 3 a
-  reduction's send buffer (full-size gradients) lives until its wait, so at most
+  toward the end of backward, where the sharded gradients are returned. A reduction's send
+  buffer (full-size gradients) lives until its wait, so at most
   ``max(1, prefetch_depth)`` reductions are left in flight, and fewer when their bytes would exceed
   ``max_inflight_bytes``: with the default depth 1, reduction ``j`` runs during the next bucket's
   backward compute and is waited before reduction ``j + 1`` is issued (as FSDP2 does).
-  Stage 1 keeps full gradients to the end of backward anyway, so its waits all sink to the end.
+  At stage 1 the reductions all come after backward's compute, so there is nothing to hide them
+  behind but each other; the bound keeps their buffers from piling up there.
 A wait stays right after its start only where nothing independent exists between them.
 
 Source: PyTorch Inductor's ``reorder_compute_and_comm_for_overlap`` (``torch/_inductor/comms.py``);
@@ -29,8 +30,6 @@ from .context import PassContext, PassResult
 
 def reduction_limits(reductions: list[Collective], ctx: PassContext) -> list[fx.Node | None]:
     """For each reduction in issue order, the node its wait must precede (``None``: no bound)."""
-    if ctx.stage == 1:
-        return [None] * len(reductions)
     limits: list[fx.Node | None] = []
     for j in range(len(reductions)):
         limit = None

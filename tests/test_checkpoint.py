@@ -1,23 +1,138 @@
-"""The DTensor shards work with state_dict and torch.distributed.checkpoint across ranks."""
+"""Sharded checkpoints (``zerograph.checkpoint``, on torch.distributed.checkpoint) resume at
+another world size, refuse half-written directories, and export a full state dict.
+
+A job at world size 4 trains ``CKPT_STEPS`` steps at stage 3 and saves after ``CKPT_SAVE_AFTER``;
+fresh models at world size 3 (stage 2) and 2 (stage 3) load that checkpoint and train the
+remaining steps (run on subgroups of the same spawned ranks: see ``checkpoint_jobs``). The model
+has a frozen Linear(7, 10), a tied weight, a one-row head and a buffer, so shards are uneven
+(10 rows: 3+3+3+1 at N=4, 4+4+2 at N=3, 5+5 at N=2) or empty.
+"""
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 
 from .distributed import spawn
-from .models import build, global_batch
-from .workers import checkpoint_roundtrip
+from .workers_patterns2 import (CKPT_SAVE_AFTER, CKPT_STEPS, build_checkpoint_net, checkpoint_batch,
+                                checkpoint_jobs, checkpoint_reference)
+
+SAVE_WORLD = 4
+RESUMES = ((3, 2), (2, 3))  # (world size, stage) of the resumed jobs
+RESUME_TOL = 1e-6  # the next step's loss, resumed vs uninterrupted
+REF_TOL = 1e-5  # sharded training vs the single-process reference (fp32)
 
 
-def test_dcp_save_load_and_full_state_dict(tmp_path) -> None:
-    results = spawn(checkpoint_roundtrip, 2, str(tmp_path / "ckpt"))
-    for result in results:
-        assert result["equal"]
-        assert result["losses"][0] == result["losses"][1]
-    # the gathered state dict has the unsharded model's keys and loads into a plain model
-    plain = build("gpt")
-    missing = plain.load_state_dict(results[0]["full_state"], strict=False)
-    assert not missing.unexpected_keys and set(missing.missing_keys) <= {"lm_head.weight"}  # tied to wte
-    trained_loss = sum(r["losses"][0] for r in results) / 2
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict:
+    """``{"uninterrupted": per-rank results of the world-size-4 job, N: per-rank results of the
+    job resumed at world size N}``."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    per_rank = spawn(checkpoint_jobs, SAVE_WORLD, str(root), RESUMES, timeout_s=300)
+    out = {"uninterrupted": [r["uninterrupted"] for r in per_rank]}
+    for size, _ in RESUMES:
+        out[size] = [r[size] for r in per_rank[:size]]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def reference() -> dict:
+    return checkpoint_reference()
+
+
+def _trainable_names() -> set[str]:
+    return {n for n, p in build_checkpoint_net().named_parameters() if p.requires_grad}
+
+
+def test_uninterrupted_run_matches_reference(jobs) -> None:
+    """Saving changes nothing: the job saved before its first step (an optimizer without state)
+    and after ``CKPT_SAVE_AFTER`` steps, and still trains exactly like the reference."""
+    for result in jobs["uninterrupted"]:
+        assert result["losses"] == pytest.approx(reference()["losses"], rel=REF_TOL, abs=REF_TOL)
+
+
+@pytest.mark.parametrize("world_size", [size for size, _ in RESUMES])
+def test_resume_at_another_world_size_continues_the_run(jobs, world_size: int) -> None:
+    """Every rank's next losses equal the uninterrupted run's (so parameters and AdamW moments
+    were restored: the second resumed step depends on both); the final parameters match too."""
+    uninterrupted = jobs["uninterrupted"][0]
+    for result in jobs[world_size]:
+        assert len(result["losses"]) == CKPT_STEPS - CKPT_SAVE_AFTER
+        assert result["losses"] == pytest.approx(uninterrupted["losses"][CKPT_SAVE_AFTER:], abs=RESUME_TOL, rel=0)
+        for name, value in uninterrupted["params"].items():
+            torch.testing.assert_close(result["params"][name], value, rtol=0, atol=RESUME_TOL, msg=name)
+            torch.testing.assert_close(result["params"][name], reference()["params"][name],
+                                       rtol=REF_TOL, atol=REF_TOL, msg=name)
+
+
+@pytest.mark.parametrize("world_size", [size for size, _ in RESUMES])
+def test_resume_restores_frozen_weights_optimizer_state_and_buffers(jobs, world_size: int) -> None:
+    initial = build_checkpoint_net()  # the saved run's initialisation (the resumed models use another seed)
+    other_seed = build_checkpoint_net(seed=1)
+    for rank, result in enumerate(jobs[world_size]):
+        for name in ("proj.weight", "proj.bias"):  # frozen: restored bit for bit, not left at seed 1
+            assert torch.equal(result["loaded"][name], getattr(initial.proj, name.split(".")[1]))
+            assert not torch.equal(result["loaded"][name], getattr(other_seed.proj, name.split(".")[1]))
+        # AdamW state for exactly the trainable parameters, at the saved step count
+        assert set(result["opt_steps"]) == _trainable_names() - {"tail.weight"}  # tied: one parameter
+        assert set(result["opt_steps"].values()) == {float(CKPT_SAVE_AFTER)}
+        assert torch.equal(result["buffers"]["out_scale"], initial.out_scale)
+        rows = -(-10 // world_size)  # Shard(0) of 10 rows: ceil(10 / N) per rank, the last ones fewer
+        assert result["local_shapes"]["proj.bias"] == (max(0, min(rows, 10 - rank * rows)),)
+        assert result["local_shapes"]["head.weight"] == ((1, 5) if rank == 0 else (0, 5))
+
+
+def test_interrupted_or_foreign_checkpoint_is_refused(jobs) -> None:
+    """A save interrupted before its commit leaves ``<path>.incomplete`` and no ``path``; a DCP
+    directory without zerograph's completion marker is not taken as complete either, and one
+    that lacks tensors the optimizer needs is named as not fitting. Every rank raises
+    ``CheckpointError`` (none waits for a peer)."""
+    for result in jobs[2]:
+        refusals = result["refusals"]
+        assert "save that was interrupted" in refusals["half_written"]
+        assert "half_written.incomplete" in refusals["half_written"]
+        assert "no completion marker" in refusals["no_marker"]
+        assert "does not fit this model and optimizer" in refusals["mismatch"]
+        assert "optimizer.state" in refusals["mismatch"]  # DCP's own words name the missing tensors
+        assert refusals["missing"].startswith("no checkpoint at")
+
+
+def test_saving_over_a_checkpoint_replaces_it(jobs) -> None:
+    """A second save to the same path (after two more steps) replaces the first one whole: a fresh
+    model loads the newer parameters and AdamW state bit for bit, and no staging or replaced
+    directory is left beside it."""
+    for result in jobs[2]:
+        resave = result["resave"]
+        assert resave["params_equal"] and resave["state_equal"]
+        assert resave["states"][0] == resave["states"][1] > 0
+        assert resave["leftovers"] == ["half_written.incomplete", "mismatch", "no_marker", "resaved"]
+
+
+def test_full_state_dict_is_plain_and_loads_into_the_unsharded_model(jobs) -> None:
+    """FSDP2's ``full_state_dict`` + ``cpu_offload``: rank 0 gets every tensor unsharded on the
+    CPU, the other ranks nothing; without offload every rank gets the same full tensors."""
+    rank0, rank1 = jobs[2]
+    plain = build_checkpoint_net(seed=3)
+    assert rank0["full_rank0"].keys() == plain.state_dict().keys()  # tied names and the buffer included
+    assert rank1["full_rank0"] == {}
+    for name, value in rank0["full_rank0"].items():
+        assert type(value) is torch.Tensor and value.device.type == "cpu", name
+        assert value.shape == plain.state_dict()[name].shape, name
+        assert torch.equal(value, rank1["full_everywhere"][name]), name
+    plain.load_state_dict(rank0["full_rank0"])
     with torch.no_grad():
-        plain_loss = plain(*global_batch("gpt", 0, 4)).item()
-    assert abs(plain_loss - trained_loss) < 1e-5, (plain_loss, trained_loss)
+        plain_loss = plain(*checkpoint_batch(CKPT_STEPS)).item()
+    assert plain_loss == pytest.approx(rank0["final_loss"], abs=RESUME_TOL, rel=0)
+    assert torch.equal(plain.proj.weight, build_checkpoint_net().proj.weight)  # frozen weights exported
+
+
+def test_checkpoint_saved_before_the_first_step_resumes_as_a_fresh_start(jobs) -> None:
+    """Saved before any step, the checkpoint holds no optimizer state; loading it drops the
+    loading optimizer's state, so training from it repeats the uninterrupted run's first steps
+    (AdamW's bias correction starts again at step 1)."""
+    uninterrupted = jobs["uninterrupted"][0]
+    for result in jobs[2]:
+        assert result["from_initial"]["state_after_load"] == 0
+        assert result["from_initial"]["losses"] == pytest.approx(uninterrupted["losses"][:CKPT_SAVE_AFTER],
+                                                                 abs=RESUME_TOL, rel=0)

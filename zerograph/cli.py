@@ -36,8 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerograph", description="ZeRO as compiler passes: tools.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_inspect(subparsers)
-    # `zerograph bench` (issue 6) registers here the same way: add_bench(subparsers)
+    add_bench(subparsers)
     return parser
+
+
+def add_bench(subparsers: argparse._SubParsersAction) -> None:
+    from . import bench  # imported on use: the benchmark pulls in DDP / FSDP2
+
+    parser = subparsers.add_parser("bench", help="compare stages and schedules with DDP and FSDP2",
+                                   description=bench.__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(parser)
+    parser.set_defaults(handler=bench.run)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,3 +23,17 @@ class UnshardedParameterError(ZeroGraphError):
 
 class PassError(ZeroGraphError):
     """A graph pass broke an invariant; the message names the pass and those run before it."""
+
+
+class ModelChangedError(ZeroGraphError):
+    """The model's parameters changed after ``compile`` in a way the captured graphs cannot follow:
+    a parameter added or replaced, or its ``requires_grad`` flipped. Raised at the next forward."""
+
+
+class ScheduleMismatchError(ZeroGraphError, RuntimeError):
+    """Ranks were about to run different communication schedules (different collectives, sizes,
+    dtypes or units). Raised on every rank, before the first collective of the diverging graph."""
+
+
+class CollectiveError(ZeroGraphError, RuntimeError):
+    """A collective failed or timed out: a peer rank probably died, or stopped calling the model."""

@@ -227,7 +227,7 @@ def schedule_from_profile(profile_events: Sequence[Any]) -> Schedule:
             kind = issued[1] if issued else None
             waits.append(Event(f"wait_{len(waits)}", "comm", start, dur, kind))
             if issued:
-                coll_start = seconds(issued[0].time_range.start)
+                coll_start = seconds(issued[0].time_range.end)  # in flight once its launch returns
                 events.append(Event(f"{kind}_{len(waits) - 1}", "comm", coll_start, start + dur - coll_start, kind))
             continue
         kind = _COLLECTIVE_NAMES.get(e.name)

@@ -1,0 +1,243 @@
+"""``zerograph bench`` (zerograph/bench.py): a tiny grid at world size 2 on CPU, checked through the
+JSON it writes, plus the pure helpers (system names, cluster table, time attribution) on their own.
+
+The grid runs once per module (``bench.main`` launches its own two gloo ranks) and is shared by
+the tests that read its JSON.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import types
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+from zerograph import bench
+from zerograph.costmodel import WAIT
+from zerograph.errors import ConfigError
+
+SYSTEMS = ["zerograph-s0", "zerograph-s1", "zerograph-s2", "zerograph-s3", "ddp", "fsdp2"]
+VOCAB = 256  # the GPT example's byte vocabulary
+
+
+@pytest.fixture(scope="module")
+def tiny_grid(tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("bench")
+    json_path, png_path = os.path.join(out, "bench.json"), os.path.join(out, "bench.png")
+    status = bench.main(["--model", "tiny", "--nproc", "2", "--steps", "2", "--warmup", "1",
+                         "--profile-steps", "1", "--batch-size", "4", "--systems", ",".join(SYSTEMS),
+                         "--simulate", "local,8xH100-nvlink", "--json", json_path, "--png", png_path])
+    assert status == 0
+    with open(json_path) as f:
+        return json.load(f), png_path
+
+
+def test_every_system_is_timed(tiny_grid):
+    result, _ = tiny_grid
+    assert list(result["systems"]) == SYSTEMS
+    tokens = result["model"]["tokens_per_step"]
+    assert tokens == 4 * result["model"]["block_size"]  # global batch x sequence length
+    for name, s in result["systems"].items():
+        assert len(s["step_s"]) == 2 and len(s["warmup_s"]) == 1, name
+        assert all(len(per_rank) == 2 for per_rank in s["step_s_per_rank"])
+        # a step counts as its slowest rank
+        assert s["step_s"] == [max(r[i] for r in s["step_s_per_rank"]) for i in range(2)]
+        assert 0 < s["min_s"] <= s["median_s"] <= s["max_s"]
+        assert s["tokens_per_s"] == pytest.approx(tokens / s["median_s"])
+        assert 0 <= s["exposed_comm_s"] <= s["comm_in_flight_s"] + 1e-9, name
+        assert s["peak_memory_bytes"] > 0  # model and optimizer states at least
+        assert all(m["method"] == "VmHWM" for m in s["memory_per_rank"])
+
+
+def test_step1_losses_are_equal_across_systems(tiny_grid):
+    result, _ = tiny_grid
+    first = [s["losses"][0] for s in result["systems"].values()]
+    assert max(first) - min(first) <= 1e-5
+    assert result["loss_check"]["step1_max_abs_diff"] == pytest.approx(max(first) - min(first))
+    # a freshly initialised byte-level model predicts roughly uniformly: loss near ln(vocab)
+    assert abs(first[0] - math.log(VOCAB)) < 0.1
+    assert all(len(s["losses"]) == 3 for s in result["systems"].values())  # warm-up + timed steps
+
+
+def test_bytes_moved_are_the_papers_2psi_and_3psi(tiny_grid):
+    """Ratio to Ψ within [ideal, ideal * padded Ψ / Ψ]: sharded collectives move padded shards."""
+    result, _ = tiny_grid
+    psi, padded = result["model"]["psi"], result["model"]["psi_padded"]
+    systems = result["systems"]
+    for name in ("zerograph-s0", "zerograph-s1", "zerograph-s2", "zerograph-s3", "ddp"):
+        s = systems[name]
+        ideal = 3 if name == "zerograph-s3" else 2
+        assert s["paper_ratio"] == ideal
+        assert ideal - 1e-9 <= s["comm_ratio"] <= ideal * padded / psi + 1e-9, (name, s["comm_ratio"])
+    for name in ("zerograph-s0", "ddp"):  # all-reduce only, counted twice
+        assert systems[name]["comm_elements"]["all_gather"] == systems[name]["comm_elements"]["reduce_scatter"] == 0
+    for name in ("zerograph-s1", "zerograph-s2"):  # one gather, one reduce-scatter of every parameter
+        e = systems[name]["comm_elements"]
+        assert e["all_gather"] == e["reduce_scatter"] > 0
+    e = systems["zerograph-s3"]["comm_elements"]
+    assert e["all_gather"] == 2 * e["reduce_scatter"] > 0  # gathered again in backward
+    # FSDP2 gathers in forward and backward but keeps the root unit from forward to backward
+    fsdp2 = systems["fsdp2"]
+    assert fsdp2["paper_ratio"] == 3
+    assert 2 < fsdp2["comm_ratio"] <= 3 * padded / psi + 1e-9
+    assert fsdp2["comm_elements"]["all_reduce"] == 0
+
+
+def test_json_describes_the_machine(tiny_grid):
+    result, _ = tiny_grid
+    machine = result["machine"]
+    assert machine["torch"] == torch.__version__
+    assert machine["cpu_count"] == os.cpu_count()
+    assert machine["world_size"] == 2 and machine["backend"] == "gloo" and machine["device"] == "cpu"
+    assert machine["platform"] and machine["device_name"] and machine["python"]
+    assert set(result["definitions"]) == {"step_time", "exposed_comm", "peak_memory", "comm_volume"}
+    assert result["command"].startswith("zerograph bench ") and "--systems" in result["command"]
+
+
+def test_png_is_written(tiny_grid):
+    from matplotlib.image import imread
+
+    _, png_path = tiny_grid
+    with open(png_path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    height, width, _channels = imread(png_path).shape
+    assert height > 100 and width > 100
+
+
+def test_simulation_projects_every_zerograph_system(tiny_grid):
+    result, _ = tiny_grid
+    clusters = result["simulate"]["clusters"]
+    assert clusters["local"]["world_size"] == 2 and clusters["local"]["scale"] == 1.0
+    assert clusters["8xH100-nvlink"]["world_size"] == 8 and clusters["8xH100-nvlink"]["assumptions"]
+    for name in SYSTEMS[:4]:
+        sim = result["systems"][name]["simulate"]
+        assert sim["matched_node_fraction"] > 0.9  # eager lowering: graph ops map to profile events
+        for cluster in ("local", "8xH100-nvlink"):
+            p = sim[cluster]
+            assert p["step_s"] >= p["graphs_step_s"] >= p["exposed_comm_s"] >= 0
+            assert p["exposed_comm_s"] <= p["comm_s"]
+        # a faster device: the projected step is shorter than the one measured here
+        assert sim["8xH100-nvlink"]["step_s"] < sim["local"]["step_s"]
+        check = result["simulate"]["self_check"][name]
+        assert check["measured_median_s"] == result["systems"][name]["median_s"]
+        assert check["measured_profiled_step_s"] == sim["profiled_step_s"]
+        assert check["predicted_s"] == sim["local"]["step_s"]
+        assert math.isfinite(check["relative_error"]) and math.isfinite(check["relative_error_vs_median"])
+    # ZeRO-3 model states shrink with the world size (zerograph.plan)
+    s3 = result["systems"]["zerograph-s3"]["simulate"]
+    assert (s3["8xH100-nvlink"]["model_state_bytes_per_rank"]["formula"]
+            < s3["local"]["model_state_bytes_per_rank"]["formula"])
+    assert "self-check zerograph-s3" in bench.format_simulation(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers, no processes
+
+
+def test_system_names_parse():
+    spec = bench.parse_system("zerograph-s3-noov-pf2-bb65536-inductor", prefetch_depth=1, bucket_bytes=0)
+    assert (spec.kind, spec.stage, spec.overlap, spec.prefetch_depth, spec.bucket_bytes, spec.lowering) == (
+        "zerograph", 3, False, 2, 65536, "inductor")
+    assert spec.zerograph_config().disabled_passes == ("prefetch", "schedule_overlap")
+    default = bench.parse_system("zerograph-s1", prefetch_depth=3, bucket_bytes=1024)
+    assert (default.prefetch_depth, default.bucket_bytes, default.overlap) == (3, 1024, True)
+    assert bench.parse_system("fsdp2-compile", 1, 0).compiled
+    assert [bench.parse_system(n, 1, 0).paper_volume for n in ("zerograph-s2", "zerograph-s3", "ddp", "fsdp2")] == [2, 3, 2, 3]
+    for bad in ("zerograph-s4", "zerograph-s3-fast", "deepspeed"):
+        with pytest.raises(ConfigError):
+            bench.parse_system(bad, 1, 0)
+    with pytest.raises(ConfigError):
+        bench.parse_systems("ddp,ddp", 1, 0)
+
+
+def test_bad_arguments_exit_2(capsys):
+    assert bench.main(["--systems", "nope"]) == 2
+    assert bench.main(["--steps", "0"]) == 2
+    assert bench.main(["--simulate", "no-such-cluster"]) == 2
+    assert "no-such-cluster" in capsys.readouterr().err
+
+
+def test_cluster_table_gives_alpha_beta_from_bus_bandwidth():
+    table = bench.load_cluster_table(bench.CLUSTERS_FILE)
+    assert {"8xH100-nvlink", "2x8xH100-ib"} <= set(table)
+    entry = table["8xH100-nvlink"]
+    cost = bench.cluster_cost_model(entry)
+    n = entry["nodes"] * entry["devices_per_node"]
+    assert cost.world_size == n
+    busbw, latency = entry["bus_bandwidth_bytes_per_s"], entry["latency_s"]
+    size = 64 * 2**20
+    assert cost.collective_time("all_gather", size) == pytest.approx(latency + (n - 1) / n * size / busbw)
+    assert cost.collective_time("all_reduce", size) == pytest.approx(latency + 2 * (n - 1) / n * size / busbw)
+    assert bench.cluster_cost_model(table["2x8xH100-ib"]).world_size == 16
+    with pytest.raises(ConfigError):
+        bench.cluster_cost_model({"nodes": 1})
+
+
+def test_padded_params_count_shard0_chunks():
+    layer = nn.Linear(3, 5)  # weight (5, 3), bias (5,)
+    assert bench.unique_params(layer) == 20
+    # 5 rows in 2 chunks of 3 rows: weight 2 * 3 * 3 = 18, bias 2 * 3 = 6
+    assert bench.padded_params(layer, 2) == 24
+    assert bench.padded_params(layer, 1) == 20
+
+
+def _event(start_us: float, end_us: float, name: str = "op") -> types.SimpleNamespace:
+    return types.SimpleNamespace(name=name, time_range=types.SimpleNamespace(start=start_us, end=end_us))
+
+
+def test_region_time_goes_to_nodes_and_waits_are_left_out():
+    """Each node gets its event plus the gap after it; a wait's blocked time goes to no node."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.ops.aten.relu.default, (x,))
+    w = graph.call_function(WAIT, (a,))
+    b = graph.call_function(torch.ops.aten.neg.default, (w,))
+    graph.output(b)
+    region = _event(0, 100)
+    pairs = [(_event(5, 20), a), (_event(30, 80), w), (_event(85, 95), b)]
+    seconds = bench.attribute_seconds(region, pairs)
+    assert set(seconds) == {a, b}
+    # a: 5 us before it (nothing earlier) + its 15 us + 10 us gap before the wait
+    assert seconds[a] == pytest.approx(30e-6)
+    # b: 5 us gap after the wait + its 10 us + 5 us tail of the region
+    assert seconds[b] == pytest.approx(20e-6)
+    # everything but the wait's 50 us is accounted for
+    assert sum(seconds.values()) == pytest.approx(100e-6 - 50e-6)
+
+
+def test_unmatched_graph_time_is_spread_by_roofline():
+    """Fused code: the region's time less its waits is shared in proportion to the cost model."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from zerograph.costmodel import CostModel
+
+    gm = make_fx(lambda x, w: torch.mm(x, w).relu())(torch.randn(64, 32), torch.randn(32, 16))
+    cost = CostModel(world_size=1, flops_per_s=1e9, bytes_per_s=1e9, op_overhead_s=1e-6, collectives={})
+    region = _event(0, 1000)
+    ops = [_event(100, 300, WAIT._schema.name), _event(300, 400, "graph_0_cpp_fused_relu")]
+    seconds = bench.roofline_seconds(region, ops, gm.graph, cost)
+    assert sum(seconds.values()) == pytest.approx(800e-6)  # 1000 us less the 200 us wait
+    mm, relu = (n for n in gm.graph.nodes if n.op == "call_function")
+    assert seconds[mm] / seconds[relu] == pytest.approx(cost.node_time(mm) / cost.node_time(relu))
+
+
+def test_match_nodes_skips_events_no_node_claims():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.ops.aten.relu.default, (x,))
+    b = graph.call_function(torch.ops.aten.neg.default, (a,))
+    graph.output(b)
+    ops = [_event(0, 1, "c10d::_allgather_base_"), _event(1, 2, "aten::relu"), _event(2, 3, "aten::neg")]
+    assert [(e.name, n) for e, n in bench.match_nodes(graph, ops)] == [("aten::relu", a), ("aten::neg", b)]
+
+
+def test_format_table_aligns_columns():
+    text = bench.format_table(["system", "ms"], [["ddp", "1.5"], ["zerograph-s3", "12.25"]])
+    lines = text.splitlines()
+    assert len({len(line) for line in lines}) == 1  # every line the same width
+    assert lines[1].split() == ["-" * len("zerograph-s3"), "-" * len("12.25")]
+    assert lines[2].startswith("ddp ") and lines[2].endswith("  1.5")
