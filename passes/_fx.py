@@ -11,17 +11,22 @@ import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from zerograph.ops import REDUCE_GRAD
+
 TAG = "zerograph"  # node.meta[TAG] = {"role": ..., "unit": ..., "units": ...} on every node a pass inserts
 
 
 def group_markers(markers: Sequence[fx.Node], ctx: Any) -> list[list[fx.Node]]:
     """Markers grouped into one collective each: by (bucket, dtype, sharded), in the order the
-    groups first appear. A marker without a ``bucketing`` decision is a bucket of its own key."""
+    groups first appear. A marker without a ``bucketing`` decision is a bucket of its own key.
+    The dtype is the one the collective moves: ``param_dtype`` for an all-gather (``unshard``),
+    ``reduce_dtype`` for a reduction (``reduce_grad``); copy-in and copy-out cast to and from it."""
     groups: dict[tuple[Any, torch.dtype, bool], list[fx.Node]] = {}
     for node in markers:
         layout = ctx.layouts[node.args[1]]
+        moved = layout.reduce_dtype if node.target is REDUCE_GRAD else layout.param_dtype
         bucket = node.meta.get(TAG, {}).get("bucket", ("param", node.args[1]))
-        groups.setdefault((bucket, layout.dtype, layout.sharded), []).append(node)
+        groups.setdefault((bucket, moved, layout.sharded), []).append(node)
     return list(groups.values())
 
 

@@ -31,8 +31,13 @@ def unit_order(markers: list[fx.Node], ctx: PassContext) -> list[int]:
 
 
 def unit_bytes(unit: int, markers: list[fx.Node], ctx: PassContext) -> int:
+    """Full bytes the unit's collective moves: in the gathered dtype (``param_dtype``) or, in
+    backward, the reduced one (``reduce_dtype``)."""
     keys = {m.args[1] for m in markers if ctx.layouts[m.args[1]].unit == unit}
-    return sum(ctx.layouts[k].padded_numel * ctx.layouts[k].dtype.itemsize for k in keys)
+    layouts = [ctx.layouts[k] for k in keys]
+    if ctx.graph_kind == "backward":
+        return sum(layout.padded_numel * layout.reduce_dtype.itemsize for layout in layouts)
+    return sum(layout.padded_numel * layout.param_dtype.itemsize for layout in layouts)
 
 
 def assign_buckets(units: list[int], sizes: dict[int, int], cap: int) -> dict[int, int]:

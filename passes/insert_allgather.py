@@ -2,9 +2,10 @@
 
 Pre: the graph holds ``unshard(shard, key)`` markers (joint, forward or inference graph), with
 ``bucketing``'s bucket ids (a unit, or adjacent units up to a byte cap; without it, a parameter).
-Post: no marker is left. For each (bucket, dtype) with sharded parameters, in order of first use:
-    copy-in (pad each shard to ``chunk_rows``, flatten, concatenate) -> all_gather_into_tensor ->
-    wait_tensor -> copy-out views of each full parameter,
+Post: no marker is left. For each (bucket, param_dtype) with sharded parameters, in order of
+first use:
+    copy-in (cast each shard to ``param_dtype``, pad it to ``chunk_rows``, flatten, concatenate)
+    -> all_gather_into_tensor -> wait_tensor -> copy-out views of each full parameter,
 inserted right before the bucket's first marker, so it is gathered once even when a parameter
 is used several times (tied weights). ``prefetch`` and ``schedule_overlap`` move the start and
 the wait apart later. At stage 3 every inserted node and every view of
@@ -12,10 +13,12 @@ a gathered parameter is marked ``MUST_RECOMPUTE``: the min-cut partitioner then 
 shards for backward and re-gathers there (ZeRO-3's "gather for forward, release, gather again for
 backward"); gathered buffers die after their last use (FX codegen and Inductor free them).
 At stages 1-2 the gathered parameters stay saved for backward (gathered once per step, the 2Ψ of
-the paper); at stage 0 or world size 1 the marker becomes its input (shards are full tensors).
+the paper); at stage 0 or world size 1 the marker becomes its input (shards are full tensors),
+cast to ``param_dtype`` under mixed precision. Without mixed precision no cast is emitted.
 
 Source: ZeRO (arXiv 1910.02054) section 5.3 (P_p); FSDP2's copy-in / all-gather / copy-out;
-SimpleFSDP (arXiv 2411.00284) for recompute-tagged gathers.
+SimpleFSDP (arXiv 2411.00284) for recompute-tagged gathers; FSDP2's ``MixedPrecisionPolicy``
+(cast before the all-gather, so a bf16 gather moves half the bytes of fp32).
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ def _gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str):
     def gather(*shards: torch.Tensor) -> list[torch.Tensor]:
         flat = []
         for shard, layout in zip(shards, layouts):
+            shard = shard.to(layout.param_dtype)  # mixed precision: send the compute dtype
             missing = layout.chunk_rows - shard.shape[0]
             padded = F.pad(shard, [0, 0] * (shard.dim() - 1) + [0, missing]) if missing else shard
             flat.append(padded.reshape(-1))
@@ -74,9 +78,7 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         keys = list(dict.fromkeys(m.args[1] for m in markers))
         layouts = [ctx.layouts[k] for k in keys]
         if not ctx.communicates or not layouts[0].sharded:
-            for marker in markers:
-                marker.replace_all_uses_with(marker.args[0])
-                graph.erase_node(marker)
+            _replace_by_local_copies(graph, markers, ctx)
             continue
         first = markers[0]
         order = position(graph)
@@ -96,6 +98,30 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph.eliminate_dead_code()
     gm.recompile()
     return PassResult(gm, True, {"all_gather": gathers})
+
+
+def _replace_by_local_copies(graph: fx.Graph, markers: list[fx.Node], ctx: PassContext) -> None:
+    """No communication (the shard is the full parameter): each marker becomes its input, cast
+    to ``param_dtype`` when that differs (one cast per parameter, before its first use)."""
+    cast_of: dict[int, fx.Node] = {}
+    for marker in markers:
+        shard, key = marker.args[0], marker.args[1]
+        dtype = ctx.layouts[key].param_dtype
+        if shard.meta["val"].dtype == dtype:
+            full = shard
+        elif key in cast_of:
+            full = cast_of[key]
+        else:
+            full = cast_of[key] = splice(graph, _cast_fn(dtype), [shard], before=marker)
+        marker.replace_all_uses_with(full)
+        graph.erase_node(marker)
+
+
+def _cast_fn(dtype: torch.dtype):
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype)
+
+    return cast
 
 
 def _mark_recompute(fulls: list[fx.Node]) -> None:

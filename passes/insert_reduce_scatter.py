@@ -9,15 +9,29 @@ buckets of whole gradients) -> ``wait_tensor`` -> divide by N (ranks' gradients 
 copy-out of each shard's rows. A parameter used several times (tied weights) has several markers;
 their gradients are summed first and reduced once.
 
+Mixed precision: each full gradient (in ``param_dtype``) is cast to ``reduce_dtype`` in the copy-in,
+before tied gradients are summed, and each reduced shard is cast to the parameter's own dtype in the
+copy-out, so ``.grad`` matches the (fp32 master) shard. Without mixed precision no cast is emitted.
+
+Gradient accumulation (the markers' ``grad_mode``, set by ``requires_gradient_sync``):
+- ``"sync"``: the reduction above;
+- ``"accumulate"``: no collective; each parameter's summed full gradient goes to
+  ``zerograph::accumulate_unsynced``, which adds it to the runtime's buffer and returns zeros for
+  the shard, right after the bucket's last gradient;
+- ``"flush"``: the reduction above, its copy-in first adding the runtime's buffer to each gradient
+  (``zerograph::take_unsynced``), so the accumulated sum is reduced once.
+
 Placement (the stage's promise about full gradients):
 - stages 0 and 2: right after the bucket's last gradient is produced, so the full gradients die
   there (ZeRO-2 "reduce as produced, free at once"; DDP's bucketed all-reduce);
 - stage 1: at the end of backward (P_os keeps full gradients until the step, then reduces);
 - stage 3: as stage 2.
-At world size 1 the marker becomes its input.
+At world size 1 the marker becomes its input (cast through ``reduce_dtype`` to the parameter's dtype
+under mixed precision), whatever the mode: one rank has nothing to synchronise.
 
 Source: ZeRO (arXiv 1910.02054) sections 5.1-5.3 and 7 (volume Ψ per reduce-scatter);
-PyTorch DDP's gradient buckets; FSDP2's reduce-scatter copy-in.
+PyTorch DDP's gradient buckets and ``no_sync``; FSDP2's reduce-scatter copy-in,
+``MixedPrecisionPolicy.reduce_dtype`` and ``set_requires_gradient_sync``.
 """
 from __future__ import annotations
 
@@ -25,8 +39,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from zerograph.ops import REDUCE_GRAD
-from zerograph.sharding import ParamLayout
+from zerograph.ops import ACCUMULATE_UNSYNCED, REDUCE_GRAD, TAKE_UNSYNCED, grad_mode_of
+from zerograph.sharding import GRAD_ACCUMULATE, GRAD_FLUSH, ParamLayout
 
 from ._fx import bucket_tag, group_markers, position, sink_below_inputs, splice
 from .context import PassContext, PassResult
@@ -35,13 +49,17 @@ funcol = torch.ops._c10d_functional
 
 
 def plan_reductions(graph: fx.Graph, ctx: PassContext) -> list[list[fx.Node]]:
-    """Group the markers into collectives, one per (bucket, dtype, sharded), in graph order
+    """Group the markers into collectives, one per (bucket, reduce_dtype, sharded), in graph order
     (rank-agreed); without ``bucketing`` each parameter is its own bucket."""
     return group_markers(graph.find_nodes(op="call_function", target=REDUCE_GRAD), ctx)
 
 
-def _reduce_fn(layouts: list[ParamLayout], local_rows: list[int], world_size: int, group_name: str, scatter: bool):
+def _reduce_fn(keys: list[int], layouts: list[ParamLayout], local_rows: list[int], world_size: int,
+               group_name: str, scatter: bool, flush: bool):
     def reduce(*grads: torch.Tensor) -> list[torch.Tensor]:
+        if flush:  # add what the unsynced micro-batches accumulated (already in reduce_dtype)
+            grads = tuple(TAKE_UNSYNCED(g, k) for g, k in zip(grads, keys))
+        grads = tuple(g.to(layout.reduce_dtype) for g, layout in zip(grads, layouts))
         if scatter:
             blocks = []
             for grad, layout in zip(grads, layouts):
@@ -59,11 +77,27 @@ def _reduce_fn(layouts: list[ParamLayout], local_rows: list[int], world_size: in
             size = layout.shard_numel if scatter else layout.numel
             chunk = out[offset : offset + size]
             chunk = chunk.view(-1, *layout.shape[1:])[:rows] if scatter else chunk.view(layout.shape)
-            shards.append(chunk.clone())  # own storage: the flat bucket dies here
+            # own storage (the flat bucket dies here), in the shard's dtype (the master's, for .grad)
+            shards.append(chunk.clone() if chunk.dtype == layout.dtype else chunk.to(layout.dtype))
             offset += size
         return shards
 
     return reduce
+
+
+def _accumulate_fn(keys: list[int]):
+    def accumulate(*grads: torch.Tensor) -> list[torch.Tensor]:
+        return [ACCUMULATE_UNSYNCED(g, k) for g, k in zip(grads, keys)]
+
+    return accumulate
+
+
+def _sum_fn(dtype: torch.dtype):
+    """Sum a tied parameter's gradients in ``dtype`` (its reduce dtype: no 16-bit sum of 16-bit parts)."""
+    def total(*grads: torch.Tensor) -> torch.Tensor:
+        return sum((g.to(dtype) for g in grads[1:]), grads[0].to(dtype))
+
+    return total
 
 
 def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -72,13 +106,14 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not plan:
         return PassResult(gm, False)
     output = graph.find_nodes(op="output")[0]
-    reductions = 0
+    reductions = accumulations = 0
     for markers in plan:
         if not ctx.communicates:
-            for marker in markers:
-                marker.replace_all_uses_with(marker.args[0])
-                graph.erase_node(marker)
+            _replace_by_local_copies(graph, markers, ctx)
             continue
+        modes = {grad_mode_of(m) for m in markers}
+        assert len(modes) == 1, f"one forward traces one grad_mode, found {modes}"
+        mode = modes.pop()
         order = position(graph)
         by_key: dict[int, list[fx.Node]] = {}
         for marker in markers:
@@ -87,16 +122,24 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         layouts = [ctx.layouts[k] for k in keys]
         grads = [marker.args[0] for marker in markers]
         last_grad = max(grads, key=order.__getitem__)
-        point = output if ctx.stage == 1 else last_grad.next
+        # what accumulates is copied out at once; otherwise the stage decides (module docstring)
+        point = output if ctx.stage == 1 and mode != GRAD_ACCUMULATE else last_grad.next
         summed = []
-        for key in keys:  # tied parameters: one gradient per parameter, summed before the reduction
+        for key, layout in zip(keys, layouts):  # tied parameters: one gradient per parameter, summed first
             key_grads = [m.args[0] for m in by_key[key]]
             summed.append(key_grads[0] if len(key_grads) == 1 else
-                          splice(graph, lambda *gs: sum(gs[1:], gs[0]), key_grads, before=point))
-        scatter = layouts[0].sharded  # plan_reductions keeps sharded and replicated apart
-        local_rows = [by_key[k][0].meta["val"].shape[0] if scatter else 0 for k in keys]
-        shards = splice(graph, _reduce_fn(layouts, local_rows, ctx.world_size, ctx.group_name, scatter),
-                        summed, before=point, tag=bucket_tag("reduce", layouts))
+                          splice(graph, _sum_fn(layout.reduce_dtype), key_grads, before=point))
+        if mode == GRAD_ACCUMULATE:
+            shards = splice(graph, _accumulate_fn(keys), summed, before=point,
+                            tag=bucket_tag("accumulate", layouts))
+            accumulations += 1
+        else:
+            scatter = layouts[0].sharded  # plan_reductions keeps sharded and replicated apart
+            local_rows = [by_key[k][0].meta["val"].shape[0] if scatter else 0 for k in keys]
+            fn = _reduce_fn(keys, layouts, local_rows, ctx.world_size, ctx.group_name, scatter,
+                            flush=mode == GRAD_FLUSH)
+            shards = splice(graph, fn, summed, before=point, tag=bucket_tag("reduce", layouts))
+            reductions += 1
         for key, shard in zip(keys, shards):
             first, *others = by_key[key]
             first.replace_all_uses_with(shard)
@@ -107,8 +150,30 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 other.replace_all_uses_with(zero)
         for marker in markers:
             graph.erase_node(marker)
-        reductions += 1
     sink_below_inputs(graph)  # uses of an early marker move below the unit's reduction
     graph.eliminate_dead_code()
     gm.recompile()
-    return PassResult(gm, True, {"reduce_scatter" if ctx.stage else "all_reduce": reductions})
+    counts = {"reduce_scatter" if ctx.stage else "all_reduce": reductions}
+    if accumulations:
+        counts["accumulate_unsynced"] = accumulations
+    return PassResult(gm, True, counts)
+
+
+def _replace_by_local_copies(graph: fx.Graph, markers: list[fx.Node], ctx: PassContext) -> None:
+    """World size 1: each marker becomes its gradient, cast through ``reduce_dtype`` to the
+    parameter's dtype when those differ (as the reduction would round it)."""
+    for marker in markers:
+        grad, layout = marker.args[0], ctx.layouts[marker.args[1]]
+        if grad.meta["val"].dtype == layout.reduce_dtype == layout.dtype:
+            local = grad
+        else:
+            local = splice(graph, _round_through_reduce_dtype(layout), [grad], before=marker)
+        marker.replace_all_uses_with(local)
+        graph.erase_node(marker)
+
+
+def _round_through_reduce_dtype(layout: ParamLayout):
+    def cast(g: torch.Tensor) -> torch.Tensor:
+        return g.to(layout.reduce_dtype).to(layout.dtype)
+
+    return cast

@@ -39,3 +39,4 @@ def test_selective_unshard_skips_one_regather_and_matches_eager() -> None:
     block = results[0]["units"][1][1]
     assert block * 4 == BLOCK_BYTES
     assert results[0]["stats"].comm_elements["all_gather"] == 2 * gathered - block  # one re-gather less
+

@@ -1,11 +1,16 @@
 """zerograph: ZeRO (arXiv 1910.02054) as compiler passes over PyTorch's captured training graphs."""
 from .config import Config
-from .errors import (ConfigError, PassError, ProcessGroupError, ShardingError, UnshardedParameterError,
-                     ZeroGraphError)
+from .errors import (CollectiveError, ConfigError, ModelChangedError, PassError, ProcessGroupError,
+                     ScheduleMismatchError, ShardingError, UnshardedParameterError, ZeroGraphError)
 from .api import compile
 
-__all__ = ["Config", "compile", "ConfigError", "PassError", "ProcessGroupError", "ShardingError",
-           "UnshardedParameterError", "ZeroGraphError"]
+__all__ = ["Config", "compile", "CollectiveError", "ConfigError", "ModelChangedError", "PassError",
+           "ProcessGroupError", "ScheduleMismatchError", "ShardingError", "UnshardedParameterError",
+           "ZeroGraphError"]
+from . import checkpoint  # noqa: E402  (zerograph.checkpoint.save / load / full_state_dict)
+from .checkpoint import CheckpointError  # noqa: E402
+
+__all__ += ["checkpoint", "CheckpointError"]
 from .stats import Stats, stats
 
 __all__ += ["Stats", "stats"]

@@ -1,25 +1,28 @@
 """``zerograph.compile``: shard a model's parameters and capture its step for the passes."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
-import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.exc import BackendCompilerFailed
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import runtime as runtime_mod
 from .capture import CapturedGraphs, make_backend
 from .config import Config, check_stage
-from .errors import ProcessGroupError, ShardingError, UnshardedParameterError
+from .errors import ProcessGroupError, ShardingError, UnshardedParameterError, ZeroGraphError
 from .runtime import Runtime
-from .sharding import find_units, set_gathering, shard_module_
+from .sharding import (ParameterWatch, find_units, set_gathering, set_grad_mode, shard_module_,
+                       sharded_parameter)
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +32,13 @@ STATE_ATTR = "_zerograph"
 class ZeroGraphState:
     """Everything ``compile`` attached to a model (reachable as ``model._zerograph``)."""
 
-    def __init__(self, runtime: Runtime, config: Config, captured: CapturedGraphs, compiled_forward: Any):
+    def __init__(self, runtime: Runtime, config: Config, captured: CapturedGraphs, compiled_forward: Any,
+                 watch: ParameterWatch):
         self.runtime = runtime
         self.config = config
         self.captured = captured
         self.compiled_forward = compiled_forward
+        self.watch = watch
 
 
 def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | None = None,
@@ -46,7 +51,9 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     ``torch.optim`` optimizers, ``clip_grad_norm_``, ``state_dict`` and
     ``torch.distributed.checkpoint`` work on them. Calling the model runs its forward through
     ``torch.compile`` with zerograph's backend; backward reduces gradients into the shards,
-    averaged over ranks (DDP's semantics).
+    averaged over ranks (DDP's semantics). For gradient accumulation without communication the
+    model gains ``set_requires_gradient_sync(bool)`` (FSDP2's) and ``no_sync()`` (DDP's); mixed
+    precision is ``Config(param_dtype=..., reduce_dtype=...)`` (FSDP2's ``MixedPrecisionPolicy``).
 
     Args:
         model: the module; all parameters on one device (CPU with gloo, CUDA with NCCL).
@@ -57,31 +64,49 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
 
     Raises:
         ConfigError: ``stage`` not in 0-3, or a bad ``Config`` field.
-        ShardingError: parameters on several devices, or a 0-d parameter; the model was compiled already.
+        ShardingError: parameters on several devices; the model was compiled already, or it is a
+            part of a compiled model (its parameters are ``DTensor`` shards already).
         ProcessGroupError: the group does not match the launch (``WORLD_SIZE``), or this rank is not in it.
+
+    Calling the compiled model raises (each a ``ZeroGraphError``):
+        ModelChangedError: a parameter was added or replaced, or a ``requires_grad`` flipped, after
+            compile (freeze before compile instead).
+        ScheduleMismatchError: on every rank, when ranks are about to run different collectives
+            (checked before each graph's first collective; see ``Runtime.check_schedule``).
+        CollectiveError: a collective failed or timed out (``Config.timeout_s``): a peer died or stopped.
+        ShardingError: a submodule called (or ``torch.compile``d) on its own, outside the model's forward.
     """
     stage = check_stage(stage)
     config = config or Config()
-    if hasattr(model, STATE_ATTR):
-        raise ShardingError("this model was already compiled by zerograph; compile a fresh instance")
+    _check_not_sharded(model)
     device = _single_device(model)
     group = _resolve_group(process_group, device, config)
     mesh = DeviceMesh.from_group(group, device.type)
     originals = {name: p for name, p in model.named_parameters()}
     units = find_units(model, config.unit_classes)
-    layouts, unit_objs = shard_module_(model, mesh, stage, units, runtime_mod.next_key)
-    runtime = Runtime(group, stage, layouts, unit_objs)
+    layouts, unit_objs = shard_module_(model, mesh, stage, units, runtime_mod.next_key,
+                                       param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
+                                       full_precision_classes=config.full_precision_classes)
+    runtime = Runtime(group, stage, layouts, unit_objs, timeout_s=config.timeout_s, device=device)
     for name, param in originals.items():
         param._zerograph_replaced = name  # type: ignore[attr-defined]
     _install_optimizer_guard()
 
     captured = CapturedGraphs()
     param_names = {id(p): n for n, p in model.named_parameters()}  # first name of each (tied) parameter
-    backend = make_backend(runtime, config, param_names, captured)
-    compiled_forward = torch.compile(type(model).forward, backend=backend, dynamic=False)
-    setattr(model, STATE_ATTR, ZeroGraphState(runtime, config, captured, compiled_forward))
+    watch = ParameterWatch(model)
+    backend = _checking_trainable(make_backend(runtime, config, param_names, captured), watch)
+    # dynamic=None (torch.compile's automatic dynamic shapes): a graph is first compiled for the shapes
+    # it sees; when an input's size changes (a rank's sequence length), one recompile makes that dim
+    # symbolic, so per-rank, per-step lengths cost at most two graphs instead of one per length (and
+    # never reach Dynamo's recompile limit, past which a frame would run eagerly on some ranks only).
+    # Parameters stay static (Dynamo's force_parameter_static_shapes), so the collectives do too.
+    compiled_forward = torch.compile(type(model).forward, backend=backend, dynamic=None)
+    setattr(model, STATE_ATTR, ZeroGraphState(runtime, config, captured, compiled_forward, watch))
     cls = type(model)
-    model.__class__ = type(cls.__name__, (cls,), {"forward": _compiled_forward})
+    model.__class__ = type(cls.__name__, (cls,), {"forward": _compiled_forward,
+                                                  "set_requires_gradient_sync": set_requires_gradient_sync,
+                                                  "no_sync": no_sync})
     log.info("zerograph: stage %d, world size %d, %d units, %d parameters (%d elements)", stage,
              runtime.world_size, len(unit_objs), len(layouts), sum(layout.numel for layout in layouts))
     return model
@@ -89,12 +114,85 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
 
 def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: ZeroGraphState = getattr(self, STATE_ATTR)
+    state.watch.check_unchanged()
     state.runtime.start_forward()
     previous = set_gathering(True)
+    previous_mode = set_grad_mode(state.runtime.grad_mode())  # read (and guarded on) by the trace
     try:
         return state.compiled_forward(self, *args, **kwargs)
+    except BackendCompilerFailed as exc:
+        # zerograph's own errors raised while Dynamo compiled (a changed requires_grad, a broken
+        # pass) reach the user as themselves, not wrapped in Dynamo's compiler error
+        if isinstance(exc.inner_exception, ZeroGraphError):
+            raise exc.inner_exception from None
+        raise
     finally:
         set_gathering(previous)
+        set_grad_mode(previous_mode)
+
+
+def set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn gradient reduction across ranks on or off for the backwards of the following forwards.
+
+    The setting is read when a forward runs and fixes what its backward does. Off (gradient
+    accumulation without communication): backward runs no reduce-scatter or all-reduce; each rank
+    adds its full, unreduced gradients, in ``Config.reduce_dtype``, to buffers the runtime holds,
+    and the shards' ``.grad`` receive zeros (created if ``None``). Back on, while such buffers are
+    held, the backward adds them to its own gradients in the reductions' copy-in and reduces the
+    sum once, so a step of micro-batches costs one reduction. Run the last micro-batch of a step
+    with sync on, or ``.grad`` never receives the held gradients.
+
+    Memory: while gradients are unsynced every rank holds a full gradient of every trainable
+    parameter (Ψ elements in ``reduce_dtype``; ``zerograph.stats`` counts them under ``"grads"``),
+    as FSDP2 and DDP's ``no_sync`` do: stages 2-3 save gradient memory again only after the synced
+    backward.
+
+    Graphs: a Dynamo guard selects a graph per mode. A run that never turns sync off keeps one;
+    one that does adds an accumulating and a flushing one (each times the shape variants of
+    dynamic shapes, within Dynamo's recompile limit of 8). Every rank must switch alike;
+    otherwise ranks run different collectives, which the schedule check turns into an error
+    (``ScheduleMismatchError``, or ``CollectiveError`` after ``Config.timeout_s``), not a hang.
+
+    Source: FSDP2's ``FSDPModule.set_requires_gradient_sync``; DDP's ``no_sync``.
+    """
+    state_of(self).runtime.requires_gradient_sync = bool(requires_gradient_sync)
+
+
+@contextlib.contextmanager
+def no_sync(self: nn.Module):
+    """Context manager: ``set_requires_gradient_sync(False)`` inside, the previous setting after
+    (DDP's ``no_sync``). Backwards of forwards run inside it keep their gradients unreduced."""
+    runtime = state_of(self).runtime
+    previous = runtime.requires_gradient_sync
+    runtime.requires_gradient_sync = False
+    try:
+        yield
+    finally:
+        runtime.requires_gradient_sync = previous
+
+
+def _checking_trainable(backend: Callable, watch: ParameterWatch) -> Callable:
+    """The backend, preceded by the ``requires_grad`` check: Dynamo recompiles when a parameter's
+    ``requires_grad`` flips, so checking at each (re)compile catches every flip for free per step."""
+
+    def zerograph_backend(gm: Any, example_inputs: list[Any]) -> Callable:
+        watch.check_trainable()
+        return backend(gm, example_inputs)
+
+    return zerograph_backend
+
+
+def _check_not_sharded(model: nn.Module) -> None:
+    """Refuse a model, or a part of one, whose parameters are already shards."""
+    if hasattr(model, STATE_ATTR):
+        raise ShardingError("this model was already compiled by zerograph; call it as it is, or compile a "
+                            "fresh instance (e.g. built again, or copy.deepcopy'd before the first compile)")
+    name = sharded_parameter(model)
+    if name is not None:
+        raise ShardingError(
+            f"parameter {name!r} is already sharded (a DTensor): this module is, or contains, a part of a "
+            "model that zerograph.compile (or FSDP) sharded already. Compile the whole model once and call "
+            "it; choose how its parameters are grouped with Config(unit_classes=...)")
 
 
 def _single_device(model: nn.Module) -> torch.device:

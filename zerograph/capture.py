@@ -53,6 +53,10 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
         record: dict[str, fx.GraphModule] = {"dynamo": gm}
         captured.graphs.append(record)
         dump_root = config.resolved_dump_dir()
+        if dump_root:  # the dump's cost model: collective, so here on every rank alike (not in AOT's compilers)
+            from .dump import calibrate_once
+
+            calibrate_once(runtime.group)
         memory: dict[str, Timeline] = {}
         runtime.graph_memory.append(memory)
 
@@ -60,11 +64,17 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
             ctx = PassContext(kind, runtime.stage, runtime.world_size, runtime.group_name,
                               runtime.layouts, tuple(runtime.units), bucket_bytes=config.bucket_bytes,
                               prefetch_depth=config.prefetch_depth,
-                              max_inflight_bytes=config.max_inflight_bytes)
+                              max_inflight_bytes=config.max_inflight_bytes,
+                              unshard_budget_bytes=config.unshard_budget_bytes)
             dump_dir = (os.path.join(dump_root, f"rank{runtime.rank}", f"graph{graph_id}_{kind}")
                         if dump_root else None)
             g = run_pipeline(g, ctx, pipeline(kind), disabled=config.disabled_passes, dump_dir=dump_dir)
             record[kind] = g
+            if dump_dir:  # the final graph's rendering, memory, schedule (imported here: off costs nothing)
+                from .dump import finish_graph
+
+                saved = memory["forward"].saved if kind == "backward" and "forward" in memory else None
+                finish_graph(dump_dir, kind, g, runtime, captured, graph_id, carried=saved)
             return g
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
@@ -81,7 +91,10 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
                     memory["forward"] = timeline(g.graph)
                 elif kind == "backward":
                     memory["backward"] = timeline(g.graph, carried=memory["forward"].saved)
-                return _account(runtime, g, _lower(config, g, inputs, kind), backward=kind == "backward")
+                else:
+                    memory["inference"] = timeline(g.graph)
+                return _account(runtime, g, _lower(config, g, inputs, kind), backward=kind == "backward",
+                                graph_id=graph_id)
             return compile_graph
 
         return aot_module_simplified(
@@ -114,16 +127,24 @@ def _decompositions(config: Config) -> dict | None:
     return None
 
 
-def _account(runtime: Runtime, gm: fx.GraphModule, compiled: Callable, backward: bool) -> Callable:
-    """Count the graph's collectives into the runtime's step counter each time it runs."""
+def _account(runtime: Runtime, gm: fx.GraphModule, compiled: Callable, backward: bool, graph_id: int) -> Callable:
+    """Wrap a lowered graph: each call first checks that every rank is about to run the same
+    communication schedule (``Runtime.check_schedule``: one 16-byte all-gather, raises
+    ``ScheduleMismatchError`` instead of letting diverged ranks hang), then counts the graph's
+    collectives (and that graph ``graph_id`` ran) into the step counter, then runs it. A communication failure inside the graph (a
+    peer died, a timeout) is re-raised as ``CollectiveError`` naming the graph, chaining the cause.
+    """
     volume = collective_volume(gm.graph)
+    schedule = runtime.schedule(gm.graph, "backward" if backward else "forward")  # computed once per graph
 
     def call(args: list[Any]) -> Any:
+        runtime.check_schedule(schedule)
         for kind, numel, itemsize in volume:
             runtime.current.add(kind, numel, itemsize, runtime.world_size)
+        runtime.current.graphs.add(graph_id)
         if backward:
             runtime.backward_ran = True
-        return compiled(args)
+        return runtime.run_graph(schedule, compiled, args)
 
     call._boxed_call = True  # type: ignore[attr-defined]
     return call

@@ -5,6 +5,7 @@ import dataclasses
 import os
 from typing import Literal
 
+import torch
 from torch import nn
 
 from .errors import ConfigError
@@ -46,6 +47,27 @@ class Config:
         unshard_budget_bytes: stage 3: full bytes of gathered parameters that may stay alive
             from forward to backward instead of being gathered again (``selective_unshard``
             keeps the smallest units first). 0 re-gathers every unit (ZeRO-3 proper).
+        param_dtype: mixed precision: dtype of the full parameters that forward and backward
+            compute with and that the all-gathers move (e.g. ``torch.bfloat16``: half the bytes of
+            fp32). The parameters themselves (the ``DTensor`` shards the optimizer updates) keep
+            their own dtype: they are the fp32 master weights. Each shard is cast in the
+            all-gather's copy-in, before it is sent. ``None``: each parameter's own dtype (no cast).
+            Only floating-point parameters are cast, and not those of ``full_precision_classes``.
+            Buffers are never cast, and neither are the forward's inputs: the caller or the model
+            casts them (FSDP2 casts inputs by default, ``cast_forward_inputs``; zerograph leaves a
+            model's own dtype handling alone). Source: FSDP2's ``MixedPrecisionPolicy.param_dtype``.
+        reduce_dtype: dtype gradients are reduced (reduce-scattered or all-reduced) and averaged
+            in; each full gradient is cast in the reduction's copy-in, and the reduced shard is
+            cast to the parameter's own dtype before it lands in ``.grad``. ``None``: the compute
+            dtype (``param_dtype``, or the parameter's own). Source: FSDP2's
+            ``MixedPrecisionPolicy.reduce_dtype``.
+        full_precision_classes: modules whose parameters ``param_dtype`` leaves in their own dtype.
+            By default batch norms (``nn.modules.batchnorm._BatchNorm``: ``BatchNorm1d/2d/3d``,
+            ``SyncBatchNorm``): their running statistics are fp32 buffers, and batch norm on a 16-bit
+            input wants fp32 weight and statistics alike (on CPU a bf16 weight beside fp32 running
+            statistics raises). As FSDP1's ``MixedPrecision`` (``_module_classes_to_ignore``) and
+            apex's ``keep_batchnorm_fp32``; FSDP2 would need a separate ``fully_shard`` of each
+            batch norm with an fp32 policy. ``()`` casts every floating-point parameter.
     """
 
     unit_classes: tuple[type[nn.Module], ...] | None = None
@@ -57,6 +79,10 @@ class Config:
     prefetch_depth: int = 1
     max_inflight_bytes: int | None = None
     unshard_budget_bytes: int = 0
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    # nn.modules.batchnorm._BatchNorm is private, but it is the one base of every batch norm
+    full_precision_classes: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
 
     def __post_init__(self) -> None:
         if self.lowering not in LOWERINGS:
@@ -75,6 +101,14 @@ class Config:
             bad = [c for c in self.unit_classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
             if bad:
                 raise ConfigError(f"Config.unit_classes must be nn.Module subclasses, got {bad}")
+        for field in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, field)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ConfigError(f"Config.{field} must be a floating-point torch.dtype (e.g. torch.bfloat16) "
+                                  f"or None, got {dtype!r}")
+        bad = [c for c in self.full_precision_classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if bad:
+            raise ConfigError(f"Config.full_precision_classes must be nn.Module subclasses, got {bad}")
 
     def resolved_dump_dir(self) -> str | None:
         return self.dump_dir if self.dump_dir is not None else (os.environ.get("ZEROGRAPH_DUMP") or None)

@@ -1,49 +1,98 @@
-"""The two graph markers capture leaves for the passes to expand.
+"""The graph markers capture leaves for the passes to expand, and the ops the passes emit for
+gradient accumulation without synchronisation.
 
-``zerograph::unshard(shard, key)`` stands for "the full parameter ``key``"; its autograd backward is
-``zerograph::reduce_grad(grad, key)``, "this rank's shard of the gradient averaged over ranks". In a
-captured graph the stage's passes replace them by functional collectives (or by nothing at stage 0
-/ world size 1); in a frame that runs eagerly (a graph break) their real implementations run the
-collective directly, so results are right either way. Neither output aliases its input.
+``zerograph::unshard(shard, key, grad_mode)`` stands for "the full parameter ``key``" (in its
+``param_dtype``); its autograd backward is ``zerograph::reduce_grad(grad, key, grad_mode)``, "this
+rank's shard of the gradient averaged over ranks" (in the shard's own dtype). ``grad_mode``
+(``sharding.GRAD_MODES``) says what that backward does: reduce (``"sync"``), keep the full gradient
+in the runtime's buffer without communicating (``"accumulate"``, ``requires_gradient_sync`` off), or
+add that buffer and reduce the sum (``"flush"``). In a captured graph the stage's passes replace the
+markers by functional collectives (or by nothing at stage 0 / world size 1); in a frame that runs
+eagerly (a graph break) their real implementations run the collective directly, so results are
+right either way. No output aliases its input.
+
+``accumulate_unsynced`` and ``take_unsynced`` are what ``insert_reduce_scatter`` emits for the two
+accumulation modes: the runtime owns the full-size buffers, the graph only calls these ops.
 """
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from . import runtime
+from .sharding import GRAD_SYNC
 
 
 @torch.library.custom_op("zerograph::unshard", mutates_args=())
-def unshard(shard: torch.Tensor, key: int) -> torch.Tensor:
-    """Full parameter from this rank's shard. ``shard``: (local_rows, *rest) -> ``layout.shape``."""
+def unshard(shard: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> torch.Tensor:
+    """Full parameter from this rank's shard. ``shard``: (local_rows, *rest) in the parameter's dtype
+    -> ``layout.shape`` in ``layout.param_dtype``."""
     return runtime.runtime_of(key).unshard_eager(shard, key)
 
 
 @unshard.register_fake
-def _unshard_fake(shard: torch.Tensor, key: int) -> torch.Tensor:
-    return shard.new_empty(runtime.layout_of(key).shape)
+def _unshard_fake(shard: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> torch.Tensor:
+    layout = runtime.layout_of(key)
+    return shard.new_empty(layout.shape, dtype=layout.param_dtype)
 
 
 @torch.library.custom_op("zerograph::reduce_grad", mutates_args=())
-def reduce_grad(grad: torch.Tensor, key: int) -> torch.Tensor:
-    """This rank's shard of the rank-averaged gradient. ``grad``: full shape -> (local_rows, *rest)."""
-    return runtime.runtime_of(key).reduce_grad_eager(grad, key)
+def reduce_grad(grad: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> torch.Tensor:
+    """This rank's shard of the rank-averaged gradient. ``grad``: full shape in ``param_dtype`` ->
+    (local_rows, *rest) in the parameter's dtype (zeros under ``"accumulate"``)."""
+    return runtime.runtime_of(key).reduce_grad_eager(grad, key, grad_mode)
 
 
 @reduce_grad.register_fake
-def _reduce_grad_fake(grad: torch.Tensor, key: int) -> torch.Tensor:
-    return grad.new_empty(runtime.runtime_of(key).local_shape(key))
+def _reduce_grad_fake(grad: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> torch.Tensor:
+    return grad.new_empty(runtime.runtime_of(key).local_shape(key), dtype=runtime.layout_of(key).dtype)
 
 
 def _unshard_backward(ctx, grad: torch.Tensor):
-    return reduce_grad(grad.contiguous(), ctx.key), None
+    return reduce_grad(grad.contiguous(), ctx.key, ctx.grad_mode), None, None
 
 
 def _unshard_setup(ctx, inputs, output) -> None:
     ctx.key = inputs[1]
+    ctx.grad_mode = inputs[2] if len(inputs) > 2 else GRAD_SYNC
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
 
+
+@torch.library.custom_op("zerograph::accumulate_unsynced", mutates_args=())
+def accumulate_unsynced(grad: torch.Tensor, key: int) -> torch.Tensor:
+    """Add a full gradient to the runtime's unsynced buffer of ``key`` (in ``reduce_dtype``); no
+    collective. Returns zeros of this rank's shard shape in the parameter's dtype, the shard's
+    gradient for this micro-batch (its share arrives when the buffer is reduced)."""
+    return runtime.runtime_of(key).accumulate_unsynced(grad, key)
+
+
+@accumulate_unsynced.register_fake
+def _accumulate_unsynced_fake(grad: torch.Tensor, key: int) -> torch.Tensor:
+    return grad.new_empty(runtime.runtime_of(key).local_shape(key), dtype=runtime.layout_of(key).dtype)
+
+
+@torch.library.custom_op("zerograph::take_unsynced", mutates_args=())
+def take_unsynced(grad: torch.Tensor, key: int) -> torch.Tensor:
+    """``grad`` (full shape) plus the unsynced buffer of ``key``, in ``reduce_dtype``; empties the
+    buffer. Without a buffer (the parameter was unused while unsynced) a copy of ``grad``."""
+    return runtime.runtime_of(key).take_unsynced(grad, key)
+
+
+@take_unsynced.register_fake
+def _take_unsynced_fake(grad: torch.Tensor, key: int) -> torch.Tensor:
+    return grad.new_empty(grad.shape, dtype=runtime.layout_of(key).reduce_dtype)
+
+
+def grad_mode_of(marker: fx.Node) -> str:
+    """A marker node's ``grad_mode`` (traced graphs may leave out an argument at its default)."""
+    if len(marker.args) > 2:
+        return marker.args[2]
+    return marker.kwargs.get("grad_mode", GRAD_SYNC)
+
+
 UNSHARD = torch.ops.zerograph.unshard.default
 REDUCE_GRAD = torch.ops.zerograph.reduce_grad.default
+ACCUMULATE_UNSYNCED = torch.ops.zerograph.accumulate_unsynced.default
+TAKE_UNSYNCED = torch.ops.zerograph.take_unsynced.default

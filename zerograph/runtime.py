@@ -1,20 +1,31 @@
-"""Run-time state: process group, shard layouts, eager collectives and step accounting.
+"""Run-time state: process group, shard layouts, eager collectives, step accounting, fault checks.
 
 The runtime never rewrites graphs. It owns what the compiled graphs need at run time: the process
 group they name, the layouts the markers' fake implementations read, the eager fallback used when a
-frame runs outside a graph (a graph break), and the per-step communication counters.
+frame runs outside a graph (a graph break), the full-size gradient buffers of gradient accumulation
+without sync (``requires_gradient_sync`` off), the per-step communication counters, and the checks
+that turn rank divergence and dead peers into errors instead of hangs: before each graph call the
+ranks compare a digest of the graph's communication schedule (``Runtime.check_schedule``), and a
+communication failure inside a graph becomes a ``CollectiveError`` naming it (``Runtime.run_graph``).
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import hashlib
 import itertools
+import time
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn.functional as F
 
-from .sharding import ParamLayout, Unit
+from .errors import CollectiveError, ScheduleMismatchError
+from .sharding import GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, ParamLayout, Unit
 
 # Markers carry an int key; this maps it back to its layout and runtime. Keys are handed out in
 # compile order, so every rank that compiles the same models in the same order agrees on them.
@@ -23,6 +34,12 @@ _RUNTIME_OF_KEY: dict[int, "weakref.ReferenceType[Runtime]"] = {}
 _KEYS = itertools.count()
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+# the functional collectives the passes insert (read here, never rewritten: runtime owns no passes)
+_GRAPH_COLLECTIVES = {
+    torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
+    torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+    torch.ops._c10d_functional.all_reduce.default: "all_reduce",
+}
 
 
 def next_key() -> int:
@@ -51,6 +68,7 @@ class CommCounter:
 
     elements: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(COLLECTIVES, 0))
     bytes: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(COLLECTIVES, 0))
+    graphs: set[int] = dataclasses.field(default_factory=set)  # captured graphs (compile order) that ran
 
     def add(self, kind: str, full_numel: int, itemsize: int, world_size: int) -> None:
         factor = 2 if kind == "all_reduce" else 1
@@ -61,13 +79,83 @@ class CommCounter:
         for kind in COLLECTIVES:
             self.elements[kind] += other.elements[kind]
             self.bytes[kind] += other.bytes[kind]
+        self.graphs |= other.graphs
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleEntry:
+    """One collective of a graph's communication schedule.
+
+    ``numel``: elements of the full (unsharded) buffer it moves; ``dtype``: e.g. ``"float32"``;
+    ``units``: indices of the units whose parameters or gradients it moves (``Runtime.units``).
+    """
+
+    kind: str
+    numel: int | str
+    dtype: str
+    units: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CommSchedule:
+    """The ordered collectives one compiled graph runs on every call, plus a digest of them.
+
+    ``label`` names the graph on this rank (``"backward graph #1"``, numbered in compile order);
+    ``digest`` is a 63-bit hash of the graph kind and the entries, equal on every rank that runs
+    the same schedule. Activation shapes are not part of it: ranks may feed different sequence
+    lengths as long as they move the same parameters in the same order.
+    """
+
+    label: str
+    graph_kind: str
+    entries: tuple[ScheduleEntry, ...]
+    digest: int
+
+
+def schedule_of(graph: fx.Graph, graph_kind: str, label: str) -> CommSchedule:
+    """Read the communication schedule of a lowered graph (its functional collectives in order)."""
+    entries = []
+    for node in graph.nodes:
+        kind = _GRAPH_COLLECTIVES.get(node.target)
+        if kind is None:
+            continue
+        val = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+        tag = node.meta.get("zerograph", {})  # the passes' tag (zerograph.passes._fx.TAG)
+        units = tag.get("units", [tag["unit"]] if "unit" in tag else [])
+        numel = val.numel()  # parameter-sized, so static; kept as text should a pass ever make it symbolic
+        entries.append(ScheduleEntry(kind, numel if isinstance(numel, int) else str(numel),
+                                     str(val.dtype).removeprefix("torch."), tuple(units)))
+    # Python's hash() is salted per process, so ranks could never agree on it: use a fixed hash
+    text = repr((graph_kind, [dataclasses.astuple(e) for e in entries]))
+    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+    return CommSchedule(label, graph_kind, tuple(entries), digest)
+
+
+# substrings of the errors gloo and NCCL raise when a peer is gone or a collective timed out
+_COMM_FAILURE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out")
+
+
+def is_communication_failure(exc: BaseException) -> bool:
+    """True when ``exc`` comes from the communication layer rather than from the model's compute."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in _COMM_FAILURE_MARKERS)
 
 
 class Runtime:
-    """Per-compiled-model run-time state on this rank."""
+    """Per-compiled-model run-time state on this rank.
 
-    def __init__(self, group: dist.ProcessGroup, stage: int, layouts: list[ParamLayout], units: list[Unit]):
+    ``timeout_s`` (seconds) bounds the wait of the schedule check; ``device`` holds its tensors
+    (CPU for gloo, the rank's GPU for NCCL).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, stage: int, layouts: list[ParamLayout], units: list[Unit], *,
+                 timeout_s: float = 300.0, device: torch.device | str = "cpu"):
         self.group = group
+        self.timeout_s = timeout_s  # bound on the schedule check's wait (seconds)
+        self.device = torch.device(device)  # where the schedule check's tensors live (CUDA for NCCL)
+        self._graphs_seen = 0
         self.group_name = group.group_name
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -78,6 +166,8 @@ class Runtime:
         self.last: CommCounter | None = None
         self.backward_ran = False
         self.graph_memory: list[dict] = []  # per captured graph: {'forward'|'backward': liveness.Timeline}
+        self.requires_gradient_sync = True  # False: backward keeps full gradients here (no_sync)
+        self.unsynced: dict[int, torch.Tensor] = {}  # key -> full gradient summed while unsynced (reduce_dtype)
         for layout in layouts:
             _LAYOUTS[layout.key] = layout
             _RUNTIME_OF_KEY[layout.key] = weakref.ref(self)
@@ -91,38 +181,172 @@ class Runtime:
     def finished_step(self) -> CommCounter:
         return self.current if self.backward_ran or self.last is None else self.last
 
+    # -- agreement across ranks before each graph runs ---------------------------------------
+    def schedule(self, graph: fx.Graph, graph_kind: str) -> CommSchedule:
+        """The schedule of a newly lowered graph, labelled with its compile-order number."""
+        label = f"{graph_kind} graph #{self._graphs_seen}"
+        self._graphs_seen += 1
+        return schedule_of(graph, graph_kind, label)
+
+    def check_schedule(self, schedule: CommSchedule) -> None:
+        """Check, before a graph's first collective, that every rank is about to run the same schedule.
+
+        Costs one all-gather of two int64 per rank (digest, collective count: 16 bytes) per graph
+        call, one small latency-bound message; skipped at world size 1 and for graphs without
+        collectives (they cannot hang a peer). The wait is bounded by ``Config.timeout_s`` (and by
+        the process group's own timeout), so a peer that died or never calls the model makes this
+        rank raise instead of hang. Source: the fingerprint check that
+        ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (c10d's ``ProcessGroupWrapper``) runs before every
+        collective; here one comparison covers all the collectives of a graph.
+
+        Raises:
+            ScheduleMismatchError: on every rank, naming the first collective where rank 0 and the
+                first rank that differs from it disagree (kind, size, dtype, unit).
+            CollectiveError: the exchange failed or timed out (a peer rank is gone or stuck).
+        """
+        if self.world_size == 1 or not schedule.entries:
+            return
+        mine = torch.tensor([schedule.digest, len(schedule.entries)], dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.world_size * 2, dtype=torch.int64, device=self.device)  # (N * 2,)
+        start = time.monotonic()
+        try:
+            work = dist.all_gather_single(everyone, mine, group=self.group, async_op=True)
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise CollectiveError(self.failure_message(f"the schedule check before {schedule.label}",
+                                                       schedule, exc, time.monotonic() - start)) from exc
+        digests = everyone.view(self.world_size, 2)[:, 0].tolist()
+        if any(d != digests[0] for d in digests):
+            self._raise_mismatch(schedule, digests)
+
+    def _raise_mismatch(self, schedule: CommSchedule, digests: list[int]) -> None:
+        """Every rank saw the same digests, so every rank comes here and raises the same message."""
+        peers: list = [None] * self.world_size
+        try:  # the error path only: the full schedules, to name the difference
+            dist.all_gather_object(peers, (schedule.label, schedule.entries), group=self.group)
+        except RuntimeError as exc:
+            what = "exchanging schedules after a mismatch"
+            raise CollectiveError(self.failure_message(what, schedule, exc, 0.0)) from exc
+        other = next(r for r, d in enumerate(digests) if d != digests[0])
+        same = [r for r, d in enumerate(digests) if d == digests[0]]
+        raise ScheduleMismatchError(self._describe_mismatch(peers[0], other, peers[other])
+                                    + f" (ranks with rank 0's schedule: {same}; this is rank {self.rank})")
+
+    def _describe_mismatch(self, first: tuple, other: int, second: tuple) -> str:
+        (label_a, a), (label_b, b) = first, second
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if i == len(a) == len(b):
+            where = "the same collectives in graphs of different kinds"
+        else:
+            where = (f"collective {i}: rank 0 runs {self._entry_text(a, i)}, "
+                     f"rank {other} runs {self._entry_text(b, i)}")
+        return (f"ranks diverged before communicating: rank 0 is about to run {label_a} ({len(a)} collectives) "
+                f"and rank {other} {label_b} ({len(b)} collectives); they differ at {where}. Every rank must "
+                "run the same collectives in each step: the same model (parameter shapes and dtypes) and "
+                "the same layers used in the same order; only activation shapes, such as sequence "
+                "lengths, may differ between ranks. Look for rank- or data-dependent control flow that "
+                "skips or repeats a layer on some ranks")
+
+    def _entry_text(self, entries: tuple[ScheduleEntry, ...], i: int) -> str:
+        if i >= len(entries):
+            return f"nothing (its schedule ends after {len(entries)} collectives)"
+        e = entries[i]
+        names = ", ".join(repr(self.units[u].name) if 0 <= u < len(self.units) else str(u) for u in e.units)
+        numel = f"{e.numel:,}" if isinstance(e.numel, int) else e.numel
+        return f"{e.kind} of {numel} {e.dtype} elements for unit {names or '?'}"
+
+    def failure_message(self, what: str, schedule: CommSchedule, exc: BaseException, waited_s: float) -> str:
+        """Text of a ``CollectiveError``: which graph and collective, and the likely cause."""
+        return (f"rank {self.rank}: {what} failed after {waited_s:.1f} s; the graph's first collective is "
+                f"{self._entry_text(schedule.entries, 0)}. A peer rank probably died, raised before "
+                "reaching this graph, or is stuck elsewhere: check the other ranks' logs. The schedule check "
+                f"waits at most Config.timeout_s ({self.timeout_s:g} s here), collectives inside a graph the "
+                f"process group's timeout. Cause: {type(exc).__name__}: {exc}")
+
+    def run_graph(self, schedule: CommSchedule, compiled: Callable[[list], Any], args: list) -> Any:
+        """Run a lowered graph; a communication failure inside it becomes a ``CollectiveError``
+        naming the graph (chaining gloo's or NCCL's own error), any other error passes unchanged."""
+        start = time.monotonic()
+        try:
+            return compiled(args)
+        except RuntimeError as exc:
+            if isinstance(exc, CollectiveError) or not schedule.entries or not is_communication_failure(exc):
+                raise
+            what = f"a collective of {schedule.label}"
+            raise CollectiveError(self.failure_message(what, schedule, exc, time.monotonic() - start)) from exc
+
+    # -- gradient synchronisation switch (FSDP2's set_requires_gradient_sync) ------------------
+    def grad_mode(self) -> str:
+        """What the next forward's backward does with full gradients (``sharding.GRAD_MODES``):
+        keep them here while sync is off, add the kept ones before reducing once it is back on,
+        else reduce them (the only mode, and graph, of a run that never turns sync off)."""
+        if not self.requires_gradient_sync:
+            return GRAD_ACCUMULATE
+        return GRAD_FLUSH if self.unsynced else GRAD_SYNC
+
+    def unsynced_bytes(self) -> int:
+        """Bytes of full gradients held while gradient sync is off (Ψ in ``reduce_dtype`` at most)."""
+        return sum(t.numel() * t.element_size() for t in self.unsynced.values())
+
+    def accumulate_unsynced(self, grad: torch.Tensor, key: int) -> torch.Tensor:
+        """Add a full gradient to ``key``'s unsynced buffer, in ``reduce_dtype`` (FSDP2 also
+        accumulates unsharded gradients in the reduce dtype). No collective. Returns zeros of the
+        local shard shape in the parameter's dtype: the shard's gradient for this micro-batch."""
+        layout = self.layouts[key]
+        self.backward_ran = True
+        held = self.unsynced.get(key)
+        if held is None:
+            # a contiguous copy of our own: the graph may reuse grad's storage
+            self.unsynced[key] = grad.to(layout.reduce_dtype, copy=True, memory_format=torch.contiguous_format)
+        else:
+            held.add_(grad)
+        return grad.new_zeros(self.local_shape(key), dtype=layout.dtype)
+
+    def take_unsynced(self, grad: torch.Tensor, key: int) -> torch.Tensor:
+        """``grad`` plus ``key``'s unsynced buffer, in ``reduce_dtype`` (a new tensor); forgets the buffer."""
+        out = grad.to(self.layouts[key].reduce_dtype, copy=True, memory_format=torch.contiguous_format)
+        held = self.unsynced.pop(key, None)
+        return out if held is None else out.add_(held)
+
     # -- eager fallback of the graph markers ------------------------------------------------
     def local_shape(self, key: int) -> tuple[int, ...]:
         return self.layouts[key].local_shape(self.rank)
 
     def unshard_eager(self, shard: torch.Tensor, key: int) -> torch.Tensor:
-        """All-gather one parameter outside a graph. ``shard``: (local_rows, *rest) -> full shape."""
+        """All-gather one parameter outside a graph. ``shard``: (local_rows, *rest) -> full shape,
+        in ``param_dtype`` (cast before sending, as the graphs' copy-in does)."""
         layout = self.layouts[key]
+        shard = shard.to(layout.param_dtype)
         if not layout.sharded or self.world_size == 1:
             return shard.clone()
         padded = _pad_rows(shard, layout.chunk_rows)
         gathered = shard.new_empty((self.world_size * layout.chunk_rows, *layout.shape[1:]))
-        dist.all_gather_into_tensor(gathered, padded, group=self.group)
+        dist.all_gather_single(gathered, padded, group=self.group)
         self.current.add("all_gather", gathered.numel(), gathered.element_size(), self.world_size)
         return gathered[: layout.shape[0]].clone()
 
-    def reduce_grad_eager(self, grad: torch.Tensor, key: int) -> torch.Tensor:
+    def reduce_grad_eager(self, grad: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> torch.Tensor:
         """Average one full gradient across ranks outside a graph: reduce-scatter to this rank's
-        shard (stages 1-3) or all-reduce (stage 0). ``grad``: full shape -> local shard shape."""
+        shard (stages 1-3) or all-reduce (stage 0), in ``reduce_dtype``. ``grad``: full shape ->
+        local shard shape in the parameter's dtype. ``grad_mode`` as ``ops.reduce_grad``'s (at world
+        size 1 nothing is worth keeping: every mode hands the gradient straight to the shard)."""
         layout = self.layouts[key]
         self.backward_ran = True
         if self.world_size == 1:
-            return grad.clone()
+            return grad.to(layout.reduce_dtype).to(layout.dtype, copy=True)
+        if grad_mode == GRAD_ACCUMULATE:
+            return self.accumulate_unsynced(grad, key)
+        grad = self.take_unsynced(grad, key) if grad_mode == GRAD_FLUSH else grad.to(layout.reduce_dtype)
         if not layout.sharded:
             out = grad.contiguous().clone()
             dist.all_reduce(out, group=self.group)
             self.current.add("all_reduce", out.numel(), out.element_size(), self.world_size)
-            return out.div_(self.world_size)
+            return out.div_(self.world_size).to(layout.dtype)
         padded = _pad_rows(grad, self.world_size * layout.chunk_rows)
         out = grad.new_empty((layout.chunk_rows, *layout.shape[1:]))
         dist.reduce_scatter_tensor(out, padded, group=self.group)
         self.current.add("reduce_scatter", padded.numel(), padded.element_size(), self.world_size)
-        return out[: layout.rank_rows[self.rank]].div_(self.world_size).clone()
+        return out[: layout.rank_rows[self.rank]].div_(self.world_size).to(layout.dtype, copy=True)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -13,14 +13,16 @@ runs eagerly (a graph break) runs the marker's real implementation and still see
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
-from .errors import ShardingError
+from .errors import ModelChangedError, ShardingError
 
 ROOT_UNIT = "<root>"
 
@@ -39,6 +41,11 @@ class ParamLayout:
         sharded: False at stage 0 and for 0-d parameters (every rank holds the full tensor).
         rank_rows: rows held by each rank, ``len == world_size`` (unpadded).
         chunk_rows: padded rows per rank, ``c = ceil(rows / N)`` (``rows`` when not sharded).
+        param_dtype: dtype of the full parameter forward and backward compute with, and of the
+            all-gather that makes it (mixed precision casts the shard in the copy-in); ``None``
+            given means ``dtype``. Source: FSDP2's ``MixedPrecisionPolicy.param_dtype``.
+        reduce_dtype: dtype its gradient is reduced in; the reduced shard is cast back to
+            ``dtype`` for ``.grad``. ``None`` given means ``param_dtype`` (FSDP2's default).
     """
 
     key: int
@@ -50,6 +57,15 @@ class ParamLayout:
     sharded: bool
     rank_rows: tuple[int, ...]
     chunk_rows: int
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        # resolve the defaults once, so that no reader ever sees None
+        if self.param_dtype is None:
+            object.__setattr__(self, "param_dtype", self.dtype)
+        if self.reduce_dtype is None:
+            object.__setattr__(self, "reduce_dtype", self.param_dtype)
 
     @property
     def numel(self) -> int:
@@ -82,9 +98,13 @@ class Unit:
     keys: tuple[int, ...]
 
 
-def make_layout(key: int, fqn: str, unit: int, param: torch.Tensor, world_size: int, sharded: bool) -> ParamLayout:
+def make_layout(key: int, fqn: str, unit: int, param: torch.Tensor, world_size: int, sharded: bool,
+                param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> ParamLayout:
     """Layout of one parameter. A 0-d parameter (a learned scale) has no dim 0 to shard: it stays
-    replicated on every rank at every stage and its gradient is all-reduced."""
+    replicated on every rank at every stage and its gradient is all-reduced. ``param_dtype`` and
+    ``reduce_dtype`` apply to floating-point parameters only (an integer parameter is never cast)."""
+    if not param.is_floating_point():
+        param_dtype = reduce_dtype = None
     sharded = sharded and param.dim() > 0
     rows = param.shape[0] if param.dim() else 1
     if sharded:
@@ -92,7 +112,8 @@ def make_layout(key: int, fqn: str, unit: int, param: torch.Tensor, world_size: 
         rank_rows = tuple(max(0, min(chunk, rows - r * chunk)) for r in range(world_size))
     else:
         chunk, rank_rows = rows, (rows,) * world_size
-    return ParamLayout(key, fqn, unit, tuple(param.shape), param.dtype, world_size, sharded, rank_rows, chunk)
+    return ParamLayout(key, fqn, unit, tuple(param.shape), param.dtype, world_size, sharded, rank_rows, chunk,
+                       param_dtype, reduce_dtype)
 
 
 def find_units(model: nn.Module, unit_classes: tuple[type[nn.Module], ...] | None) -> list[tuple[str, nn.Module]]:
@@ -146,6 +167,25 @@ def set_gathering(active: bool) -> bool:
     return previous
 
 
+# What the backward of the running forward does with each full gradient (the markers' grad_mode):
+GRAD_SYNC = "sync"              # reduce it into this rank's shard of .grad (the default)
+GRAD_ACCUMULATE = "accumulate"  # requires_gradient_sync off: add it to the runtime's full-size buffer
+GRAD_FLUSH = "flush"            # sync after unsynced micro-batches: add the buffer, then reduce once
+GRAD_MODES = (GRAD_SYNC, GRAD_ACCUMULATE, GRAD_FLUSH)
+
+# Set by the compiled model's forward from its runtime (as _gathering is). The parameter
+# properties read it, so Dynamo guards on it: each mode traces, and caches, its own graphs.
+_grad_mode = GRAD_SYNC
+
+
+def set_grad_mode(mode: str) -> str:
+    """Set the gradient mode of the forwards that follow (one of ``GRAD_MODES``); returns the previous."""
+    global _grad_mode
+    assert mode in GRAD_MODES, mode
+    previous, _grad_mode = _grad_mode, mode
+    return previous
+
+
 def _param_property(name: str, key: int) -> property:
     from .ops import unshard  # local import: ops imports runtime state
 
@@ -153,9 +193,45 @@ def _param_property(name: str, key: int) -> property:
         shard = self._parameters[name]
         if not _gathering:
             return shard
-        return unshard(shard.to_local(), key)
+        # without autograd there is no backward to configure: one graph serves every mode
+        mode = _grad_mode if torch.is_grad_enabled() else GRAD_SYNC
+        return unshard(shard.to_local(), key, mode)
 
     return property(get, doc=f"parameter {name!r}: the full tensor inside forward, this rank's DTensor shard outside")
+
+
+def _forward_inside_model_only(cls: type[nn.Module], fqn: str) -> Callable[..., object]:
+    """``cls.forward``, refusing to run outside the compiled model's forward.
+
+    Outside it the module's parameters are this rank's shards, so a direct call, or a separate
+    ``torch.compile`` of the submodule, would fail deep inside DTensor ("got mixed torch.Tensor and
+    DTensor") or run a collective only this rank joins. Dynamo traces through the check: it reads
+    the same flag the parameter properties already read, so no guard is added.
+    """
+    base = cls.forward
+
+    @functools.wraps(base)
+    def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
+        if not _gathering:
+            raise ShardingError(
+                f"submodule {fqn!r} ({cls.__name__}) was called on its own, outside the forward of the model "
+                "zerograph.compile sharded; there its parameters are this rank's DTensor shards. Call the "
+                "compiled model itself: zerograph captures its whole forward, so do not torch.compile or "
+                "call its submodules separately (to choose how parameters are grouped, pass "
+                "Config(unit_classes=...) to zerograph.compile; to run a part alone, zerograph.compile that "
+                "part as its own model instead)")
+        return base(self, *args, **kwargs)
+
+    return forward
+
+
+def sharded_parameter(model: nn.Module) -> str | None:
+    """Name of the first parameter of ``model`` that is sharded already (by zerograph or as any
+    ``DTensor``, e.g. by FSDP2's ``fully_shard``), or ``None``."""
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            return name
+    return None
 
 
 def shard_module_(
@@ -164,12 +240,19 @@ def shard_module_(
     stage: int,
     units: list[tuple[str, nn.Module]],
     new_key: Callable[[], int],
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    full_precision_classes: tuple[type[nn.Module], ...] = (),
 ) -> tuple[list[ParamLayout], list[Unit]]:
     """Replace every parameter of ``model`` by this rank's ``DTensor`` shard, in place.
 
     Tied parameters (one ``nn.Parameter`` object reachable under several names or modules) are
     sharded once and stay one object, so an optimizer sees them once and the gradients of every
-    use sum into it. ``requires_grad`` is kept.
+    use sum into it. ``requires_grad`` and the dtype are kept: with mixed precision the shards are
+    the master weights, and ``param_dtype`` / ``reduce_dtype`` (``Config``'s) are recorded in the
+    layouts for the passes, except for parameters of ``full_precision_classes`` modules. Buffers
+    are left untouched.
 
     Returns the layouts in key order and the units (index 0 is the root unit).
     """
@@ -187,13 +270,17 @@ def shard_module_(
             param = mod._parameters[name]
             if id(param) not in new_param_of:
                 fqn = f"{mod_name}.{name}" if mod_name else name
-                layout = make_layout(new_key(), fqn, owner.get(id(mod), 0), param, world_size, sharded)
+                cast = not isinstance(mod, full_precision_classes)
+                layout = make_layout(new_key(), fqn, owner.get(id(mod), 0), param, world_size, sharded,
+                                     param_dtype if cast else None, reduce_dtype if cast else None)
                 layouts.append(layout)
                 new_param_of[id(param)] = (_make_shard(param, layout, mesh, rank), layout.key)
             new_param, key = new_param_of[id(param)]
             mod._parameters[name] = new_param
             props[name] = _param_property(name, key)
         cls = type(mod)
+        if mod is not model and cls.forward is not nn.Module.forward:
+            props["forward"] = _forward_inside_model_only(cls, mod_name)
         mod.__class__ = type(f"Sharded{cls.__name__}", (cls, _ShardedParamAccess), props)
     unit_keys: list[list[int]] = [[] for _ in range(len(units) + 1)]
     for layout in layouts:
@@ -215,3 +302,104 @@ def _make_shard(param: nn.Parameter, layout: ParamLayout, mesh: DeviceMesh, rank
     dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=data.shape, stride=data.stride())
     return nn.Parameter(dt, requires_grad=param.requires_grad)
 
+
+
+class ParameterWatch:
+    """Notices the parameter changes made after ``compile`` that the captured graphs cannot follow.
+
+    - ``requires_grad`` flipped: which gradients are reduced, and which parameters an optimizer
+      updates, was decided when the graphs were captured. Dynamo guards on ``requires_grad``, so a
+      flip recompiles the forward; ``check_trainable`` runs then (from the backend), so the steady
+      state costs nothing per step.
+    - a parameter registered (added or replaced) on a module of the model, or a submodule with
+      parameters added: ``torch.nn``'s global registration hooks record it as it happens
+      (``torch.nn.modules.module.register_module_parameter_registration_hook``), and
+      ``check_unchanged`` raises at the next forward (one list test per forward).
+
+    Freezing parameters *before* compile (the LoRA pattern) is recorded as the compiled state and
+    stays legal.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        named = list(model.named_parameters())  # a tied parameter once, under its first name
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.trainable = tuple(p.requires_grad for p in self.params)
+        self.shard_ids = {id(p) for p in self.params}
+        self.changes: list[str] = []  # what changed since compile, in the order it happened
+        for fqn, mod in model.named_modules():
+            _WATCHED.setdefault(mod, (self, fqn))
+        _install_registration_hooks()
+
+    def check_unchanged(self) -> None:
+        """Raise ``ModelChangedError`` if a parameter or submodule was registered since compile."""
+        if self.changes:
+            raise ModelChangedError(
+                f"{'; '.join(self.changes)} after zerograph.compile. The compiled model only knows the "
+                "parameters it sharded at compile time; add or replace parameters (e.g. LoRA adapters) "
+                "before calling zerograph.compile, or compile a fresh model. To load weights, use "
+                "load_state_dict without assign=True, which copies into the existing shards")
+
+    def check_trainable(self) -> None:
+        """Raise ``ModelChangedError`` if a parameter's ``requires_grad`` differs from compile time."""
+        now = tuple(p.requires_grad for p in self.params)
+        if now == self.trainable:
+            return
+        changed = [(n, was) for n, was, is_ in zip(self.names, self.trainable, now) if was != is_]
+        listed = ", ".join(f"{n!r} ({'trainable -> frozen' if was else 'frozen -> trainable'})"
+                           for n, was in changed[:5])
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        raise ModelChangedError(
+            f"requires_grad changed after zerograph.compile for {listed}{more}. Which gradients are "
+            "reduced and which parameters the optimizer shards is fixed when the model is compiled: set "
+            "requires_grad before zerograph.compile (as for LoRA), or compile a fresh model. To stop "
+            "updating a parameter for a while, leave it out of the optimizer step instead (e.g. a param "
+            "group with lr=0)")
+
+
+# module -> (its model's watch, its qualified name); weak, so a dropped model leaves no trace
+_WATCHED: "weakref.WeakKeyDictionary[nn.Module, tuple[ParameterWatch, str]]" = weakref.WeakKeyDictionary()
+_HOOKS_INSTALLED = False
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+# Both hooks return at once while Dynamo traces: a forward may build modules (slicing an
+# nn.ModuleList creates one), and tracing into the weak dictionary would make Dynamo guard on it.
+def _on_parameter_registered(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    if torch.compiler.is_compiling():
+        return
+    entry = _WATCHED.get(module)
+    if entry is None or param is module._parameters.get(name):  # not ours, or the same object again
+        return
+    watch, prefix = entry
+    verb = "replaced" if module._parameters.get(name) is not None else "added"
+    watch.changes.append(f"parameter {_qualified(prefix, name)!r} was {verb}")
+
+
+def _on_module_registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    if torch.compiler.is_compiling():
+        return
+    entry = _WATCHED.get(module)
+    if entry is None or submodule is None:
+        return
+    watch, prefix = entry
+    new = [n for n, p in submodule.named_parameters() if id(p) not in watch.shard_ids]
+    if new:
+        watch.changes.append(f"submodule {_qualified(prefix, name)!r} with parameters zerograph did not "
+                             f"shard ({', '.join(new[:3])}{', ...' if len(new) > 3 else ''}) was added")
+
+
+def _install_registration_hooks() -> None:
+    """Register the two process-wide hooks once; they cost a weak-dict lookup per registration."""
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    from torch.nn.modules.module import (register_module_module_registration_hook,
+                                         register_module_parameter_registration_hook)
+
+    register_module_parameter_registration_hook(_on_parameter_registered)
+    register_module_module_registration_hook(_on_module_registered)
+    _HOOKS_INSTALLED = True

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -10,6 +11,8 @@ from torch.distributed.tensor import DTensor
 from zerograph.passes.liveness import GRAD_ROLES, PARAM_ROLES
 
 from .api import state_of
+from .runtime import Runtime
+from .sharding import ParamLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,15 +26,18 @@ class Stats:
             ``"all_reduce"``), elements of the full tensors moved, padding included; an
             all-reduce counts twice its size (ZeRO paper section 7). Ideal: 2Ψ at stages 0-2, 3Ψ at 3.
         comm_bytes: the same collectives in bytes this rank sent (ring algorithms: (N-1)/N of the
-            buffer per all-gather or reduce-scatter, twice that per all-reduce).
+            buffer per all-gather or reduce-scatter, twice that per all-reduce), in the dtype each
+            moves: ``Config.param_dtype`` for all-gathers, ``Config.reduce_dtype`` for reductions.
         resident_bytes: ``"params"``, ``"grads"``, ``"optimizer_states"``: the most bytes of each
             held at once during the step. Params: this rank's shards plus the gathered full
             parameters alive at once (liveness over the compiled graphs); grads: unreduced full
-            gradients plus reduced shards alive at once in backward (or the ``.grad`` shards, if
-            more); optimizer states: tensors in ``optimizer.state`` for these parameters (the
-            0-d step counters excluded); present only when the optimizer is passed.
+            gradients plus reduced shards alive at once in backward, plus the full gradients
+            kept while gradient sync is off (or the ``.grad`` shards, if more); optimizer
+            states: tensors in ``optimizer.state`` for these parameters (the 0-d step counters
+            excluded); present only when the optimizer is passed.
         formula_bytes: the same keys by the paper's section-5 formulas with this run's dtypes
-            (see ``formula_bytes``).
+            (see ``formula_bytes``): ``param_dtype`` for full parameters and gradients, the
+            parameters' own (master) dtype for shards and ``.grad``.
         transient_bytes: the part of ``resident_bytes`` the formulas leave out or hold only for
             part of the step: ``"params"``, gathered full parameters alive at once (all of them
             at stages 1-2, the units in flight at stage 3); ``"grads"``, full gradients and
@@ -48,24 +54,46 @@ class Stats:
     transient_bytes: dict[str, int]
 
 
-def formula_bytes(stage: int, world_size: int, num_params: int, param_bytes: int, grad_bytes: int,
-                  optimizer_bytes: int | None) -> dict[str, float]:
+def formula_bytes(stage: int, world_size: int, num_params: int, param_bytes: float, grad_bytes: float,
+                  optimizer_bytes: int | None, *, master_bytes: float | None = None,
+                  grad_shard_bytes: float | None = None) -> dict[str, float]:
     """Per-rank model-state bytes by the ZeRO paper's formulas (arXiv 1910.02054, section 5).
 
-    ``param_bytes`` / ``grad_bytes`` / ``optimizer_bytes``: bytes per element (fp32 Adam: 4, 4, 8).
-    Stages 1-2 keep the compute copy of every parameter (p·Ψ) and, when N > 1, the shard the
-    optimizer updates (p·Ψ/N): in the paper's mixed precision that shard is the fp32 master inside K;
-    in fp32 training it is a separate copy too, as in DeepSpeed's ZeRO-1/2.
+    Bytes per element: ``param_bytes``, of the full parameters compute uses (``param_dtype``: the
+    paper's fp16, 2); ``grad_bytes``, of the full gradients (the same dtype); ``optimizer_bytes``,
+    of the optimizer's own states (Adam's m and v in fp32: 8; ``None`` leaves the key out);
+    ``master_bytes``, of the shards the optimizer updates (the fp32 master weights: 4; default
+    ``param_bytes``); ``grad_shard_bytes``, of the reduced gradient shards in ``.grad`` (the
+    master's dtype; default ``grad_bytes``). fp32 training: 4, 4, 8, 4, 4.
+
+    Params: the master shard (m·Ψ at stage 0, m·Ψ/N above) plus, at stages 0-2, the compute copy
+    (p·Ψ) where it is a separate tensor: always at stages 1-2 when N > 1 (the gathered parameters,
+    kept from forward to the end of backward, as in DeepSpeed's ZeRO-1/2), and whenever
+    ``master_bytes != param_bytes`` (mixed precision casts). The paper counts the fp32 master in K;
+    zerograph's master is the parameter itself, so it is counted here and ``optimizer_states`` holds
+    only the optimizer's buffers. Stage 3's gathered units are transient and left out.
+    Grads: full gradients (g·Ψ) at stages 0-1, reduced shards (g_shard·Ψ/N) at stages 2-3.
+    Floats, since Ψ/N need not be whole.
     """
     psi, n = num_params, world_size
-    params = {0: param_bytes * psi, 1: param_bytes * psi, 2: param_bytes * psi, 3: param_bytes * psi / n}[stage]
-    if stage in (1, 2) and n > 1:
-        params += param_bytes * psi / n
-    grads = grad_bytes * psi if stage <= 1 else grad_bytes * psi / n
+    master = param_bytes if master_bytes is None else master_bytes
+    grad_shard = grad_bytes if grad_shard_bytes is None else grad_shard_bytes
+    separate_copy = master != param_bytes or (stage in (1, 2) and n > 1)
+    params = master * psi / (n if stage >= 1 else 1)
+    if stage <= 2 and separate_copy:
+        params += param_bytes * psi
+    grads = grad_bytes * psi if stage <= 1 else grad_shard * psi / n
     out = {"params": params, "grads": grads}
     if optimizer_bytes is not None:
         out["optimizer_states"] = optimizer_bytes * psi / (n if stage >= 1 else 1)
     return out
+
+
+def _bytes_per_element(rt: Runtime, dtype_of: Callable[[ParamLayout], torch.dtype]) -> float:
+    """Parameter-weighted bytes per element of one dtype role over all layouts (exact for a model
+    of one dtype, the right average for a mix, e.g. fp32 batch norms beside bf16 weights)."""
+    total = sum(layout.numel for layout in rt.layouts.values())
+    return sum(layout.numel * dtype_of(layout).itemsize for layout in rt.layouts.values()) / total
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -82,8 +110,15 @@ def stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> S
     params = list(model.parameters())
     shard_bytes = sum(_local(p).numel() * _local(p).element_size() for p in params)
     grad_shard_bytes = sum(_local(p.grad).numel() * _local(p.grad).element_size() for p in params if p.grad is not None)
-    gathered = sum(max((m[k].peak(PARAM_ROLES) for k in m), default=0) for m in rt.graph_memory)
-    grads_peak = sum(m["backward"].peak(GRAD_ROLES) for m in rt.graph_memory if "backward" in m)
+    # the frames of the last step: graphs that ran in it (not an eval-only graph, nor the other
+    # variant of a recompiled or no-sync graph)
+    step = rt.finished_step()
+    ran = [m for graph_id, m in enumerate(rt.graph_memory) if graph_id in step.graphs]
+    gathered = sum(max((m[k].peak(PARAM_ROLES) for k in ("forward", "backward") if k in m), default=0)
+                   for m in ran)
+    grads_peak = sum(m["backward"].peak(GRAD_ROLES) for m in ran if "backward" in m)
+    # full gradients the runtime holds while gradient sync is off (set_requires_gradient_sync)
+    grads_peak += rt.unsynced_bytes()
     resident = {"params": shard_bytes + gathered, "grads": max(grads_peak, grad_shard_bytes)}
     transient = {"params": gathered, "grads": resident["grads"] - grad_shard_bytes}
     opt_bytes_per_elem = None
@@ -99,9 +134,9 @@ def stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> S
             v.element_size() for st in list(optimizer.state.values())[:1]
             for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     num_params = sum(layout.numel for layout in rt.layouts.values())
-    first = next(iter(rt.layouts.values()))
-    itemsize = torch.empty((), dtype=first.dtype).element_size()
-    step = rt.finished_step()
+    compute = _bytes_per_element(rt, lambda layout: layout.param_dtype)  # full params and full grads
+    master = _bytes_per_element(rt, lambda layout: layout.dtype)  # shards and their .grad
+    formula = formula_bytes(rt.stage, rt.world_size, num_params, compute, compute, opt_bytes_per_elem,
+                            master_bytes=master, grad_shard_bytes=master)
     return Stats(rt.stage, rt.world_size, num_params, dict(step.elements), dict(step.bytes), resident,
-                 formula_bytes(rt.stage, rt.world_size, num_params, itemsize, itemsize, opt_bytes_per_elem),
-                 transient)
+                 formula, transient)

@@ -1,0 +1,155 @@
+"""Gradient accumulation (issue 7, pattern 7): 4 micro-batches per optimizer step, stages 1-3 on 2
+ranks, with gradient sync on every micro-batch and with sync off on the first 3
+(``set_requires_gradient_sync(False)``, FSDP2's switch, or DDP's ``no_sync()`` context). Both must
+equal single-process training on the full batch (loss = mean of the micro-batch losses, gradients
+accumulated the same way) to 1e-5, gradients after each step's accumulation and parameters after
+each optimizer step, for 2 steps.
+
+One spawn runs every case (``tests.workers_precision.accumulation_runs``, about 15 s on 2 cores):
+a model with a tied weight and a 0-d scale per stage and mode, and a model with a graph break
+(eager frames accumulate through the runtime's fallback) at stage 3 without sync.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+
+import zerograph
+
+from .distributed import spawn
+from .models import build, global_batch, reference_training
+from .workers_precision import ACC_STEPS, MICRO, accumulation_reference, accumulation_runs, build_acc
+
+STAGES = (1, 2, 3)
+WORLD_SIZE = 2
+ATOL = RTOL = 1e-5
+CASES = tuple((name, stage, every) for stage in STAGES for name, every in (("accum", True), ("accum", False))) \
+    + (("mlp_break", 3, False),)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    per_rank = spawn(accumulation_runs, WORLD_SIZE, CASES, timeout_s=600)
+    return {case: [rank_out[case] for rank_out in per_rank] for case in CASES}
+
+
+def run_of(runs: dict, case: tuple) -> list[dict]:
+    for rank, result in enumerate(runs[case]):
+        if isinstance(result, str):
+            pytest.fail(f"{case} raised on rank {rank}:\n{result}", pytrace=False)
+    return runs[case]
+
+
+@functools.lru_cache(maxsize=None)
+def reference_of(name: str) -> dict:
+    return accumulation_reference(name)
+
+
+def micro_batches(result: dict, step: int) -> list[dict]:
+    return result["comm"][step * MICRO : (step + 1) * MICRO]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-stage{c[1]}-{'sync' if c[2] else 'no_sync'}")
+def test_matches_full_batch_reference(runs, case: tuple) -> None:
+    reference = reference_of(case[0])
+    for result in run_of(runs, case):
+        for step in range(ACC_STEPS):
+            for kind in ("grads", "params"):
+                assert result[kind][step].keys() == reference[kind][step].keys()
+                for name, value in reference[kind][step].items():
+                    torch.testing.assert_close(result[kind][step][name], value, rtol=RTOL, atol=ATOL,
+                                               msg=f"{kind} of {name} after step {step}")
+    initial = build_acc(case[0]).layers[0].weight.detach()
+    assert not torch.equal(reference["params"][0]["layers.0.weight"], initial)  # the test is not vacuous
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_sync_every_micro_batch_reduces_every_micro_batch(runs, stage: int) -> None:
+    for result in run_of(runs, ("accum", stage, True)):
+        comm = result["comm"]
+        assert comm[0]["reduce_scatter"] > 0 and comm[0]["all_reduce"] > 0  # sharded weights; the 0-d scale
+        assert all(c == comm[0] for c in comm)
+        assert result["unsynced_bytes"] == [0] * len(comm)
+        assert result["graphs"] == 1
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_no_sync_reduces_once_per_step(runs, stage: int) -> None:
+    """Micro-batches 1-3 run no reduction (forward still gathers); each rank holds the full fp32
+    gradient of every parameter meanwhile; the 4th reduces the sum once, moving what one synced
+    micro-batch moves, and the buffers are empty again. Step 0 switched with
+    ``set_requires_gradient_sync``, step 1 with ``no_sync()``: the same counts."""
+    synced = run_of(runs, ("accum", stage, True))[0]["comm"][0]
+    for result in run_of(runs, ("accum", stage, False)):
+        for step in range(ACC_STEPS):
+            comm = micro_batches(result, step)
+            for inner in comm[:-1]:
+                assert inner == dict(synced, reduce_scatter=0, all_reduce=0)
+            assert comm[-1] == synced
+            held = result["unsynced_bytes"][step * MICRO : (step + 1) * MICRO]
+            assert held == [result["trainable_bytes"]] * (MICRO - 1) + [0]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_no_sync_compiles_an_accumulating_and_a_flushing_backward(runs, stage: int) -> None:
+    """Two graphs, chosen by a Dynamo guard on the mode: the accumulating backward hands every
+    parameter's full gradient to the runtime (``accumulate_unsynced``) and runs no reduction; the
+    flushing one adds the held gradient (``take_unsynced``) in each reduction's copy-in and runs
+    the reductions of a synced backward."""
+    synced = run_of(runs, ("accum", stage, True))[0]["backward"][0]["collectives"]
+    for result in run_of(runs, ("accum", stage, False)):
+        assert result["graphs"] == 2
+        accumulate, flush = result["backward"]
+        assert accumulate["accumulate"] == result["num_params"] and accumulate["take"] == 0
+        assert [c for c in accumulate["collectives"] if c[0] != "all_gather"] == []
+        assert flush["take"] == result["num_params"] and flush["accumulate"] == 0
+        assert flush["collectives"] == synced
+
+
+def test_graph_break_eager_frames_accumulate_too(runs) -> None:
+    """The eager frame's reductions (the last Linear) are skipped and flushed like the graphs'."""
+    for result in run_of(runs, ("mlp_break", 3, False)):
+        for step in range(ACC_STEPS):
+            comm = micro_batches(result, step)
+            assert [c["reduce_scatter"] for c in comm[:-1]] == [0] * (MICRO - 1)
+            assert comm[-1]["reduce_scatter"] > 0
+
+
+# -- world size 1 and the switch itself, in this process --------------------------------------------
+
+def test_world_size_1_accumulates_straight_into_grad() -> None:
+    """One rank has nothing to synchronise: without sync the gradients go to ``.grad`` at once,
+    no buffer is held, and the step equals eager training on the full batch."""
+    torch._dynamo.reset()
+    model = zerograph.compile(build("mlp"), stage=3)
+    runtime = model._zerograph.runtime
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = global_batch("mlp", 0, 8)
+    for micro in range(MICRO):
+        with model.no_sync() if micro < MICRO - 1 else contextlib.nullcontext():
+            loss = model(x[2 * micro : 2 * micro + 2], y[2 * micro : 2 * micro + 2]) / MICRO
+        loss.backward()
+        assert runtime.unsynced_bytes() == 0
+    opt.step()
+    reference = reference_training("mlp", 1, 8, 1e-3)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.full_tensor(), reference["params"][name], rtol=RTOL, atol=ATOL)
+
+
+def test_no_sync_restores_the_previous_setting() -> None:
+    torch._dynamo.reset()
+    model = zerograph.compile(build("mlp"), stage=1)
+    runtime = model._zerograph.runtime
+    assert runtime.requires_gradient_sync
+    with pytest.raises(KeyError):
+        with model.no_sync():
+            assert not runtime.requires_gradient_sync
+            raise KeyError("inside")
+    assert runtime.requires_gradient_sync
+    model.set_requires_gradient_sync(False)
+    with model.no_sync():
+        pass
+    assert not runtime.requires_gradient_sync

@@ -1,0 +1,207 @@
+"""Mixed precision (issue 7, pattern 9): ``Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
+keeps fp32 master shards, gathers and computes in bf16, reduces gradients in fp32, and leaves
+buffers' dtypes and values alone; stages 1-3 on 2 ranks.
+
+One spawn runs every case (``tests.workers_precision.precision_runs``, about 40 s on 2 cores):
+the GPT with and without mixed precision per stage, a batch-norm model per stage, and a model with
+a graph break at stage 3. The world-size-1 tests run in this process.
+
+Tolerances. Against the fp32 reference the GPT can only agree to bf16 accuracy: bf16 keeps 8
+significant bits, so one rounding errs by up to 2^-9 (0.2%) and neighbouring values near the loss
+(5.5) are 2^-5 = 0.03 (0.6%) apart; the GPT's loss is itself a bf16 number (its cross-entropy runs
+on bf16 logits). ``LOSS_RTOL`` = 1e-2 allows under two such spacings; measured: at most 0.33%. The
+first step's gradients (same parameters on both sides) carry the rounding of every bf16 factor
+through two blocks' backward: ``GRAD_RTOL`` = 5e-2 in norm per parameter; measured: at most 2.1%
+(a mistake in the reduction, such as a missing 1/N or a lost rank's share, is off by 50% or more).
+Against the emulation of the same arithmetic (``mixed_reference``) the tolerance is fp32's 1e-5.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerograph
+from zerograph.errors import ConfigError
+from zerograph.stats import formula_bytes
+
+from .distributed import spawn
+from .models import build, global_batch, reference_training
+from .workers_precision import (BATCH, LR, MIXED, STEPS, build_bn, bn_batch, mixed_reference, mlp_batch,
+                                precision_runs)
+
+STAGES = (1, 2, 3)
+WORLD_SIZE = 2
+LOSS_RTOL = 1e-2  # bf16 against fp32 (module docstring)
+GRAD_RTOL = 5e-2
+ATOL = RTOL = 1e-5  # against the emulation of the same mixed-precision arithmetic
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    per_rank = spawn(precision_runs, WORLD_SIZE, STAGES, timeout_s=600)
+    return {key: [rank_out[key] for rank_out in per_rank] for key in per_rank[0]}
+
+
+def run_of(runs: dict, case: str, stage: int) -> list[dict]:
+    results = runs[case, stage]
+    for rank, result in enumerate(results):
+        if isinstance(result, str):
+            pytest.fail(f"{case} at stage {stage} raised on rank {rank}:\n{result}", pytrace=False)
+    return results
+
+
+@pytest.fixture(scope="module")
+def fp32_reference() -> dict:
+    reference = reference_training("gpt", STEPS, BATCH, LR)
+    model = build("gpt")
+    model(*global_batch("gpt", 0, BATCH)).backward()
+    reference["first_grads"] = {n: p.grad for n, p in model.named_parameters()}
+    return reference
+
+
+# -- the GPT against fp32 ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_gpt_losses_within_bf16_tolerance_of_fp32(runs, fp32_reference, stage: int) -> None:
+    fp32 = run_of(runs, "gpt_fp32", stage)[0]
+    assert fp32["losses"] == pytest.approx(fp32_reference["losses"], rel=RTOL, abs=ATOL)  # default: unchanged
+    for result in run_of(runs, "gpt", stage):
+        assert result["loss_dtype"] == "bfloat16"  # the forward really computed in bf16
+        assert result["losses"] == pytest.approx(fp32_reference["losses"], rel=LOSS_RTOL)
+        assert result["losses"] != pytest.approx(fp32["losses"], rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_gpt_gradients_within_bf16_tolerance_of_fp32(runs, fp32_reference, stage: int) -> None:
+    """First step (equal parameters): each parameter's averaged gradient, in norm."""
+    for result in run_of(runs, "gpt", stage):
+        assert result["first_grads"].keys() == fp32_reference["first_grads"].keys()
+        for name, ref in fp32_reference["first_grads"].items():
+            error = (result["first_grads"][name] - ref).norm() / ref.norm()
+            assert error < GRAD_RTOL, (name, error.item())
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_master_weights_gradients_and_optimizer_states_stay_fp32(runs, stage: int) -> None:
+    for result in run_of(runs, "gpt", stage):
+        assert result["param_dtypes"] == ["float32"]
+        assert result["grad_dtypes"] == ["float32"]
+        assert result["optimizer_state_dtypes"] == ["float32"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_all_gathers_move_half_the_bytes_of_fp32(runs, stage: int) -> None:
+    """Same elements as the fp32 run, gathered in bf16: half the bytes; reductions in fp32: the same."""
+    mixed = run_of(runs, "gpt", stage)[0]["stats"]
+    fp32 = run_of(runs, "gpt_fp32", stage)[0]["stats"]
+    assert mixed.comm_elements == fp32.comm_elements
+    assert mixed.comm_elements["all_gather"] > 0
+    assert 2 * mixed.comm_bytes["all_gather"] == fp32.comm_bytes["all_gather"]
+    assert mixed.comm_bytes["reduce_scatter"] == fp32.comm_bytes["reduce_scatter"] > 0
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_graphs_gather_in_bf16_and_reduce_in_fp32(runs, stage: int) -> None:
+    """The captured graphs themselves: every all-gather's output is bf16 (stage 3's backward
+    re-gathers too), every reduce-scatter's input fp32; the fp32 run gathers in fp32."""
+    for result in run_of(runs, "gpt", stage):
+        graphs = result["collectives"]
+        gathers = [c for kind in ("forward", "backward") for c in graphs[kind] if c[0] == "all_gather"]
+        reductions = [c for c in graphs["backward"] if c[0] != "all_gather"]
+        assert len(gathers) == (6 if stage == 3 else 3)  # root + 2 blocks, twice at stage 3
+        assert {dtype for _, dtype, _ in gathers} == {"bfloat16"}
+        assert len(reductions) == 3
+        assert {(kind, dtype) for kind, dtype, _ in reductions} == {("reduce_scatter", "float32")}
+    fp32 = run_of(runs, "gpt_fp32", stage)[0]["collectives"]
+    assert {dtype for kind in ("forward", "backward") for _, dtype, _ in fp32[kind]} == {"float32"}
+
+
+# -- batch norm, buffers, graph breaks: against the emulation -------------------------------------
+
+def check_against_emulation(results: list[dict], reference: dict) -> None:
+    for rank, result in enumerate(results):
+        assert result["losses"] == pytest.approx(reference["losses"], rel=RTOL, abs=ATOL)
+        assert result["params"].keys() == reference["params"].keys()
+        for name, value in reference["params"].items():
+            torch.testing.assert_close(result["params"][name], value, rtol=RTOL, atol=ATOL, msg=name)
+        assert result["param_dtypes"] == ["float32"] and result["grad_dtypes"] == ["float32"]
+        for name, value in reference["buffers"][rank].items():  # each rank keeps its own statistics
+            buffer = result["buffers"][name]
+            assert buffer.dtype == value.dtype, name
+            torch.testing.assert_close(buffer, value, rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_batch_norm_keeps_fp32_buffers_and_matches_the_emulation(runs, stage: int) -> None:
+    results = run_of(runs, "bn", stage)
+    check_against_emulation(results, mixed_reference(build_bn, bn_batch, WORLD_SIZE))
+    initial = dict(build_bn().named_buffers())
+    for result in results:
+        buffers = result["buffers"]
+        assert buffers["layers.1.running_mean"].dtype == buffers["layers.1.running_var"].dtype == torch.float32
+        assert not torch.equal(buffers["layers.1.running_mean"], initial["layers.1.running_mean"])  # it trained
+        assert buffers["layers.1.num_batches_tracked"].item() == STEPS
+        assert torch.equal(buffers["out_scale"], initial["out_scale"])  # a constant stays one
+    # the batch norm is a full-precision unit: gathered and reduced in fp32, the Linears in bf16
+    units = results[0]["units"]
+    for kind, dtype, unit_ids in results[0]["collectives"]["forward"]:
+        assert dtype == ("float32" if units[unit_ids[0]] == "layers.1" else "bfloat16"), (kind, unit_ids)
+
+
+def test_graph_break_eager_frames_gather_in_bf16(runs) -> None:
+    """The last Linear runs in an eager frame: the runtime's fallback casts, gathers, and
+    reduces in fp32 the way the graphs do, so the run equals the emulation."""
+    check_against_emulation(run_of(runs, "mlp_break", 3), mixed_reference(lambda: build("mlp_break"),
+                                                                          mlp_batch, WORLD_SIZE))
+
+
+# -- world size 1, in this process ------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_world_size_1_casts_without_communicating(stage: int) -> None:
+    torch._dynamo.reset()
+    model = zerograph.compile(build("mlp"), stage=stage, config=MIXED)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = mlp_batch(step)
+        loss = model(x.to(torch.bfloat16), y)
+        loss.backward()
+        assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    reference = mixed_reference(lambda: build("mlp"), mlp_batch, 1)
+    assert losses == pytest.approx(reference["losses"], rel=RTOL, abs=ATOL)
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.float32
+        torch.testing.assert_close(param.full_tensor(), reference["params"][name], rtol=RTOL, atol=ATOL)
+    graphs = model._zerograph.captured.graphs[0]
+    for kind in ("forward", "backward"):
+        targets = [str(n.target) for n in graphs[kind].graph.nodes if n.op == "call_function"]
+        assert not [t for t in targets if "_c10d_functional" in t]
+    forward_casts = [n for n in graphs["forward"].graph.nodes
+                     if n.target is torch.ops.aten._to_copy.default and n.meta["val"].dtype == torch.bfloat16]
+    assert len(forward_casts) >= 4  # every weight and bias, cast in the graph
+
+
+# -- configuration and formulas ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [("param_dtype", torch.int32), ("reduce_dtype", "bf16")])
+def test_config_rejects_non_float_dtypes(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field):
+        zerograph.Config(**{field: value})
+
+
+def test_formula_bytes_with_mixed_precision() -> None:
+    """bf16 compute copies (2 B), fp32 masters and ``.grad`` shards (4 B), Adam's m and v (8 B);
+    without mixed precision the formulas are the fp32 ones (4 B everywhere)."""
+    psi, n = 1000, 4
+    mixed = {s: formula_bytes(s, n, psi, 2, 2, 8, master_bytes=4, grad_shard_bytes=4) for s in range(4)}
+    assert mixed[0] == {"params": 4 * psi + 2 * psi, "grads": 2 * psi, "optimizer_states": 8 * psi}
+    assert mixed[1] == {"params": 2 * psi + 4 * psi / n, "grads": 2 * psi, "optimizer_states": 8 * psi / n}
+    assert mixed[2] == {"params": 2 * psi + 4 * psi / n, "grads": 4 * psi / n, "optimizer_states": 8 * psi / n}
+    assert mixed[3] == {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer_states": 8 * psi / n}
+    fp32 = {s: formula_bytes(s, n, psi, 4, 4, 8) for s in range(4)}
+    assert [fp32[s]["params"] for s in range(4)] == [4 * psi, 4 * psi + psi, 4 * psi + psi, psi]
+    assert formula_bytes(1, 1, psi, 4, 4, None) == {"params": 4 * psi, "grads": 4 * psi}  # one copy at N = 1
