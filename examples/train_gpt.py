@@ -100,6 +100,8 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if step % args.log_every == 0 or step == 1:
             stats = zerograph.stats(model, opt if step > 1 else None)
+        if step == args.steps and os.environ.get("ZEROGRAPH_DUMP"):
+            zerograph.explain(model, opt)  # the dump's summary.md, with this step's totals
         opt.step()
         opt.zero_grad()
         if step % args.log_every == 0 or step == 1:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import glob
-import importlib.util
 import json
 import os
 import re
@@ -57,6 +56,8 @@ def dump_worker(rank: int, world_size: int, dump_dir: str, off_dir: str) -> dict
     opt = _one_step(model, "gpt", rank, world_size)
     stats = zerograph.stats(model, opt)  # before zero_grad frees the gradient shards
     text = dump.explain(model, opt)
+    batch = rank_slice(global_batch("gpt", 1, 4), rank, world_size)
+    zerograph.measure(lambda: model(*batch).backward(), warmup=0, model=model)  # writes measured_schedule.json
     rt = model._zerograph.runtime
     return {
         "off_files": off_files,
@@ -223,18 +224,23 @@ def test_dot_parses_with_unit_clusters_and_trace_has_both_tracks(dumped):
     assert collectives == len(results[0]["units"]) and len(filled) >= collectives
     assert len(dot.get_edges()) > 0
 
-    if importlib.util.find_spec("zerograph.timeline") is None:
-        pytest.skip("zerograph.timeline is not there yet")
     step_collectives = collectives + len(_load(_graph_dirs(root)["graph0_backward"], "memory.json")["collectives"])
-    for path, expected in ((graph, collectives), (os.path.join(root, "rank0"), step_collectives)):
-        trace = _load(path, "schedule.json")["traceEvents"]
-        names = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
-        by_track = {}
-        for e in trace:
-            if e["ph"] == "X":
-                by_track.setdefault(names.get(e["tid"]), []).append(e)
-        assert by_track.get("compute") and by_track.get("comm")
-        assert len(by_track["comm"]) == expected  # one interval per collective
+    rank_dir = os.path.join(root, "rank0")
+    for path, name, expected in ((graph, "schedule.json", collectives), (rank_dir, "schedule.json", step_collectives),
+                                 (rank_dir, "measured_schedule.json", step_collectives)):
+        by_track = _trace_tracks(_load(path, name)["traceEvents"])
+        assert by_track.get("compute") and by_track.get("comm"), (path, name)
+        assert len(by_track["comm"]) == expected, (path, name)  # one interval per collective
+
+
+def _trace_tracks(trace: list[dict]) -> dict[str, list[dict]]:
+    """Chrome trace "X" events by the name of their thread (track)."""
+    names = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
+    by_track: dict[str, list[dict]] = {}
+    for e in trace:
+        if e["ph"] == "X":
+            by_track.setdefault(names.get(e["tid"]), []).append(e)
+    return by_track
 
 
 def test_summary_totals_equal_stats(dumped):

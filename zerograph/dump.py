@@ -742,5 +742,23 @@ def explain(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     return summary_markdown(report)
 
 
+def write_measured_schedule(model: torch.nn.Module, schedule: Any) -> str | None:
+    """Write a measured step (``zerograph.measure(..., model=model)``) as
+    ``<dump_dir>/rank<r>/measured_schedule.json``, a Chrome trace beside the predicted
+    ``schedule.json``. Returns the path, or ``None`` when dumping is off (nothing is written).
+
+    Raises ``ShardingError`` when ``model`` was not compiled by ``zerograph.compile``.
+    """
+    from .api import state_of
+
+    state = state_of(model)
+    dump_root = state.config.resolved_dump_dir()
+    if not dump_root:
+        return None
+    path = os.path.join(dump_root, f"rank{state.runtime.rank}", "measured_schedule.json")
+    _write_json(path, schedule.to_chrome_trace(pid=state.runtime.rank))
+    return path
+
+
 __all__ = ["GraphDump", "MEMORY_CATEGORIES", "build_report", "describe_changes", "explain", "finish_graph",
-           "memory_timeline", "readable_python", "summary_markdown", "write_summary"]
+           "memory_timeline", "readable_python", "summary_markdown", "write_measured_schedule", "write_summary"]

@@ -186,8 +186,10 @@ _COLLECTIVE_NAMES = {op._schema.name: kind for op, kind in COLLECTIVE_OPS.items(
 _WAIT_NAME = WAIT._schema.name
 
 
-def measure(step: Callable[[], Any], *, warmup: int = 1) -> Schedule:
+def measure(step: Callable[[], Any], *, warmup: int = 1, model: Any = None) -> Schedule:
     """Run ``step()`` ``warmup`` times, then once under ``torch.profiler``; return its schedule.
+    With ``model`` (a ``zerograph.compile``d model whose dump is on), the schedule is also written
+    to the dump as ``measured_schedule.json``.
 
     Compute events are the top-level operator events (nested ones are part of their parent) of
     the threads that run the step (not the process group's worker threads). Each functional
@@ -202,7 +204,12 @@ def measure(step: Callable[[], Any], *, warmup: int = 1) -> Schedule:
         step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
-    return schedule_from_profile(prof.events())
+    schedule = schedule_from_profile(prof.events())
+    if model is not None:
+        from .dump import write_measured_schedule
+
+        write_measured_schedule(model, schedule)
+    return schedule
 
 
 def schedule_from_profile(profile_events: Sequence[Any]) -> Schedule:
