@@ -4,7 +4,8 @@ Pre: the graph holds ``unshard(shard, key)`` markers (joint, forward or inferenc
 ``bucketing``'s bucket ids (a unit, or adjacent units up to a byte cap; without it, a parameter).
 Post: no marker is left. For each (bucket, param_dtype) with sharded parameters, in order of
 first use:
-    copy-in (cast each shard to ``param_dtype``, pad it to ``chunk_rows``, flatten, concatenate)
+    copy-in (cast each shard to ``param_dtype``, pad it to ``chunk_rows``, flatten, concatenate:
+    one ``zerograph::pack_shards`` node for a bucket of several parameters)
     -> all_gather_into_tensor -> wait_tensor -> copy-out views of each full parameter,
 inserted right before the bucket's first marker, so it is gathered once even when a parameter
 is used several times (tied weights). ``prefetch`` and ``schedule_overlap`` move the start and
@@ -27,6 +28,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
+from zerograph.kernels.ops import PACK_SHARDS
 from zerograph.ops import UNSHARD
 from zerograph.sharding import ParamLayout
 
@@ -45,15 +47,25 @@ def plan_gathers(graph: fx.Graph, ctx: PassContext) -> list[list[fx.Node]]:
     return group_markers(graph.find_nodes(op="call_function", target=UNSHARD), ctx)
 
 
+def _copy_in(shards: tuple[torch.Tensor, ...], layouts: list[ParamLayout]) -> torch.Tensor:
+    """This rank's send buffer, ``(sum shard_numel,)`` in ``param_dtype`` (mixed precision sends
+    the compute dtype): each shard padded to ``chunk_rows``, flattened, concatenated.
+
+    A bucket of several parameters is one ``zerograph::pack_shards`` node (the Triton pack kernel
+    on CUDA: one read and one write per element instead of a cast, a pad and a cat); a single
+    parameter keeps the plain ops (often no copy at all)."""
+    if len(shards) > 1:
+        return PACK_SHARDS(list(shards), [layout.chunk_rows for layout in layouts], 1, layouts[0].param_dtype)
+    (shard,), (layout,) = shards, layouts
+    shard = shard.to(layout.param_dtype)
+    missing = layout.chunk_rows - shard.shape[0]
+    padded = F.pad(shard, [0, 0] * (shard.dim() - 1) + [0, missing]) if missing else shard
+    return padded.reshape(-1)
+
+
 def _gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str):
     def gather(*shards: torch.Tensor) -> list[torch.Tensor]:
-        flat = []
-        for shard, layout in zip(shards, layouts):
-            shard = shard.to(layout.param_dtype)  # mixed precision: send the compute dtype
-            missing = layout.chunk_rows - shard.shape[0]
-            padded = F.pad(shard, [0, 0] * (shard.dim() - 1) + [0, missing]) if missing else shard
-            flat.append(padded.reshape(-1))
-        send = torch.cat(flat) if len(flat) > 1 else flat[0]  # (sum shard_numel,)
+        send = _copy_in(shards, layouts)  # (sum shard_numel,)
         gathered = funcol.all_gather_into_tensor(send, world_size, group_name)
         gathered = funcol.wait_tensor(gathered).view(world_size, -1)  # (N, sum shard_numel)
         outs, offset = [], 0

@@ -4,7 +4,7 @@ Pre: a backward graph holding ``reduce_grad(full_grad, key)`` markers, with ``bu
 ids (without it, each parameter is a bucket).
 Post: no marker is left; every trainable parameter's gradient is reduced exactly once. For each
 (bucket, dtype): copy-in (pad each full gradient to ``N * chunk_rows`` rows, lay the rank chunks side
-by side) -> ``reduce_scatter_tensor`` (stages 1-3) or ``all_reduce`` (stage 0 and 0-d parameters,
+by side; one ``zerograph::pack_shards`` node for a bucket of several parameters) -> ``reduce_scatter_tensor`` (stages 1-3) or ``all_reduce`` (stage 0 and 0-d parameters,
 buckets of whole gradients) -> ``wait_tensor`` -> divide by N (ranks' gradients are averaged, as DDP does) ->
 copy-out of each shard's rows. A parameter used several times (tied weights) has several markers;
 their gradients are summed first and reduced once.
@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from zerograph.kernels.ops import PACK_SHARDS
 from zerograph.ops import ACCUMULATE_UNSYNCED, REDUCE_GRAD, TAKE_UNSYNCED, grad_mode_of
 from zerograph.sharding import GRAD_ACCUMULATE, GRAD_FLUSH, ParamLayout
 
@@ -54,22 +55,38 @@ def plan_reductions(graph: fx.Graph, ctx: PassContext) -> list[list[fx.Node]]:
     return group_markers(graph.find_nodes(op="call_function", target=REDUCE_GRAD), ctx)
 
 
+def _copy_in(grads: tuple[torch.Tensor, ...], layouts: list[ParamLayout], world_size: int,
+             scatter: bool) -> torch.Tensor:
+    """The bucket's send buffer in ``reduce_dtype``. Reduce-scatter: ``(N * sum shard_numel,)``,
+    each full gradient padded to ``N * chunk_rows`` rows and the rank chunks side by side, so rank
+    ``r`` receives its rows of every gradient; all-reduce: the flattened gradients concatenated.
+
+    A bucket of several parameters is one ``zerograph::pack_shards`` node (the Triton pack kernel
+    on CUDA, casting on the fly); a single parameter keeps the plain ops (often no copy at all)."""
+    dtype = layouts[0].reduce_dtype  # group_markers keeps one reduce_dtype per bucket
+    if len(grads) > 1:
+        if scatter:
+            return PACK_SHARDS(list(grads), [layout.chunk_rows for layout in layouts], world_size, dtype)
+        flat = [g.reshape(-1) for g in grads]  # 0-d parameters too: pack cuts rows on dim 0
+        return PACK_SHARDS(flat, [layout.numel for layout in layouts], 1, dtype)
+    (grad,), (layout,) = grads, layouts
+    grad = grad.to(dtype)
+    if not scatter:
+        return grad.reshape(-1)
+    missing = world_size * layout.chunk_rows - grad.shape[0]
+    padded = F.pad(grad, [0, 0] * (grad.dim() - 1) + [0, missing]) if missing else grad
+    return padded.reshape(-1)  # (N * chunk numel,)
+
+
 def _reduce_fn(keys: list[int], layouts: list[ParamLayout], local_rows: list[int], world_size: int,
                group_name: str, scatter: bool, flush: bool):
     def reduce(*grads: torch.Tensor) -> list[torch.Tensor]:
         if flush:  # add what the unsynced micro-batches accumulated (already in reduce_dtype)
             grads = tuple(TAKE_UNSYNCED(g, k) for g, k in zip(grads, keys))
-        grads = tuple(g.to(layout.reduce_dtype) for g, layout in zip(grads, layouts))
+        send = _copy_in(grads, layouts, world_size, scatter)
         if scatter:
-            blocks = []
-            for grad, layout in zip(grads, layouts):
-                missing = world_size * layout.chunk_rows - grad.shape[0]
-                padded = F.pad(grad, [0, 0] * (grad.dim() - 1) + [0, missing]) if missing else grad
-                blocks.append(padded.reshape(world_size, layout.shard_numel))  # (N, chunk numel)
-            send = torch.cat(blocks, dim=1).reshape(-1) if len(blocks) > 1 else blocks[0].reshape(-1)
             out = funcol.wait_tensor(funcol.reduce_scatter_tensor(send, "sum", world_size, group_name))
         else:
-            send = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
             out = funcol.wait_tensor(funcol.all_reduce(send, "sum", group_name))
         out = out / world_size
         shards, offset = [], 0

@@ -12,7 +12,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-import torch
 import torch.fx as fx
 
 from zerograph.errors import PassError

@@ -13,7 +13,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition

@@ -4,6 +4,8 @@ plain-torch reference of the same signature.
 * :func:`adamw_step` - fused AdamW over a flat fp32 shard, optionally writing a bf16 copy.
 * :func:`pack` - shards -> one flat, cast, zero-padded send buffer.
 * :func:`unpack` - rank-major all-gathered buffer -> full parameter tensors.
+* ``torch.ops.zerograph.pack_shards`` (:mod:`.ops`) - ``pack`` as a registered operator with the
+  collectives' padding and rank-major layout, for the graph passes' copy-in.
 
 Dispatch: Triton for CUDA tensors, or for any tensors under ``TRITON_INTERPRET=1`` (the Triton
 interpreter, which must be set before the first Triton dispatch in the process), or with
@@ -11,7 +13,8 @@ interpreter, which must be set before the first Triton dispatch in the process),
 """
 from ._common import interpreter_requested
 from .adamw import adamw_step, adamw_step_reference
+from .ops import PACK_SHARDS, pack_shards, pack_shards_numel
 from .packing import default_chunk_rows, pack, pack_reference, unpack, unpack_reference
 
-__all__ = ["adamw_step", "adamw_step_reference", "default_chunk_rows", "interpreter_requested", "pack",
-           "pack_reference", "unpack", "unpack_reference"]
+__all__ = ["PACK_SHARDS", "adamw_step", "adamw_step_reference", "default_chunk_rows", "interpreter_requested",
+           "pack", "pack_reference", "pack_shards", "pack_shards_numel", "unpack", "unpack_reference"]
