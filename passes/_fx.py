@@ -222,9 +222,13 @@ def move_before(nodes: Sequence[fx.Node], point: fx.Node) -> None:
 def sink_to_first_use(nodes: Sequence[fx.Node], limit: fx.Node | None = None) -> None:
     """Move each of ``nodes`` down to just before its earliest user (or ``limit``, whichever is
     first), last node first, so that a chain stays in dependency order."""
-    for node in reversed(list(nodes)):
-        order = position(node.graph)
+    nodes = list(nodes)
+    if not nodes:
+        return
+    order: dict[fx.Node, float] = dict(position(nodes[0].graph))  # moving a node keeps the others' relative order
+    for node in reversed(nodes):
         candidates = list(node.users) + ([limit] if limit is not None else [])
         first = min(candidates, key=order.__getitem__)
-        if order[first] > order[node] + 1:
+        if order[first] > order[node] and first.prev is not node:  # only ever down
             first.prepend(node)
+            order[node] = (order.get(node.prev, -1.0) + order[first]) / 2
