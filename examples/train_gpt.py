@@ -54,7 +54,7 @@ def gb(n: float) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", type=int, default=3, help="ZeRO stage 0-3")
+    p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage 0-3")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--size", default="small", choices=sorted(SIZES), help="named model size")
     p.add_argument("--n-layer", type=int)
@@ -91,20 +91,21 @@ def main() -> None:
               f"{len(data):,} bytes of stdlib source", flush=True)
 
     tokens_per_step = args.batch_size * cfg.block_size
-    t0, first_loss = time.perf_counter(), None
+    t0, first_loss, logged = time.perf_counter(), None, 0
     for step in range(1, args.steps + 1):
         x, y = get_batch(train, args.batch_size, cfg.block_size, gen)
         x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
         loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if step % args.log_every == 0 or step == 1:
+        log = step % args.log_every == 0 or step in (1, args.steps)
+        if log:
             stats = zerograph.stats(model, opt if step > 1 else None)
         if step == args.steps and os.environ.get("ZEROGRAPH_DUMP"):
             zerograph.explain(model, opt)  # the dump's summary.md, with this step's totals
         opt.step()
         opt.zero_grad()
-        if step % args.log_every == 0 or step == 1:
+        if log:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             mean = mean.item() / world
@@ -114,13 +115,13 @@ def main() -> None:
             dist.all_gather_object(resident, {"resident": stats.resident_bytes, "transient": stats.transient_bytes})
             if rank == 0:
                 volume = sum(stats.comm_elements.values())
-                print(f"step {step:4d} | loss {mean:.4f} | {tokens_per_step * (1 if step == 1 else args.log_every) / elapsed:8.0f} tok/s"
+                print(f"step {step:4d} | loss {mean:.4f} | {tokens_per_step * (step - logged) / elapsed:8.0f} tok/s"
                       f" | comm {volume / psi:.3f}Ψ (paper {IDEAL_VOLUME[args.stage]}Ψ)", flush=True)
                 for r, res in enumerate(resident):
                     line = "  ".join(f"{k} {gb(v)} (formula {gb(stats.formula_bytes[k])})" for k, v in res["resident"].items())
                     line += f"  | in flight: gathered params {gb(res['transient']['params'])}, full grads {gb(res['transient']['grads'])}"
                     print(f"           rank {r}: {line}", flush=True)
-            t0 = time.perf_counter()
+            t0, logged = time.perf_counter(), step
 
     model.eval()
     with torch.no_grad():

@@ -53,6 +53,11 @@ def pipeline(kind: str) -> list[Pass]:
     }[kind]
 
 
+def pass_names() -> set[str]:
+    """Every pass some pipeline runs (what ``Config.disabled_passes`` may name)."""
+    return {p.__name__ for kind in ("joint", "forward", "inference", "backward") for p in pipeline(kind)}
+
+
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *,
                  disabled: Sequence[str] = (), dump_dir: str | None = None) -> fx.GraphModule:
     dump = _open_dump(dump_dir, ctx, gm)

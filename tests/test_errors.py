@@ -12,6 +12,27 @@ from .models import build
 from .workers import one_rank_quits, world_size_mismatch
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prefetch_depth": "2"}, "prefetch_depth must be an int"),
+    ({"prefetch_depth": 1.5}, "prefetch_depth must be an int"),
+    ({"bucket_bytes": None}, "bucket_bytes must be an int"),
+    ({"bucket_bytes": -1}, "bucket_bytes must be >= 0"),
+    ({"max_inflight_bytes": 0}, "max_inflight_bytes must be >= 1"),
+    ({"disabled_passes": ("prefech",)}, r"unknown passes \['prefech'\]; passes: \[.*'prefetch'"),
+    ({"disabled_passes": "prefetch"}, "must be a tuple of pass names"),
+])
+def test_config_fields_of_the_wrong_type_or_name(kwargs: dict, message: str) -> None:
+    with pytest.raises(zerograph.ConfigError, match=message):
+        zerograph.Config(**kwargs)
+
+
+def test_compile_takes_a_module_and_a_config_object() -> None:
+    with pytest.raises(zerograph.ConfigError, match="config must be a zerograph.Config"):
+        zerograph.compile(build("mlp"), stage=3, config={"prefetch_depth": 1})
+    with pytest.raises(zerograph.ShardingError, match="takes an nn.Module"):
+        zerograph.compile(lambda x: x, stage=3)
+
+
 @pytest.mark.parametrize("stage", [-1, 4, "3", 2.0, True])
 def test_stage_outside_0_to_3(stage) -> None:
     with pytest.raises(zerograph.ConfigError, match="stage must be one of"):

@@ -19,7 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import runtime as runtime_mod
 from .capture import CapturedGraphs, make_backend
 from .config import Config, check_stage
-from .errors import ProcessGroupError, ShardingError, UnshardedParameterError, ZeroGraphError
+from .errors import ConfigError, ProcessGroupError, ShardingError, UnshardedParameterError, ZeroGraphError
 from .runtime import Runtime
 from .sharding import (ParameterWatch, find_units, set_gathering, set_grad_mode, shard_module_,
                        sharded_parameter)
@@ -77,6 +77,11 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
         ShardingError: a submodule called (or ``torch.compile``d) on its own, outside the model's forward.
     """
     stage = check_stage(stage)
+    if not isinstance(model, nn.Module):
+        raise ShardingError(f"zerograph.compile takes an nn.Module, got {type(model).__name__}")
+    if config is not None and not isinstance(config, Config):
+        raise ConfigError(f"config must be a zerograph.Config, got {type(config).__name__}: "
+                          f"write config=zerograph.Config(...)")
     config = config or Config()
     _check_not_sharded(model)
     device = _single_device(model)

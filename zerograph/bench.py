@@ -180,6 +180,8 @@ def _check_args(args: argparse.Namespace) -> None:
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     parse_systems(args.systems, args.prefetch_depth, args.bucket_bytes)
+    if ":" not in args.model and args.model not in _example_gpt().SIZES:  # before any rank starts
+        raise ConfigError(f"unknown GPT size {args.model!r}; known: {sorted(_example_gpt().SIZES)} (or module:factory)")
     if args.simulate:
         names = [n for n in args.simulate.split(",") if n != LOCAL_CLUSTER]
         table = load_cluster_table(args.clusters)

@@ -89,14 +89,11 @@ class Config:
             raise ConfigError(f"Config.lowering must be one of {LOWERINGS}, got {self.lowering!r}")
         if self.timeout_s <= 0:
             raise ConfigError(f"Config.timeout_s must be positive seconds, got {self.timeout_s}")
-        if self.bucket_bytes < 0:
-            raise ConfigError(f"Config.bucket_bytes must be >= 0 bytes, got {self.bucket_bytes}")
-        if self.prefetch_depth < 0:
-            raise ConfigError(f"Config.prefetch_depth must be >= 0 units, got {self.prefetch_depth}")
-        if self.max_inflight_bytes is not None and self.max_inflight_bytes <= 0:
-            raise ConfigError(f"Config.max_inflight_bytes must be positive bytes or None, got {self.max_inflight_bytes}")
-        if self.unshard_budget_bytes < 0:
-            raise ConfigError(f"Config.unshard_budget_bytes must be >= 0 bytes, got {self.unshard_budget_bytes}")
+        for field, unit in (("bucket_bytes", "bytes"), ("prefetch_depth", "units"), ("unshard_budget_bytes", "bytes")):
+            _check_count(field, getattr(self, field), unit, minimum=0)
+        if self.max_inflight_bytes is not None:
+            _check_count("max_inflight_bytes", self.max_inflight_bytes, "bytes or None", minimum=1)
+        _check_pass_names(self.disabled_passes)
         if self.unit_classes is not None:
             bad = [c for c in self.unit_classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
             if bad:
@@ -112,6 +109,24 @@ class Config:
 
     def resolved_dump_dir(self) -> str | None:
         return self.dump_dir if self.dump_dir is not None else (os.environ.get("ZEROGRAPH_DUMP") or None)
+
+
+def _check_count(field: str, value: object, unit: str, minimum: int) -> None:
+    """An int field (bool, float and str are refused: a typo should not become a schedule)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"Config.{field} must be an int ({unit}), got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"Config.{field} must be >= {minimum} ({unit}), got {value}")
+
+
+def _check_pass_names(names: object) -> None:
+    from .passes.manager import pass_names  # here, not at import: the passes import the runtime
+
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"Config.disabled_passes must be a tuple of pass names, got {names!r}")
+    unknown = sorted(set(names) - pass_names())
+    if unknown:
+        raise ConfigError(f"Config.disabled_passes names unknown passes {unknown}; passes: {sorted(pass_names())}")
 
 
 def check_stage(stage: object) -> int:
