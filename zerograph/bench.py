@@ -88,6 +88,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .config import OVERLAP_PASSES, Config
 from .costmodel import WAIT, CostModel
 from .errors import ConfigError
+from .timeline import is_top_level_op
 
 log = logging.getLogger(__name__)
 
@@ -774,20 +775,8 @@ def profile_steps(step: Callable[[], Any], n: int, device: torch.device) -> tupl
     return events, windows
 
 
-_OP_NAME = re.compile(r"^[A-Za-z_]\w*::[A-Za-z_]\w*$")  # "aten::mm"; not annotations like "CompiledFunction"
 _COMM_OP_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::")
 _COMM_THREAD_PREFIXES = ("gloo:", "nccl:")
-
-
-def _is_outermost_op(event: Any) -> bool:
-    if not _OP_NAME.match(event.name):
-        return False
-    parent = event.cpu_parent
-    while parent is not None:
-        if _OP_NAME.match(parent.name):
-            return False
-        parent = parent.cpu_parent
-    return True
 
 
 def _clipped(event: Any, window: Any, track: str) -> Any | None:
@@ -816,7 +805,7 @@ def comm_breakdown(events: Sequence[Any], window: Any, device: torch.device) -> 
                 if e.thread in comm_threads and e.name.startswith(_COMM_THREAD_PREFIXES)]
         compute = [_clipped(e, window, "compute") for e in events
                    if e.thread not in comm_threads and not e.name.startswith(_COMM_OP_PREFIXES)
-                   and _is_outermost_op(e)]
+                   and is_top_level_op(e)]
     schedule = schedule_from_events([e for e in comm + compute if e is not None])
     return {"step_s": (window.time_range.end - window.time_range.start) / 1e6,
             "compute_s": schedule.compute_s, "comm_s": schedule.comm_s,
@@ -945,7 +934,7 @@ def _graph_regions(events: Sequence[Any], window: Any) -> list[Any]:
 
 
 def _region_ops(events: Sequence[Any], region: Any) -> list[Any]:
-    return sorted((e for e in events if e.thread == region.thread and _is_outermost_op(e)
+    return sorted((e for e in events if e.thread == region.thread and is_top_level_op(e)
                    and region.time_range.start <= e.time_range.start < region.time_range.end),
                   key=lambda e: e.time_range.start)
 

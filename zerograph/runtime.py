@@ -25,6 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .errors import CollectiveError, ScheduleMismatchError
+from .passes._fx import COLLECTIVE_KINDS, TAG
 from .sharding import GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, ParamLayout, Unit
 
 # Markers carry an int key; this maps it back to its layout and runtime. Keys are handed out in
@@ -35,11 +36,6 @@ _KEYS = itertools.count()
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 # the functional collectives the passes insert (read here, never rewritten: runtime owns no passes)
-_GRAPH_COLLECTIVES = {
-    torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
-    torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
-    torch.ops._c10d_functional.all_reduce.default: "all_reduce",
-}
 
 
 def next_key() -> int:
@@ -116,11 +112,11 @@ def schedule_of(graph: fx.Graph, graph_kind: str, label: str) -> CommSchedule:
     """Read the communication schedule of a lowered graph (its functional collectives in order)."""
     entries = []
     for node in graph.nodes:
-        kind = _GRAPH_COLLECTIVES.get(node.target)
+        kind = COLLECTIVE_KINDS.get(node.target)
         if kind is None:
             continue
         val = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
-        tag = node.meta.get("zerograph", {})  # the passes' tag (zerograph.passes._fx.TAG)
+        tag = node.meta.get(TAG, {})
         units = tag.get("units", [tag["unit"]] if "unit" in tag else [])
         numel = val.numel()  # parameter-sized, so static; kept as text should a pass ever make it symbolic
         entries.append(ScheduleEntry(kind, numel if isinstance(numel, int) else str(numel),

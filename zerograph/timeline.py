@@ -215,7 +215,7 @@ def measure(step: Callable[[], Any], *, warmup: int = 1, model: Any = None) -> S
 def schedule_from_profile(profile_events: Sequence[Any]) -> Schedule:
     """Build a measured ``Schedule`` from ``torch.profiler``'s ``FunctionEvent`` list (µs times)."""
     comm_threads = {e.thread for e in profile_events if e.name.startswith(_COMM_THREAD_EVENT)}
-    ops = sorted((e for e in profile_events if e.thread not in comm_threads and _is_top_level_op(e)),
+    ops = sorted((e for e in profile_events if e.thread not in comm_threads and is_top_level_op(e)),
                  key=lambda e: e.time_range.start)
     if not ops:
         return schedule_from_events([])
@@ -246,7 +246,8 @@ def schedule_from_profile(profile_events: Sequence[Any]) -> Schedule:
     return schedule_from_events(events, waits)
 
 
-def _is_top_level_op(event: Any) -> bool:
+def is_top_level_op(event: Any) -> bool:
+    """True for a profiler event that is an operator (``ns::op``) not nested in another operator."""
     if not _OP_NAME.match(event.name):
         return False
     parent = event.cpu_parent
