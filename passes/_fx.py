@@ -138,6 +138,14 @@ COLLECTIVE_KINDS = {
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
+def full_buffer(collective: fx.Node) -> torch.Tensor:
+    """The fake value of the full (unsharded) buffer a collective node moves: the output of an
+    all-gather, the input of a reduce-scatter or all-reduce (the ZeRO paper's volume, section 7)."""
+    if COLLECTIVE_KINDS[collective.target] == "all_gather":
+        return collective.meta["val"]
+    return collective.args[0].meta["val"]
+
+
 @dataclasses.dataclass
 class Collective:
     """One inserted collective and the nodes that travel with it when it is rescheduled.
@@ -175,7 +183,7 @@ def find_collectives(graph: fx.Graph) -> list[Collective]:
         (wait,) = node.users
         issue = _tagged_ancestors(node, tag["role"])
         finish = _tagged_descendants(wait, tag["role"])
-        val = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+        val = full_buffer(node)
         found.append(Collective(kind, tag["role"], list(tag.get("units", [tag["unit"]])),
                                 sorted(issue, key=order.__getitem__), sorted(finish, key=order.__getitem__),
                                 val.numel() * val.element_size()))

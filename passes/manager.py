@@ -17,7 +17,7 @@ import torch.fx as fx
 from zerograph.errors import PassError
 from zerograph.ops import REDUCE_GRAD, UNSHARD
 
-from ._fx import COLLECTIVE_KINDS, TAG, WAIT, count_targets, is_alias_of_input
+from ._fx import COLLECTIVE_KINDS, TAG, WAIT, count_targets, full_buffer, is_alias_of_input
 from .bucketing import bucketing
 from .context import PassContext, PassResult
 from .insert_allgather import insert_allgather
@@ -138,6 +138,6 @@ def collective_volume(graph: fx.Graph) -> list[tuple[str, int, int]]:
         kind = COLLECTIVE_KINDS.get(node.target)
         if kind is None:
             continue
-        val = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+        val = full_buffer(node)
         volume.append((kind, val.numel(), val.element_size()))
     return volume

@@ -27,7 +27,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .errors import ConfigError
 
-from .passes._fx import COLLECTIVE_KINDS as COLLECTIVE_OPS, WAIT  # the ops the passes insert
+from .passes._fx import COLLECTIVE_KINDS as COLLECTIVE_OPS, WAIT, full_buffer  # the ops the passes insert
 
 COLLECTIVE_KINDS = tuple(COLLECTIVE_OPS.values())
 
@@ -172,9 +172,7 @@ def node_bytes(node: fx.Node) -> int:
 def collective_bytes(node: fx.Node) -> int:
     """Full (unsharded) bytes a collective node moves: the output of an all-gather, the input of a
     reduce-scatter or all-reduce (as ``passes.manager.collective_volume`` counts them)."""
-    kind = COLLECTIVE_OPS[node.target]
-    val = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
-    return _nbytes(val)
+    return _nbytes(full_buffer(node))
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

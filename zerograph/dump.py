@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from zerograph.passes._fx import TAG, find_collectives
+from zerograph.passes._fx import TAG, find_collectives, full_buffer
 from zerograph.passes.liveness import reads, storage_root, timeline
 
 from .sharding import Unit
@@ -147,7 +147,7 @@ def collectives(graph: fx.Graph) -> list[dict[str, Any]]:
     pos = {n: i for i, n in enumerate(graph.nodes)}
     found = []
     for c in find_collectives(graph):
-        val = c.start.meta["val"] if c.kind == "all_gather" else c.start.args[0].meta["val"]
+        val = full_buffer(c.start)
         found.append({"kind": c.kind, "role": c.role, "units": list(c.units), "node": c.start.name,
                       "wait_node": c.wait.name, "copy_in": c.issue[0].name if len(c.issue) > 1 else None,
                       "copy_out": c.finish[1].name if len(c.finish) > 1 else None,

@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .errors import CollectiveError, ScheduleMismatchError
-from .passes._fx import COLLECTIVE_KINDS, TAG
+from .passes._fx import COLLECTIVE_KINDS, TAG, full_buffer
 from .sharding import GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, ParamLayout, Unit
 
 # Markers carry an int key; this maps it back to its layout and runtime. Keys are handed out in
@@ -115,7 +115,7 @@ def schedule_of(graph: fx.Graph, graph_kind: str, label: str) -> CommSchedule:
         kind = COLLECTIVE_KINDS.get(node.target)
         if kind is None:
             continue
-        val = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+        val = full_buffer(node)
         tag = node.meta.get(TAG, {})
         units = tag.get("units", [tag["unit"]] if "unit" in tag else [])
         numel = val.numel()  # parameter-sized, so static; kept as text should a pass ever make it symbolic
