@@ -132,6 +132,7 @@ def sink_below_inputs(graph: fx.Graph) -> None:
 
 COLLECTIVE_KINDS = {
     torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
+    torch.ops._c10d_functional.all_gather_into_tensor_out.default: "all_gather",  # buffer_reuse's
     torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
     torch.ops._c10d_functional.all_reduce.default: "all_reduce",
 }
@@ -191,16 +192,23 @@ def find_collectives(graph: fx.Graph) -> list[Collective]:
 
 
 def _tagged_ancestors(start: fx.Node, role: str) -> set[fx.Node]:
-    """``start`` and the tagged nodes of ``role`` whose every use leads only into it (its copy-in)."""
+    """``start`` and the tagged nodes of ``role`` whose every use leads only into it (its copy-in),
+    including an op that writes a chain member in place (``buffer_reuse``'s ``pack_shards_out``
+    into a pooled buffer: an ``out=`` argument, no result)."""
     chain = {start}
     stack = list(start.all_input_nodes)
     while stack:
         node = stack.pop()
-        if (node in chain or node.op != "call_function" or node.meta.get(TAG, {}).get("role") != role
-                or not all(user in chain for user in node.users)):
+        if node in chain or node.op != "call_function" or node.meta.get(TAG, {}).get("role") != role:
+            continue
+        writers = [u for u in node.users if u.kwargs.get("out") is node and not u.users
+                   and u.meta.get(TAG, {}).get("role") == role]
+        if not all(user in chain or user in writers for user in node.users):
             continue
         chain.add(node)
+        chain.update(writers)
         stack.extend(node.all_input_nodes)
+        stack.extend(inp for writer in writers for inp in writer.all_input_nodes)
     return chain
 
 

@@ -26,6 +26,10 @@ class PassContext:
         units: the sharding units; ``units[0]`` is the root unit.
         bucket_bytes, prefetch_depth, max_inflight_bytes, unshard_budget_bytes: the schedule
             and memory knobs of ``Config`` (bytes, units, bytes, bytes).
+        buffer_pool: the number of the runtime's ``BufferPool`` that ``buffer_reuse`` takes comm
+            buffers from (an int in the graph, never the pool itself); ``None``: no pooling.
+        activation_budget_bytes: ``Config.activation_budget_bytes`` (bytes of saved activations
+            per rank per graph; ``None``: no budget, ``activation_partition`` does nothing).
     """
 
     graph_kind: GraphKind
@@ -38,6 +42,8 @@ class PassContext:
     prefetch_depth: int = 1
     max_inflight_bytes: int | None = None
     unshard_budget_bytes: int = 0
+    buffer_pool: int | None = None
+    activation_budget_bytes: int | None = None
 
     @property
     def communicates(self) -> bool:

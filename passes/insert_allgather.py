@@ -6,16 +6,22 @@ Post: no marker is left. For each (bucket, param_dtype) with sharded parameters,
 first use:
     copy-in (cast each shard to ``param_dtype``, pad it to ``chunk_rows``, flatten, concatenate:
     one ``zerograph::pack_shards`` node for a bucket of several parameters)
-    -> all_gather_into_tensor -> wait_tensor -> copy-out views of each full parameter,
-inserted right before the bucket's first marker, so it is gathered once even when a parameter
-is used several times (tied weights). ``prefetch`` and ``schedule_overlap`` move the start and
-the wait apart later. At stage 3 every inserted node and every view of
-a gathered parameter is marked ``MUST_RECOMPUTE``: the min-cut partitioner then saves only the
+    -> all_gather_into_tensor -> wait_tensor
+    -> copy-out (a bucket of several parameters: one ``zerograph::unpack_gathered`` node, the
+    parameters parameter-major in one new buffer, then a slice and a view per parameter; a single
+    parameter: views of the gathered buffer, no copy),
+every node tagged with the bucket's ``gather`` role (the copy-out joins ``find_collectives``'
+finish chain), inserted right before the bucket's first marker, so it is gathered once even when
+a parameter is used several times (tied weights). ``prefetch`` and ``schedule_overlap`` move the
+start and the wait apart later. At stage 3 every inserted node and every view of a gathered
+parameter is marked ``MUST_RECOMPUTE``: the min-cut partitioner then saves only the
 shards for backward and re-gathers there (ZeRO-3's "gather for forward, release, gather again for
 backward"); gathered buffers die after their last use (FX codegen and Inductor free them).
 At stages 1-2 the gathered parameters stay saved for backward (gathered once per step, the 2Ψ of
-the paper); at stage 0 or world size 1 the marker becomes its input (shards are full tensors),
-cast to ``param_dtype`` under mixed precision. Without mixed precision no cast is emitted.
+the paper); of a multi-parameter bucket the partitioner saves the one unpacked buffer, not each
+view of it (every view is marked ``MUST_RECOMPUTE``: AOTAutograd's ``recompute_views``, per
+node). At stage 0 or world size 1 the marker becomes its input (shards are full tensors), cast
+to ``param_dtype`` under mixed precision. Without mixed precision no cast is emitted.
 
 Source: ZeRO (arXiv 1910.02054) section 5.3 (P_p); FSDP2's copy-in / all-gather / copy-out;
 SimpleFSDP (arXiv 2411.00284) for recompute-tagged gathers; FSDP2's ``MixedPrecisionPolicy``
@@ -28,7 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerograph.kernels.ops import PACK_SHARDS
+from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED
 from zerograph.ops import UNSHARD
 from zerograph.sharding import ParamLayout
 
@@ -63,18 +69,35 @@ def _copy_in(shards: tuple[torch.Tensor, ...], layouts: list[ParamLayout]) -> to
     return padded.reshape(-1)
 
 
+def _copy_out(gathered: torch.Tensor, layouts: list[ParamLayout], world_size: int) -> list[torch.Tensor]:
+    """Every full parameter of the bucket from the gathered buffer ``(N * sum shard_numel,)``,
+    rank-major.
+
+    A bucket of several parameters is one ``zerograph::unpack_gathered`` node (the Triton unpack
+    kernel on CUDA): one new buffer, parameter-major and unpadded, of which each parameter is a
+    slice and a view, so the gathered buffer dies right after it (FSDP2's copy-out). A single
+    parameter keeps views of the gathered buffer: its rank chunks are whole rows of the buffer, so
+    the ``reshape`` and the ``[:rows]`` that drops the padding copy nothing."""
+    if len(layouts) > 1:
+        rows = [layout.shape[0] for layout in layouts]
+        flat = UNPACK_GATHERED(gathered, world_size, [layout.chunk_rows for layout in layouts], rows,
+                               [layout.row_numel for layout in layouts])  # (sum numel,)
+        outs, offset = [], 0
+        for layout in layouts:
+            outs.append(flat[offset : offset + layout.numel].view(layout.shape))
+            offset += layout.numel
+        return outs
+    (layout,) = layouts
+    block = gathered.view(world_size, -1)[:, : layout.shard_numel]  # (N, chunk_rows * row_numel)
+    full = block.reshape(world_size * layout.chunk_rows, *layout.shape[1:])
+    return [full[: layout.shape[0]]]
+
+
 def _gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str):
     def gather(*shards: torch.Tensor) -> list[torch.Tensor]:
         send = _copy_in(shards, layouts)  # (sum shard_numel,)
         gathered = funcol.all_gather_into_tensor(send, world_size, group_name)
-        gathered = funcol.wait_tensor(gathered).view(world_size, -1)  # (N, sum shard_numel)
-        outs, offset = [], 0
-        for layout in layouts:
-            block = gathered[:, offset : offset + layout.shard_numel]  # (N, chunk_rows * row_numel)
-            offset += layout.shard_numel
-            full = block.reshape(world_size * layout.chunk_rows, *layout.shape[1:])
-            outs.append(full[: layout.shape[0]])
-        return outs
+        return _copy_out(funcol.wait_tensor(gathered), layouts, world_size)  # (N * sum shard_numel,)
 
     return gather
 
@@ -107,6 +130,9 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         gathers += 1
         if recompute:
             _mark_recompute(fulls)
+        elif ctx.graph_kind == "joint" and len(layouts) > 1:
+            # saved for backward: the one unpacked buffer, not each parameter's view of it
+            _recompute_views([_unpacked(fulls[0])])
     graph.eliminate_dead_code()
     gm.recompile()
     return PassResult(gm, True, {"all_gather": gathers})
@@ -148,10 +174,22 @@ def _mark_recompute(fulls: list[fx.Node]) -> None:
         seen.add(node)
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         stack.extend(node.all_input_nodes)
-    stack = list(fulls)
-    while stack:  # forward views of the gathered parameters (e.g. a weight's transpose)
+    _recompute_views(fulls)
+
+
+def _recompute_views(bases: list[fx.Node]) -> None:
+    """Mark every view of ``bases`` (transitively, e.g. a weight's transpose) ``MUST_RECOMPUTE``."""
+    stack = list(bases)
+    while stack:
         node = stack.pop()
         for user in node.users:
             if is_alias_of_input(user) and user.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
                 user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 stack.append(user)
+
+
+def _unpacked(full: fx.Node) -> fx.Node:
+    """The ``unpack_gathered`` node a gathered parameter of a multi-parameter bucket views."""
+    while full.target is not UNPACK_GATHERED:
+        full = full.args[0]
+    return full

@@ -43,10 +43,18 @@ class Timeline:
 SAME_STORAGE = (WAIT, torch.ops.aten._unsafe_view.default)
 
 
+# out= ops (``buffer_reuse``'s): the result is the ``out`` argument
+OUT_ARGUMENT = (torch.ops._c10d_functional.all_gather_into_tensor_out.default,)
+
+
 def storage_root(node: fx.Node) -> fx.Node:
-    while (is_alias_of_input(node) or node.target in SAME_STORAGE) and node.all_input_nodes:
-        node = node.all_input_nodes[0]
-    return node
+    while True:
+        if node.target in OUT_ARGUMENT:
+            node = node.kwargs["out"]
+        elif (is_alias_of_input(node) or node.target in SAME_STORAGE) and node.all_input_nodes:
+            node = node.all_input_nodes[0]
+        else:
+            return node
 
 
 def _nbytes(node: fx.Node) -> int:
@@ -83,13 +91,15 @@ def timeline(graph: fx.Graph, carried: dict[str, tuple[str, int]] | None = None)
                     role[root], size[root] = "full_grad", _nbytes(root)
     last: dict[fx.Node, int] = {}
     saved: dict[str, tuple[str, int]] = {}
+    saved_roots: set[fx.Node] = set()
     for node in nodes:
         for inp in reads(node):
             root = storage_root(inp)
             if root in role:
                 last[root] = end if node.op == "output" else max(last.get(root, 0), pos[node])
-                if node.op == "output":
-                    saved[inp.name] = (role[root], size[root])
+                if node.op == "output":  # several saved views of one buffer: its bytes count once
+                    saved[inp.name] = (role[root], 0 if root in saved_roots else size[root])
+                    saved_roots.add(root)
     delta: list[dict[str, int]] = [dict() for _ in range(end + 2)]
     for root, r in role.items():
         delta[pos[root]][r] = delta[pos[root]].get(r, 0) + size[root]

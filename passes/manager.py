@@ -18,6 +18,8 @@ from zerograph.errors import PassError
 from zerograph.ops import REDUCE_GRAD, UNSHARD
 
 from ._fx import COLLECTIVE_KINDS, TAG, WAIT, count_targets, full_buffer, is_alias_of_input
+from .activation_partition import activation_partition
+from .buffer_reuse import buffer_reuse
 from .bucketing import bucketing
 from .context import PassContext, PassResult
 from .insert_allgather import insert_allgather
@@ -36,20 +38,22 @@ def pipeline(kind: str) -> list[Pass]:
 
     - joint: sharding decisions, made before the partitioner so that its min-cut sees them
       (stage 3's recompute-tagged gathers decide what backward re-gathers, less the units
-      ``selective_unshard`` keeps).
+      ``selective_unshard`` keeps); ``activation_partition`` last, since it leaves the recompute
+      tags of those passes alone and tags whole units so that saved activations fit the budget.
     - forward / inference: the same gathers, for graphs that never were joint (``no_grad``);
       then the schedule (prefetch the gathers, sink their waits to first use).
     - backward: gradient reductions, placed where the stage says full gradients die; then the
       schedule (prefetch backward's re-gathers, sink every wait as far as memory allows).
+    ``buffer_reuse`` comes last in each: it needs every buffer's final lifetime.
     The bucketing and insert passes find nothing to do on a graph whose markers are expanded.
     """
     gathers = [bucketing, insert_allgather]
     schedule = [prefetch, schedule_overlap]
     return {
-        "joint": gathers + [selective_unshard],
-        "forward": gathers + schedule,
-        "inference": gathers + schedule,
-        "backward": [bucketing, insert_reduce_scatter] + schedule,
+        "joint": gathers + [selective_unshard, activation_partition],
+        "forward": gathers + schedule + [buffer_reuse],
+        "inference": gathers + schedule + [buffer_reuse],
+        "backward": [bucketing, insert_reduce_scatter] + schedule + [buffer_reuse],
     }[kind]
 
 

@@ -3,7 +3,8 @@
 Pre: a forward, backward or inference graph whose all-gathers were inserted by
 ``insert_allgather`` (start and wait adjacent, or wherever the partitioner put them).
 Post: the same nodes, reordered. With the gathers numbered 0, 1, ... in the order their results
-are first needed, gather ``i``'s copy-in and start sit right after gather ``i - d``'s wait, i.e.
+are first needed, gather ``i``'s copy-in and start sit right after gather ``i - d``'s wait and
+copy-out (so that copy-out's input buffer is free before gather ``i``'s output is taken), i.e.
 before any compute of the bucket ``d`` places earlier, where ``d = prefetch_depth`` unless the
 gathered bytes of gathers ``i - d .. i`` would exceed ``max_inflight_bytes`` (then ``d`` shrinks,
 down to 0 = no prefetch). The first ``d`` gathers (nothing earlier to hide behind) start as soon as
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ._fx import COLLECTIVE_KINDS, Collective, find_collectives, hoist_before, is_alias_of_input, move_before, position
+from ._fx import COLLECTIVE_KINDS, TAG, Collective, find_collectives, hoist_before, is_alias_of_input, move_before, position
 from .context import PassContext, PassResult
 
 
@@ -48,6 +49,14 @@ def after_previous_start(gather: Collective, graph: fx.Graph) -> fx.Node:
         if node.target in COLLECTIVE_KINDS:
             previous = node
     return previous.next if previous is not None else next(n for n in graph.nodes if n.op != "placeholder")
+
+
+def copy_out_end(gather: Collective) -> fx.Node:
+    """The last node that copies out of a gather's output (e.g. ``unpack_gathered``), or its wait
+    when the copy-out is views only: views keep the output alive anyway, and they may sit far
+    down at the parameters' uses."""
+    copies = [n for n in gather.finish if n is gather.wait or (TAG in n.meta and not is_alias_of_input(n))]
+    return copies[-1]
 
 
 def outside_inputs(issue: list[fx.Node]) -> list[fx.Node]:
@@ -88,7 +97,7 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             point = max(earliest, after_previous_start(gather, graph), key=position(graph).__getitem__)
         else:
             d = prefetch_distance(gathers, i, ctx.prefetch_depth, ctx.max_inflight_bytes)
-            point = gathers[i - d].wait.next if d else gather.wait
+            point = copy_out_end(gathers[i - d]).next if d else gather.wait
         order = position(graph)
         if order[earliest] > order[point]:  # a shard is made late (never for placeholders)
             point = earliest

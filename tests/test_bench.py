@@ -51,6 +51,18 @@ def test_every_system_is_timed(tiny_grid):
         assert 0 <= s["exposed_comm_s"] <= s["comm_in_flight_s"] + 1e-9, name
         assert s["peak_memory_bytes"] > 0  # model and optimizer states at least
         assert all(m["method"] == "VmHWM" for m in s["memory_per_rank"])
+        # the allocator's bytes: state held at the step start (from tensors) + the step's own peak
+        assert s["state_bytes"] > 0 and s["step_peak_alloc_bytes"] > 0, name
+        assert s["state_plus_peak_bytes"] >= s["state_bytes"]
+        for rank in s["allocations_per_rank"]:
+            assert len(rank["step_peak_bytes"]) == 1 and min(rank["step_peak_bytes"]) > 0
+            held = rank["state_bytes_by_kind"]
+            assert held["params"] > 0 and held["optimizer_states"] > 0, name
+    # ZeRO-3 and FSDP2 hold a shard of the parameters, DDP all of them
+    held = {name: s["allocations_per_rank"][0]["state_bytes_by_kind"] for name, s in result["systems"].items()}
+    assert held["zerograph-s3"]["params"] < held["ddp"]["params"]
+    assert held["fsdp2"]["params"] < held["ddp"]["params"]
+    assert "peak alloc +MiB" in bench.format_report(result)
 
 
 def test_step1_losses_are_equal_across_systems(tiny_grid):
@@ -94,7 +106,8 @@ def test_json_describes_the_machine(tiny_grid):
     assert machine["cpu_count"] == os.cpu_count()
     assert machine["world_size"] == 2 and machine["backend"] == "gloo" and machine["device"] == "cpu"
     assert machine["platform"] and machine["device_name"] and machine["python"]
-    assert set(result["definitions"]) == {"step_time", "exposed_comm", "peak_memory", "comm_volume"}
+    assert set(result["definitions"]) == {"step_time", "exposed_comm", "peak_memory", "allocated",
+                                          "comm_volume"}
     assert result["command"].startswith("zerograph bench ") and "--systems" in result["command"]
 
 

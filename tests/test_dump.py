@@ -24,7 +24,7 @@ from .distributed import spawn
 from .models import build, global_batch, rank_slice
 
 # a statement of the dumped Python that runs an all-gather / the unshard marker
-ALL_GATHER_LINE = re.compile(r'^\s+\w+(: "[^"]*")? = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\(',
+ALL_GATHER_LINE = re.compile(r'^\s+\w+(: "[^"]*")? = torch\.ops\._c10d_functional\.all_gather_into_tensor(_out)?\.default\(',
                              re.M)
 UNSHARD_LINE = re.compile(r"= torch\.ops\.zerograph\.unshard\.default\(")
 

@@ -1,12 +1,17 @@
-"""``zerograph::pack_shards`` (zerograph.kernels.ops) and its use as the passes' copy-in.
+"""``zerograph::pack_shards`` and ``zerograph::unpack_gathered`` (zerograph.kernels.ops) and their
+use as the passes' copy-in and the all-gather's copy-out.
 
-- bitwise: the op's CPU kernel, and the passes' ``_copy_in``, equal the copy-in the passes traced
-  before the op existed (cast, ``F.pad``, ``reshape``, ``cat``; copied below as ``old_*``), on odd
-  shapes, empty and non-contiguous shards, fp32 and a bf16 cast;
-- the op's CUDA kernel (the Triton pack kernel) equals its CPU kernel, run on CPU tensors under the
-  Triton interpreter in a fresh subprocess (``python -m tests.test_kernels_in_passes <check>``);
+- bitwise: the ops' CPU kernels, and the passes' ``_copy_in`` / ``_copy_out``, equal the copy-in
+  and copy-out the passes traced before the ops existed (cast, ``F.pad``, ``reshape``, ``cat``;
+  ``view``, column slice, ``reshape``, ``[:rows]``; copied below as ``old_*``), on odd shapes,
+  empty and non-contiguous shards, padding, fp32 and bf16 (and a cast for the copy-in);
+- the ops' CUDA kernels (the Triton pack and unpack kernels) equal their CPU kernels, run on CPU
+  tensors under the Triton interpreter in fresh subprocesses (``python -m tests.test_kernels_in_passes
+  <check>``);
 - graph structure: a stage-3 GPT compiled on 2 ranks holds one ``pack_shards`` node per
-  multi-parameter collective, in that collective's issue chain, and none for single parameters.
+  multi-parameter collective, in that collective's issue chain, one ``unpack_gathered`` node per
+  multi-parameter all-gather, in its finish chain, and neither for single parameters; at stage 1
+  the forward saves each unpacked buffer once, not its views.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tests.subprocess_checks import assert_check_passed, start_checks, stop_checks
-from zerograph.kernels.ops import PACK_SHARDS, pack_shards_numel
+from zerograph.buffer_pool import PACK_SHARDS_OUT
+from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED, pack_shards_numel, unpack_gathered_numel
 from zerograph.sharding import ParamLayout
 
 # the pass modules (zerograph.passes re-exports each pass function under its module's name)
@@ -163,6 +169,113 @@ def test_rejects_bad_arguments():
         PACK_SHARDS([torch.zeros(2), torch.zeros(2)], [2], 1, torch.float32)
 
 
+# ------------------------------------------------------- the copy-out before unpack_gathered
+
+def old_gather_copy_out(gathered, layouts, world):
+    gathered = gathered.view(world, -1)
+    outs, offset = [], 0
+    for layout in layouts:
+        block = gathered[:, offset : offset + layout.shard_numel]
+        offset += layout.shard_numel
+        full = block.reshape(world * layout.chunk_rows, *layout.shape[1:])
+        outs.append(full[: layout.shape[0]])
+    return outs
+
+
+def unpack_args(layouts):
+    return ([layout.chunk_rows for layout in layouts], [layout.shape[0] for layout in layouts],
+            [layout.row_numel for layout in layouts])
+
+
+def make_gathered(layouts, world, dtype, seed):
+    """An all-gathered buffer ``(N * sum shard_numel,)`` of random values, padding included (so
+    a copy-out that kept a padding row would be seen), with a signed zero in it."""
+    gen = torch.Generator().manual_seed(seed)
+    gathered = torch.randn(world * sum(layout.shard_numel for layout in layouts), generator=gen).to(dtype)
+    gathered[1] = -0.0
+    return gathered
+
+
+def split_params(flat, layouts):
+    """The per-parameter views of ``unpack_gathered``'s parameter-major output."""
+    outs, offset = [], 0
+    for layout in layouts:
+        outs.append(flat[offset : offset + layout.numel].view(layout.shape))
+        offset += layout.numel
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gather_copy_out_is_bitwise_the_old_one(dtype, world):
+    layouts = [layout_of(k, s, world, dtype, dtype) for k, s in enumerate(SHAPES)]
+    gathered = make_gathered(layouts, world, dtype, seed=30 + world)
+    gathered[-1] = float("nan")  # a NaN's bits are copied too
+    want = old_gather_copy_out(gathered, layouts, world)
+    flat = UNPACK_GATHERED(gathered, world, *unpack_args(layouts))
+    assert flat.shape == (sum(layout.numel for layout in layouts),) and flat.is_contiguous()
+    for got, old in zip(split_params(flat, layouts), want):
+        assert_bitwise(got, old)
+    outs = insert_allgather._copy_out(gathered, layouts, world)
+    for got, old in zip(outs, want):
+        assert_bitwise(got, old)
+    # one allocation, not the gathered buffer: every parameter is a view of it, in order
+    base = outs[0].untyped_storage().data_ptr()
+    assert all(o.untyped_storage().data_ptr() == base for o in outs)
+    assert base != gathered.untyped_storage().data_ptr()
+    assert [o.storage_offset() for o in outs] == [sum(lay.numel for lay in layouts[:i]) for i in range(len(layouts))]
+    for i, layout in enumerate(layouts):  # a single parameter: views of the gathered buffer, same numbers
+        alone = make_gathered([layout], world, dtype, seed=40 + i)
+        (got,) = insert_allgather._copy_out(alone, [layout], world)
+        assert_bitwise(got, old_gather_copy_out(alone, [layout], world)[0])
+        assert got.untyped_storage().data_ptr() == alone.untyped_storage().data_ptr()
+
+
+def test_gather_copy_out_inverts_the_copy_in():
+    """Rank-major in, parameter-major out: the all-gather of every rank's ``pack_shards`` send
+    buffer unpacks to the full parameters (padding dropped), on values that name their position."""
+    world = 3
+    layouts = [layout_of(k, s, world, torch.float32, torch.float32) for k, s in enumerate(SHAPES)]
+    params = [torch.arange(layout.numel, dtype=torch.float32).reshape(layout.shape) + 100 * k
+              for k, layout in enumerate(layouts)]
+    chunks = [layout.chunk_rows for layout in layouts]
+    gathered = torch.cat([PACK_SHARDS(local_shards(params, layouts, r), chunks, 1, torch.float32)
+                          for r in range(world)])
+    flat = UNPACK_GATHERED(gathered, world, *unpack_args(layouts))
+    assert torch.equal(flat, torch.cat([p.reshape(-1) for p in params]))
+
+
+def test_unpack_fake_kernel_gives_shape_and_dtype_and_traces_to_one_node():
+    args = ([3, 4, 2], [5, 7, 0], [4, 1, 5])  # chunk_rows, rows, row_numels at N = 2
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.randn(2 * (12 + 4 + 10), dtype=torch.bfloat16))
+        out = UNPACK_GATHERED(fake, 2, *args)
+        assert out.shape == (unpack_gathered_numel(args[1], args[2]),) == (5 * 4 + 7 * 1 + 0,)
+        assert out.dtype == torch.bfloat16
+        gm = make_fx(lambda g: UNPACK_GATHERED(g, 2, *args))(fake)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == [UNPACK_GATHERED]
+
+
+def test_unpack_rejects_bad_arguments():
+    g = torch.zeros(2 * (3 * 2 + 2))  # N = 2; (5, 2) at chunk 3 and (3,) at chunk 2
+    assert UNPACK_GATHERED(g, 2, [3, 2], [5, 3], [2, 1]).shape == (13,)
+    with pytest.raises(ValueError, match="rows"):
+        UNPACK_GATHERED(g, 2, [3, 2], [7, 3], [2, 1])       # 7 rows > 2 x 3
+    with pytest.raises(ValueError, match="per parameter"):
+        UNPACK_GATHERED(g, 2, [3, 2], [5], [2, 1])
+    with pytest.raises(ValueError, match="elements"):
+        UNPACK_GATHERED(g, 3, [3, 2], [5, 3], [2, 1])       # 16 elements are not 3 x 8
+    with pytest.raises(ValueError, match="1-D"):
+        UNPACK_GATHERED(g.view(2, -1), 2, [3, 2], [5, 3], [2, 1])
+    with pytest.raises(ValueError, match="world_size"):
+        UNPACK_GATHERED(g, 0, [3, 2], [5, 3], [2, 1])
+    with pytest.raises(ValueError, match="at least one"):
+        UNPACK_GATHERED(g[:0], 2, [], [], [])
+    with pytest.raises(ValueError, match="negative"):
+        UNPACK_GATHERED(g, 2, [3, 2], [5, -1], [2, 1])
+
+
 # ---------------------------------------------------- Triton (interpreter) vs CPU, in subprocesses
 
 def check_triton_matches_cpu() -> None:
@@ -195,27 +308,59 @@ def check_triton_matches_cpu() -> None:
     print("ok triton_matches_cpu")
 
 
-CHECKS = {"triton_matches_cpu": check_triton_matches_cpu}
+def check_unpack_triton_matches_cpu() -> None:
+    """``unpack_gathered``'s CUDA kernel code path (the Triton unpack kernel, one launch per
+    parameter) on CPU tensors under the interpreter vs. the op's CPU kernel: bitwise (no cast)."""
+    from zerograph.kernels import _triton_kernels, ops, packing
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(_triton_kernels._unpack_kernel, InterpretedFunction)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("unpack dispatched to its torch reference, not the Triton kernel")
+
+    packing.unpack_reference = refuse  # ops.unpack_reference (the CPU kernel) keeps the real one
+    for world in (1, 2, 3, 4):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            layouts = [layout_of(k, s, world, dtype, dtype) for k, s in enumerate(SHAPES)]
+            gathered = make_gathered(layouts, world, dtype, seed=50 + world)
+            args = unpack_args(layouts)
+            got = ops._unpack_gathered_cuda(gathered, world, *args)
+            want = UNPACK_GATHERED(gathered, world, *args)
+            assert_bitwise(got, want)
+            for out, old in zip(split_params(got, layouts), old_gather_copy_out(gathered, layouts, world)):
+                assert_bitwise(out, old)
+    print("ok unpack_triton_matches_cpu")
+
+
+CHECKS = {"triton_matches_cpu": check_triton_matches_cpu, "unpack_triton_matches_cpu": check_unpack_triton_matches_cpu}
 
 
 def test_triton_kernel_matches_cpu_kernel():
     procs = start_checks("tests.test_kernels_in_passes", CHECKS, interpreted=CHECKS)
     try:
-        assert_check_passed(procs["triton_matches_cpu"], "triton_matches_cpu")
+        for name in CHECKS:
+            assert_check_passed(procs[name], name)
     finally:
         stop_checks(procs)
 
 
 # -------------------------------------------------------------- graph structure, stage 3, 2 ranks
 
-def pack_nodes_per_collective(rank: int, world_size: int) -> dict:
+# the copy-in of a multi-parameter bucket: pack_shards, or its out= form once buffer_reuse pools the
+# send buffer (the same kernel writing into a pooled buffer)
+PACK_OPS = (PACK_SHARDS, PACK_SHARDS_OUT)
+
+
+def pack_nodes_per_collective(rank: int, world_size: int, unit_classes=None) -> dict:
     """Per graph, per collective: (kind, parameters it moves, pack nodes in its issue chain), and
-    the graph's total of pack nodes. Runs on each rank (tests.distributed.spawn)."""
+    the graph's total of pack nodes; and the all-gathers' copy-outs (``copy_outs``)."""
     import zerograph
     from tests.models import build, global_batch, rank_slice
     from zerograph.passes._fx import find_collectives
 
-    model = zerograph.compile(build("gpt"), stage=3)
+    model = zerograph.compile(build("gpt"), stage=3, config=zerograph.Config(unit_classes=unit_classes))
     model(*rank_slice(global_batch("gpt", 0, 4), rank, world_size)).backward()
     state = model._zerograph
     layouts = state.runtime.layouts
@@ -225,24 +370,79 @@ def pack_nodes_per_collective(rank: int, world_size: int) -> dict:
         rows = []
         for c in find_collectives(graph):
             params = sum(1 for layout in layouts.values() if layout.unit in c.units and layout.sharded)
-            packs = [n for n in c.issue if n.target is PACK_SHARDS]
+            packs = [n for n in c.issue if n.target in PACK_OPS]
             rows.append((c.kind, c.role, params, len(packs), all(n.meta["zerograph"]["role"] == c.role for n in packs)))
-        total = sum(1 for n in graph.nodes if n.target is PACK_SHARDS)
-        facts[kind] = {"collectives": rows, "packs": total}
+        total = sum(1 for n in graph.nodes if n.target in PACK_OPS)
+        facts[kind] = {"collectives": rows, "packs": total, "copy_outs": copy_outs(graph, layouts)}
     return facts
 
 
+def copy_outs(graph, layouts) -> dict:
+    """Per all-gather: (parameters it moves, unpack nodes in its finish chain, whether they are
+    tagged with its role and every user of theirs is in the chain too); the graph's total of
+    unpack nodes; and whether a graph output is an unpack node or a view of one."""
+    from zerograph.passes._fx import find_collectives, is_alias_of_input
+
+    rows = []
+    for c in find_collectives(graph):
+        if c.kind != "all_gather":
+            continue
+        params = sum(1 for layout in layouts.values() if layout.unit in c.units and layout.sharded)
+        unpacks = [n for n in c.finish if n.target is UNPACK_GATHERED]
+        whole = all(n.meta["zerograph"]["role"] == c.role and set(n.users) <= set(c.finish) for n in unpacks)
+        rows.append((params, len(unpacks), whole))
+    saved = []
+    for node in graph.find_nodes(op="output")[0].all_input_nodes:
+        while is_alias_of_input(node):
+            node = node.all_input_nodes[0]
+        saved.append(node.target is UNPACK_GATHERED)
+    total = sum(1 for n in graph.nodes if n.target is UNPACK_GATHERED)
+    return {"gathers": rows, "unpacks": total, "saves_unpacked": any(saved)}
+
+
+def graph_facts(rank: int, world_size: int) -> dict:
+    """Both units choices on each rank (tests.distributed.spawn): the blocks (every bucket of
+    several parameters) and the embeddings (``wte``, tied to ``lm_head``, and ``wpe``: one
+    parameter each; the blocks join the root's bucket)."""
+    from torch import nn
+
+    return {"blocks": pack_nodes_per_collective(rank, world_size),
+            "embeddings": pack_nodes_per_collective(rank, world_size, (nn.Embedding,)),
+            "stage1_saved": saved_unpacked(rank, world_size)}
+
+
+def saved_unpacked(rank: int, world_size: int) -> tuple[int, list[str]]:
+    """Stage 1 (gathered parameters saved for backward): the forward's unpack nodes, and the
+    targets of the forward outputs whose storage is an unpacked buffer."""
+    import zerograph
+    from tests.models import build, global_batch, rank_slice
+    from zerograph.passes._fx import is_alias_of_input
+
+    model = zerograph.compile(build("gpt"), stage=1)
+    model(*rank_slice(global_batch("gpt", 0, 4), rank, world_size)).backward()
+    graph = model._zerograph.captured.graphs[0]["forward"].graph
+    saved = []
+    for out in graph.find_nodes(op="output")[0].all_input_nodes:
+        node = out
+        while is_alias_of_input(node):
+            node = node.all_input_nodes[0]
+        if node.target is UNPACK_GATHERED:
+            saved.append(str(out.target))
+    return sum(1 for n in graph.nodes if n.target is UNPACK_GATHERED), saved
+
+
 @pytest.fixture(scope="module")
-def gpt_stage3_facts():
+def gpt_facts():
     from tests.distributed import spawn
 
-    return spawn(pack_nodes_per_collective, 2)
+    return spawn(graph_facts, 2)
 
 
+@pytest.mark.parametrize("units", ["blocks", "embeddings"])
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_one_pack_node_per_multi_parameter_bucket(gpt_stage3_facts, kind):
-    for facts in gpt_stage3_facts:  # both ranks trace the same graphs
-        rows = facts[kind]["collectives"]
+def test_one_pack_node_per_multi_parameter_bucket(gpt_facts, kind, units):
+    for facts in gpt_facts:  # both ranks trace the same graphs
+        rows = facts[units][kind]["collectives"]
         kinds = {row[0] for row in rows}
         assert kinds == ({"all_gather"} if kind == "forward" else {"all_gather", "reduce_scatter"}), rows
         multi = [row for row in rows if row[2] > 1]
@@ -250,8 +450,37 @@ def test_one_pack_node_per_multi_parameter_bucket(gpt_stage3_facts, kind):
         for _, _, params, packs, tagged in rows:
             assert packs == (1 if params > 1 else 0), rows  # found by find_collectives, in the issue chain
             assert tagged
-        assert facts[kind]["packs"] == len(multi)
-    assert gpt_stage3_facts[0] == gpt_stage3_facts[1]
+        assert facts[units][kind]["packs"] == len(multi)
+    assert gpt_facts[0] == gpt_facts[1]
+
+
+@pytest.mark.parametrize("units", ["blocks", "embeddings"])
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_one_unpack_node_per_multi_parameter_all_gather(gpt_facts, kind, units):
+    """Forward gathers and backward's re-gathers (stage 3 recomputes the whole chain) alike; the
+    forward saves no unpacked buffer for backward."""
+    for facts in gpt_facts:
+        copy_out = facts[units][kind]["copy_outs"]
+        rows = copy_out["gathers"]
+        multi = [row for row in rows if row[0] > 1]
+        assert multi, rows
+        if units == "embeddings":
+            assert len(multi) < len(rows), rows  # and single-parameter gathers
+        for params, unpacks, whole in rows:
+            assert unpacks == (1 if params > 1 else 0), rows  # found by find_collectives, in the finish chain
+            assert whole, rows
+        assert copy_out["unpacks"] == len(multi)
+        assert not copy_out["saves_unpacked"]
+
+
+def test_stage1_saves_each_unpacked_buffer_once(gpt_facts):
+    """Stages 1-2 keep the gathered parameters for backward: the partitioner saves each unpacked
+    buffer itself, once, and backward recomputes the parameters' views of it (so the memory
+    accounting, which charges a saved tensor's whole storage, counts each buffer once)."""
+    for facts in gpt_facts:
+        unpacks, saved = facts["stage1_saved"]
+        assert unpacks == 3  # the root and the two blocks
+        assert saved == [str(UNPACK_GATHERED)] * unpacks, saved
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def runs(request) -> dict:
     """``{(name, stage): [rank 0 result, rank 1 result]}`` for the patterns of the selected tests."""
     wanted = {n for item in request.session.items if item.module is request.module for n in _patterns_of(item)}
     names = tuple(n for n in PATTERNS if n in wanted) or tuple(PATTERNS)
-    per_rank = spawn(train_patterns, WORLD_SIZE, names, STAGES, timeout_s=600)
+    per_rank = spawn(train_patterns, WORLD_SIZE, names, STAGES, timeout_s=600, pg_timeout_s=180)
     return {key: [rank_out[key] for rank_out in per_rank] for key in per_rank[0]}
 
 

@@ -12,8 +12,6 @@ from zerograph.passes._fx import COLLECTIVE_KINDS as COLLECTIVE_OPS
 
 from .models import build, global_batch, rank_slice
 
-ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-
 
 def train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_size: int, lr: float,
           config: zerograph.Config | None = None) -> dict:
@@ -53,7 +51,7 @@ def graph_facts(record: dict[str, fx.GraphModule]) -> dict:
         pos = {n: i for i, n in enumerate(nodes)}
         gathers = []
         for node in nodes:
-            if node.target is ALL_GATHER:
+            if COLLECTIVE_OPS.get(node.target) == "all_gather":
                 unit = node.meta[TAG]["unit"]
                 first_compute = min((pos[u] for n in nodes if n.meta.get(TAG, {}).get("unit") == unit
                                      and n.meta[TAG]["role"] == "gather" for u in n.users
@@ -126,3 +124,49 @@ def checkpoint_roundtrip(rank: int, world_size: int, ckpt_dir: str) -> dict:
                      for a, b in zip(model.parameters(), restored.parameters())),
         "full_state": {k: v.full_tensor() for k, v in model.state_dict().items()},
     }
+
+
+def pooled_training(rank: int, world_size: int, name: str, stage: int, steps: int, batch_size: int, lr: float,
+                    config: zerograph.Config | None = None) -> dict:
+    """``train``, plus what ``buffer_reuse`` did: the pool's allocations and bytes after each
+    step, every pooled buffer of every graph, and the liveness peak of gathered parameters."""
+    from zerograph.buffer_pool import POOL_BUFFER
+
+    model = zerograph.compile(build(name), stage=stage, config=config)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    pool = model._zerograph.runtime.buffer_pool
+    losses, allocations, pool_bytes = [], [], []
+    for step in range(steps):
+        loss = model(*rank_slice(global_batch(name, step, batch_size), rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world_size)
+        allocations.append(pool.allocations)
+        pool_bytes.append({"gathered": pool.nbytes("gathered"), "send": pool.nbytes("send")})
+    state = model._zerograph
+    pooled = {}
+    for i, record in enumerate(state.captured.graphs):
+        for kind in ("forward", "backward"):
+            nodes = record[kind].graph.find_nodes(op="call_function", target=POOL_BUFFER) if kind in record else []
+            pooled[i, kind] = [{"role": n.args[1], "slot": n.args[2], "tag": n.meta[TAG]["role"],
+                                "bytes": n.meta["val"].numel() * n.meta["val"].element_size()} for n in nodes]
+    return {
+        "losses": losses,
+        "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+        "allocations": allocations,
+        "pool_bytes": pool_bytes,
+        "pooled": pooled,
+        "gathered_peak": {(i, kind): t.peak(PARAM_ROLES) for i, mem in enumerate(state.runtime.graph_memory)
+                          for kind, t in mem.items()},
+        "unit_bytes": [sum(state.runtime.layouts[k].padded_numel * state.runtime.layouts[k].param_dtype.itemsize
+                           for k in u.keys) for u in state.runtime.units],
+    }
+
+
+def pooled_trainings(rank: int, world_size: int, name: str, stage: int, steps: int, batch_size: int, lr: float,
+                     configs: tuple) -> list[dict]:
+    """``pooled_training`` for each config in turn, in one process group."""
+    return [pooled_training(rank, world_size, name, stage, steps, batch_size, lr, c) for c in configs]

@@ -5,15 +5,17 @@
 
 One launch runs every system one after another on the same ranks, from the same initial values
 (one seed) on the same batches, and reports per system: median / min / max step time, tokens/s,
-exposed communication, peak memory, elements moved per step against the ZeRO paper's 2Ψ / 3Ψ
-(arXiv 1910.02054, section 7), and every step's loss, which must agree across systems.
+exposed communication, peak memory (RSS and the allocator's bytes), elements moved per step
+against the ZeRO paper's 2Ψ / 3Ψ (arXiv 1910.02054, section 7), and every step's loss, which must
+agree across systems.
 ``--simulate CLUSTER`` projects each zerograph schedule's measured profile onto a cluster
 described in ``clusters.json`` (or ``local``: this machine, as a self-consistency check).
 
 Systems (``--systems``, comma-separated):
-    zerograph-s<0-3>[-noov][-pf<K>][-bb<BYTES>][-inductor]
+    zerograph-s<0-3>[-noov][-nopool][-pf<K>][-bb<BYTES>][-inductor]
         ``zerograph.compile`` at that stage; ``-noov`` disables ``config.OVERLAP_PASSES`` (every
-        wait right after its start); ``-pf``/``-bb`` override ``--prefetch-depth`` /
+        wait right after its start); ``-nopool`` disables ``buffer_reuse`` (comm buffers from the
+        allocator each step instead of a pool held across steps); ``-pf``/``-bb`` override ``--prefetch-depth`` /
         ``--bucket-bytes``; ``-inductor`` lowers with Inductor instead of running FX eagerly.
     ddp             ``torch.nn.parallel.DistributedDataParallel``
     fsdp2           ``torch.distributed.fsdp.fully_shard`` on each block, then on the root
@@ -47,6 +49,17 @@ Definitions, identical for every system (also written into the JSON):
                     optimizer states and the step's transients, and the memory kept by compiled
                     code. GPU: ``torch.cuda.max_memory_allocated`` over the timed steps minus the
                     allocation before the build. Max over ranks.
+    peak alloc      bytes of the device's torch allocator (CPU: torch's CPU allocator; GPU: CUDA's,
+                    as ``max_memory_allocated`` counts them) from ``torch.profiler(profile_memory=
+                    True)`` over ``--profile-steps`` further steps (recording each allocation slows
+                    the step, so the steps timed for exposed comm run without it): per step, the
+                    peak of the running sum of its allocations and frees, i.e. the most bytes the
+                    step allocates above what it started with; median over steps, max over ranks.
+    state           bytes held at the start of a step, counted from tensors (each storage once):
+                    this rank's parameters (a ``DTensor``'s local shard, padding included), ``.grad``,
+                    the optimizer's state tensors, module buffers, and the communication buffers
+                    kept across steps (zerograph's buffer pool, DDP's gradient buckets). State +
+                    peak alloc is the step's peak of allocated bytes (max over ranks of the sum).
     comm volume     elements of the full tensors moved per step (an all-reduce counts twice,
                     paper section 7): zerograph from ``zerograph.stats``; DDP and FSDP2 counted by
                     a dispatch mode over one extra step (every ``c10d`` and functional collective
@@ -220,6 +233,7 @@ class SystemSpec:
     kind: str
     stage: int | None = None
     overlap: bool = True
+    pool: bool = True
     prefetch_depth: int = 1
     bucket_bytes: int = 0
     lowering: str = "eager"
@@ -233,10 +247,10 @@ class SystemSpec:
 
     def zerograph_config(self) -> Config:
         return Config(lowering=self.lowering, prefetch_depth=self.prefetch_depth, bucket_bytes=self.bucket_bytes,
-                      disabled_passes=() if self.overlap else OVERLAP_PASSES)
+                      disabled_passes=(() if self.overlap else OVERLAP_PASSES) + (() if self.pool else ("buffer_reuse",)))
 
 
-_ZEROGRAPH_NAME = re.compile(r"^zerograph-s(?P<stage>[0-3])(?P<mods>(?:-(?:noov|inductor|pf\d+|bb\d+))*)$")
+_ZEROGRAPH_NAME = re.compile(r"^zerograph-s(?P<stage>[0-3])(?P<mods>(?:-(?:noov|nopool|inductor|pf\d+|bb\d+))*)$")
 
 
 def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpec:
@@ -247,7 +261,7 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
         return SystemSpec(name, "fsdp2", compiled=name == "fsdp2-compile")
     match = _ZEROGRAPH_NAME.match(name)
     if not match:
-        raise ConfigError(f"unknown system {name!r}: expected zerograph-s<0-3>[-noov][-pf<K>][-bb<BYTES>]"
+        raise ConfigError(f"unknown system {name!r}: expected zerograph-s<0-3>[-noov][-nopool][-pf<K>][-bb<BYTES>]"
                           "[-inductor], ddp, fsdp2 or fsdp2-compile")
     mods = match["mods"].split("-")[1:]
     for mod in mods:
@@ -255,7 +269,7 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
             prefetch_depth = int(mod[2:])
         elif mod.startswith("bb"):
             bucket_bytes = int(mod[2:])
-    return SystemSpec(name, "zerograph", stage=int(match["stage"]), overlap="noov" not in mods,
+    return SystemSpec(name, "zerograph", stage=int(match["stage"]), overlap="noov" not in mods, pool="nopool" not in mods,
                       prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes,
                       lowering="inductor" if "inductor" in mods else "eager")
 
@@ -418,7 +432,7 @@ def measure_all(args: argparse.Namespace, device: torch.device) -> dict | None:
     _prime_compiler()
     from tqdm import tqdm
 
-    per_system = args.warmup + args.steps + args.profile_steps + 1
+    per_system = args.warmup + args.steps + 2 * args.profile_steps + 1
     systems: dict[str, dict] = {}
     with tqdm(total=len(specs) * per_system, disable=rank != 0, unit="step", file=sys.stderr) as progress:
         for spec in specs:
@@ -537,7 +551,12 @@ def run_system(spec: SystemSpec, workload: Workload, args: argparse.Namespace, d
                                     args.profile_steps, device)
     progress.update(args.profile_steps)
     breakdowns = [comm_breakdown(events, w, device) for w in windows]
-    mine = {**times, "memory": peak, "profile": breakdowns}
+    # separate steps: recording every allocation slows the step, so the timed profile runs without it
+    held = held_bytes(model, optimizer)
+    peaks = profile_allocations(lambda: train_step(model, optimizer, batch_of(next(steps))), args.profile_steps, device)
+    progress.update(args.profile_steps)
+    mine = {**times, "memory": peak, "profile": breakdowns,
+            "allocations": {"state_bytes_by_kind": held, "step_peak_bytes": peaks}}
     if spec.kind == "zerograph":
         mine["comm_elements"] = _zerograph_volume(model)
         mine["waits"] = _zerograph_wait_breakdown(events, windows)
@@ -614,6 +633,8 @@ def merge_ranks(spec: SystemSpec, ranks: list[dict], model_info: dict) -> dict:
         "profile_per_rank": [r["profile"] for r in ranks],
         "memory_per_rank": [r["memory"] for r in ranks],
         "peak_memory_bytes": max(r["memory"]["peak_over_baseline_bytes"] for r in ranks),
+        "allocations_per_rank": [r["allocations"] for r in ranks],
+        **_allocation_summary([r["allocations"] for r in ranks]),
         "comm_elements": elements, "comm_elements_total": volume,
         "comm_ratio": volume / model_info["psi"], "paper_ratio": spec.paper_volume,
         "losses": ranks[0]["losses"],
@@ -691,6 +712,79 @@ def _proc_status_bytes(field: str) -> int:
     return int(match.group(1)) * 1024 if match else 0
 
 
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the training state this rank holds between steps, by kind, each storage counted
+    once (``DEFINITIONS["allocated"]``): parameters (a ``DTensor``'s local shard, with the
+    padding of its storage), ``.grad``, the optimizer's state tensors, the module buffers, and
+    the communication buffers a system keeps across steps (zerograph's pool, DDP's buckets)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+
+    def nbytes(tensors: Any) -> int:
+        total = 0
+        for t in tensors:
+            storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:  # a freed FSDP2 unsharded param has 0
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    params = list(model.parameters())
+    return {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
+            "optimizer_states": nbytes(v for state in optimizer.state.values() for v in state.values()
+                                       if isinstance(v, torch.Tensor)),
+            "buffers": nbytes(model.buffers()), "comm_buffers": nbytes(_comm_buffers(model))}
+
+
+def _comm_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """Buffers a system keeps from step to step outside parameters and optimizer: zerograph's
+    ``BufferPool`` slots; DDP's gradient buckets (as same-sized copies: the reducer exposes no
+    other handle on them)."""
+    state = getattr(model, "_zerograph", None)
+    if state is not None:
+        return list(state.runtime.buffer_pool.buffers.values())
+    reducer = getattr(model, "reducer", None)
+    if not isinstance(reducer, dist.Reducer):
+        return []
+    return [bucket.buffer() for bucket in reducer._get_zeros_like_grad_buckets()]
+
+
+def profile_allocations(step: Callable[[], Any], n: int, device: torch.device) -> list[int]:
+    """Run ``step()`` ``n`` times as ``profile_steps`` does, with ``profile_memory``; per step, the
+    peak of the running sum of the device allocator's allocations (+) and frees (-) inside its
+    ``STEP_LABEL`` window: the most bytes the step allocated above what was held at its start."""
+    if n == 0:
+        return []
+    prof = _profile(step, n, device, profile_memory=True)
+    kineto = prof.profiler.kineto_results
+    origin = kineto.trace_start_ns()  # FunctionEvent times are microseconds after it
+    kind = torch.autograd.DeviceType.CUDA if device.type == "cuda" else torch.autograd.DeviceType.CPU
+    changes = sorted(((e.start_ns() - origin, e.nbytes()) for e in kineto.events()
+                      if e.name() == "[memory]" and e.device_type() == kind), key=lambda c: c[0])
+    peaks = []
+    for window in _step_windows(prof.events()):
+        start_ns, end_ns = window.time_range.start * 1e3, window.time_range.end * 1e3
+        running = peak = 0
+        for t, nbytes in changes:
+            if start_ns <= t <= end_ns:
+                running += nbytes
+                peak = max(peak, running)
+        peaks.append(peak)
+    return peaks
+
+
+def _allocation_summary(ranks: Sequence[dict]) -> dict:
+    """Max over ranks of the state held at a step's start, of the median in-step allocation peak
+    and of their sum (``None`` without profiled steps)."""
+    state = [sum(r["state_bytes_by_kind"].values()) for r in ranks]
+    peak = [statistics.median(r["step_peak_bytes"]) if r["step_peak_bytes"] else None for r in ranks]
+    if None in peak:
+        return {"state_bytes": max(state), "step_peak_alloc_bytes": None, "state_plus_peak_bytes": None}
+    return {"state_bytes": max(state), "step_peak_alloc_bytes": max(peak),
+            "state_plus_peak_bytes": max(s + p for s, p in zip(state, peak))}
+
+
 # ---------------------------------------------------------------------------------------------
 # communication volume of the baselines
 
@@ -713,6 +807,7 @@ _COLLECTIVE_SIZES: dict[str, tuple[str, Callable[[tuple], int]]] = {
     "c10d::reduce_scatter_": ("reduce_scatter", lambda a: _numel(a[1])),
     "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda a: _numel(a[1])),
     "_c10d_functional::all_gather_into_tensor": ("all_gather", lambda a: _numel(a[0]) * a[1]),
+    "_c10d_functional::all_gather_into_tensor_out": ("all_gather", lambda a: _numel(a[0]) * a[1]),
     "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", lambda a: _numel(a[0])),
     "_c10d_functional::all_reduce": ("all_reduce", lambda a: _numel(a[0])),
 }
@@ -760,19 +855,26 @@ def profile_steps(step: Callable[[], Any], n: int, device: torch.device) -> tupl
     ``STEP_LABEL`` record_function); returns ``(events, step windows)`` in time order."""
     if n == 0:
         return [], []
+    events = list(_profile(step, n, device).events())
+    return events, _step_windows(events)
+
+
+def _profile(step: Callable[[], Any], n: int, device: torch.device, profile_memory: bool = False) -> Any:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=profile_memory) as prof:
         for _ in range(n):
             _sync(device)
             dist.barrier()
             with torch.profiler.record_function(STEP_LABEL):
                 step()
                 _sync(device)
-    events = list(prof.events())
-    windows = sorted((e for e in events if e.name == STEP_LABEL), key=lambda e: e.time_range.start)
-    return events, windows
+    return prof
+
+
+def _step_windows(events: Sequence[Any]) -> list[Any]:
+    return sorted((e for e in events if e.name == STEP_LABEL), key=lambda e: e.time_range.start)
 
 
 _COMM_OP_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::")
@@ -1115,6 +1217,12 @@ DEFINITIONS = {
     "peak_memory": "CPU: peak RSS (VmHWM reset after warm-up) over the timed steps minus RSS before the system "
                    "was built; GPU: max_memory_allocated over the timed steps minus the allocation before the "
                    "build; max over ranks",
+    "allocated": "torch.profiler(profile_memory=True) over separate profiled steps: peak of the running sum of "
+                 "the device allocator's allocations minus frees within each step (bytes above the step's start; "
+                 "median over steps); state: bytes held at the step's start counted from tensors, each storage "
+                 "once: local parameter shards (DTensor to_local, padded storage), .grad, optimizer state tensors, "
+                 "module buffers, comm buffers kept across steps (zerograph's buffer pool, DDP's gradient buckets); "
+                 "state + peak = the step's peak allocated bytes; max over ranks",
     "comm_volume": "elements of the full tensors moved per step, all-reduce counted twice (ZeRO paper section 7); "
                    "zerograph from zerograph.stats, baselines counted by a dispatch mode over one step; divided "
                    "by psi (unique parameters)",
@@ -1169,13 +1277,18 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
+def _mib(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / MIB:.1f}"
+
+
 def format_report(result: dict) -> str:
     m, model = result["machine"], result["model"]
-    memory_label = "peak alloc MiB" if m["device"] == "cuda" else "peak RSS +MiB"
+    memory_label = "max alloc +MiB" if m["device"] == "cuda" else "peak RSS +MiB"
     headers = ["system", "median ms", "min ms", "max ms", "tokens/s", "exposed comm ms", "comm in flight ms",
-               memory_label, "comm/Ψ (paper)", "loss step 1"]
+               memory_label, "peak alloc +MiB", "state + peak MiB", "comm/Ψ (paper)", "loss step 1"]
     rows = [[name, _ms(s["median_s"]), _ms(s["min_s"]), _ms(s["max_s"]), f"{s['tokens_per_s']:.0f}",
-             _ms(s["exposed_comm_s"]), _ms(s["comm_in_flight_s"]), f"{s['peak_memory_bytes'] / MIB:.1f}",
+             _ms(s["exposed_comm_s"]), _ms(s["comm_in_flight_s"]), _mib(s["peak_memory_bytes"]),
+             _mib(s.get("step_peak_alloc_bytes")), _mib(s.get("state_plus_peak_bytes")),
              f"{s['comm_ratio']:.3f} ({s['paper_ratio']})", f"{s['losses'][0]:.6f}"]
             for name, s in result["systems"].items()]
     check = result["loss_check"]
@@ -1185,7 +1298,8 @@ def format_report(result: dict) -> str:
         f"world size {m['world_size']} ({m['backend']}, {m['device_name']}, {m['threads_per_rank']} thread(s) per rank); "
         f"torch {m['torch']}" + (f"; load average {load[0]:.1f} at start" if load else ""),
         f"{result['settings']['steps']} timed steps after {result['settings']['warmup']} warm-up; "
-        f"exposed comm from {result['settings']['profile_steps']} profiled steps",
+        f"exposed comm from {result['settings']['profile_steps']} profiled steps, peak alloc from as many more "
+        f"(profile_memory); peak RSS over the timed steps",
         "",
         format_table(headers, rows),
         "",

@@ -16,10 +16,11 @@ from typing import Any
 import torch.fx as fx
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._functorch._aot_autograd.utils import make_boxed_func
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.graph import _BoxedCodeGen
 
+from zerograph.passes.activation_partition import input_storages, measured_bytes, saved_activation_outputs
 from zerograph.passes.context import PassContext
 from zerograph.passes.liveness import Timeline, timeline
 from zerograph.passes.manager import check_no_saved_gathers, collective_volume, pipeline, run_pipeline
@@ -36,6 +37,8 @@ class CapturedGraphs:
     def __init__(self) -> None:
         self.graphs: list[dict[str, fx.GraphModule]] = []
         self.input_params: list[list[str | None]] = []
+        # graph id -> bytes of activations its forward handed to backward on its last call (measured)
+        self.saved_activation_bytes: dict[int, int] = {}
 
 
 def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captured: CapturedGraphs) -> Callable:
@@ -57,6 +60,7 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
 
             calibrate_once(runtime.group)
         memory: dict[str, Timeline] = {}
+        user_outputs: list[int] = []
         runtime.graph_memory.append(memory)
 
         def run(kind: str, g: fx.GraphModule) -> fx.GraphModule:
@@ -64,7 +68,9 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
                               runtime.layouts, tuple(runtime.units), bucket_bytes=config.bucket_bytes,
                               prefetch_depth=config.prefetch_depth,
                               max_inflight_bytes=config.max_inflight_bytes,
-                              unshard_budget_bytes=config.unshard_budget_bytes)
+                              unshard_budget_bytes=config.unshard_budget_bytes,
+                              activation_budget_bytes=config.activation_budget_bytes,
+                              buffer_pool=_pool_for(config, runtime))
             dump_dir = (os.path.join(dump_root, f"rank{runtime.rank}", f"graph{graph_id}_{kind}")
                         if dump_root else None)
             g = run_pipeline(g, ctx, pipeline(kind), disabled=config.disabled_passes, dump_dir=dump_dir)
@@ -77,6 +83,7 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
             return g
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+            user_outputs.append(kwargs["num_fwd_outputs"])  # the forward's outputs past these are saved for backward
             joint = run(kind="joint", g=joint)
             fwd, bwd = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
             if runtime.stage == 3:
@@ -92,8 +99,11 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
                     memory["backward"] = timeline(g.graph, carried=memory["forward"].saved)
                 else:
                     memory["inference"] = timeline(g.graph)
-                return _account(runtime, g, _lower(config, g, inputs, kind), backward=kind == "backward",
-                                graph_id=graph_id)
+                lowered = _lower(config, g, inputs, kind)
+                if kind == "forward" and user_outputs:
+                    lowered = _measure_saved(lowered, saved_activation_outputs(g.graph, user_outputs[-1]), captured,
+                                             graph_id)
+                return _account(runtime, g, lowered, backward=kind == "backward", graph_id=graph_id)
             return compile_graph
 
         return aot_module_simplified(
@@ -106,6 +116,13 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
     return backend
 
 
+def _pool_for(config: Config, runtime: Runtime) -> int | None:
+    """The buffer pool ``buffer_reuse`` may use: the runtime's under the eager lowering; none under
+    Inductor, which plans its own buffers and hands a dead buffer's storage to a later one, so a
+    pooled slot could end up as the storage of a tensor that outlives the graph (a gradient)."""
+    return runtime.buffer_pool.id if config.lowering == "eager" else None
+
+
 def _lower(config: Config, gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
     if config.lowering == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
@@ -115,7 +132,24 @@ def _lower(config: Config, gm: fx.GraphModule, inputs: list[Any], kind: str) -> 
         with detect_fake_mode(inputs) or contextlib.nullcontext():
             gm = make_fx(fx.Interpreter(gm).run, decomposition_table=select_decomp_table())(*inputs)
         return compile_fx_inner(gm, inputs, is_backward=kind == "backward", is_inference=kind == "inference")
-    return make_boxed_func(gm.forward)
+    return _boxed(gm)
+
+
+def _boxed(gm: fx.GraphModule) -> Callable:
+    """The eager lowering: FX's generated Python, called with AOTAutograd's boxed convention (one
+    list, which the code empties once it has read it), so that each input, e.g. an activation
+    saved for backward, is freed after its last use instead of when the graph returns (Inductor's
+    generated code does the same). Runs a copy: the recorded graph keeps its ordinary signature."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.set_codegen(_BoxedCodeGen())
+    boxed = fx.GraphModule(gm, graph)
+
+    def run(args: list[Any]) -> Any:
+        return boxed.forward(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
 
 
 def _decompositions(config: Config) -> dict | None:
@@ -144,6 +178,20 @@ def _account(runtime: Runtime, gm: fx.GraphModule, compiled: Callable, backward:
         if backward:
             runtime.backward_ran = True
         return runtime.run_graph(schedule, compiled, args)
+
+    call._boxed_call = True  # type: ignore[attr-defined]
+    return call
+
+
+def _measure_saved(compiled: Callable, positions: list[int], captured: CapturedGraphs, graph_id: int) -> Callable:
+    """Wrap a lowered forward: after each call, record in ``captured.saved_activation_bytes`` the
+    bytes of the activations it returned for backward (outputs at ``positions``, each storage once,
+    none of the graph's inputs). The inputs' storages are read first: a boxed call may clear them."""
+    def call(args: list[Any]) -> Any:
+        inputs = input_storages(args)
+        outs = compiled(args)
+        captured.saved_activation_bytes[graph_id] = measured_bytes([outs[i] for i in positions], inputs)
+        return outs
 
     call._boxed_call = True  # type: ignore[attr-defined]
     return call

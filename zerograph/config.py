@@ -47,6 +47,11 @@ class Config:
         unshard_budget_bytes: stage 3: full bytes of gathered parameters that may stay alive
             from forward to backward instead of being gathered again (``selective_unshard``
             keeps the smallest units first). 0 re-gathers every unit (ZeRO-3 proper).
+        activation_budget_bytes: bytes of activations each compiled graph may save from forward
+            for backward, per rank; ``activation_partition`` recomputes whole units (transformer
+            blocks) in backward, those that free the most bytes per second of recompute first,
+            until its estimate fits. ``None``: no budget, every activation the partitioner
+            chooses is kept. 0 recomputes every unit (the root unit's activations stay kept).
         param_dtype: mixed precision: dtype of the full parameters that forward and backward
             compute with and that the all-gathers move (e.g. ``torch.bfloat16``: half the bytes of
             fp32). The parameters themselves (the ``DTensor`` shards the optimizer updates) keep
@@ -79,6 +84,7 @@ class Config:
     prefetch_depth: int = 1
     max_inflight_bytes: int | None = None
     unshard_budget_bytes: int = 0
+    activation_budget_bytes: int | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     # nn.modules.batchnorm._BatchNorm is private, but it is the one base of every batch norm
@@ -93,6 +99,8 @@ class Config:
             _check_count(field, getattr(self, field), unit, minimum=0)
         if self.max_inflight_bytes is not None:
             _check_count("max_inflight_bytes", self.max_inflight_bytes, "bytes or None", minimum=1)
+        if self.activation_budget_bytes is not None:
+            _check_count("activation_budget_bytes", self.activation_budget_bytes, "bytes or None", minimum=0)
         _check_pass_names(self.disabled_passes)
         if self.unit_classes is not None:
             bad = [c for c in self.unit_classes if not (isinstance(c, type) and issubclass(c, nn.Module))]

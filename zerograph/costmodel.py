@@ -29,7 +29,7 @@ from .errors import ConfigError
 
 from .passes._fx import COLLECTIVE_KINDS as COLLECTIVE_OPS, WAIT, full_buffer  # the ops the passes insert
 
-COLLECTIVE_KINDS = tuple(COLLECTIVE_OPS.values())
+COLLECTIVE_KINDS = tuple(dict.fromkeys(COLLECTIVE_OPS.values()))  # all_gather has an out= variant too
 
 
 @dataclasses.dataclass(frozen=True)

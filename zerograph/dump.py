@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from zerograph.passes._fx import TAG, find_collectives, full_buffer
+from zerograph.passes.activation_partition import ACTIVATION
 from zerograph.passes.liveness import reads, storage_root, timeline
 
 from .sharding import Unit
@@ -51,8 +52,8 @@ MEMORY_CATEGORIES = ("parameters", "gathered parameters", "gradients", "activati
 # liveness roles -> memory category (the roles passes/liveness.py assigns)
 ROLE_CATEGORY = {"gather": "gathered parameters", "full_grad": "gradients", "reduce": "gradients"}
 # ops listed first in a pass's change summary: what zerograph inserts and removes
-ZEROGRAPH_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "wait_tensor",
-                 "unshard", "reduce_grad")
+ZEROGRAPH_OPS = ("all_gather_into_tensor", "all_gather_into_tensor_out", "reduce_scatter_tensor", "all_reduce",
+                 "wait_tensor", "unshard", "reduce_grad", "pool_buffer", "pack_shards_out")
 SUMMARY_KINDS = 8          # op kinds named in a one-line change summary (passes.json has them all)
 SVG_MAX_NODES = 4000       # Graphviz layout time grows fast with size; beyond this only graph.dot
 SVG_TIMEOUT_S = 120        # seconds given to ``dot -Tsvg`` before the SVG is skipped
@@ -171,7 +172,8 @@ def unit_label(units: Sequence[Unit], ids: Sequence[int]) -> str:
 
 def node_comments(graph: fx.Graph, units: Sequence[Unit]) -> dict[str, list[str]]:
     """Node name -> comment lines for zerograph's nodes: each collective (kind, unit, full
-    elements and bytes), each wait (how far after its collective), each release point."""
+    elements and bytes), each wait (how far after its collective), each release point, and each
+    unit's activation decision (keep / recompute, ``activation_partition``)."""
     comments: dict[str, list[str]] = collections.defaultdict(list)
     for c in collectives(graph):
         who = unit_label(units, c["units"])
@@ -188,6 +190,10 @@ def node_comments(graph: fx.Graph, units: Sequence[Unit]) -> dict[str, list[str]
         what = "gathered parameters" if r["role"] == "gather" else "full gradients"
         freed = f"the last {r['freed_bytes']:,} bytes of its {r['tensors']} buffers are freed after this line"
         comments[r["node"]].append(f"zerograph: release of {unit_label(units, r['units'])} {what}: last use; {freed}")
+    for node in graph.nodes:  # activation_partition's decision, on each planned unit's first forward node
+        note = node.meta.get(ACTIVATION, {}).get("note")
+        if note:
+            comments[node.name].append(f"zerograph: {note}")
     return comments
 
 

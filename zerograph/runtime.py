@@ -3,8 +3,8 @@
 The runtime never rewrites graphs. It owns what the compiled graphs need at run time: the process
 group they name, the layouts the markers' fake implementations read, the eager fallback used when a
 frame runs outside a graph (a graph break), the full-size gradient buffers of gradient accumulation
-without sync (``requires_gradient_sync`` off), the per-step communication counters, and the checks
-that turn rank divergence and dead peers into errors instead of hangs: before each graph call the
+without sync (``requires_gradient_sync`` off), the pool of reused comm buffers, the per-step
+communication counters, and the checks that turn rank divergence and dead peers into errors instead of hangs: before each graph call the
 ranks compare a digest of the graph's communication schedule (``Runtime.check_schedule``), and a
 communication failure inside a graph becomes a ``CollectiveError`` naming it (``Runtime.run_graph``).
 """
@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .buffer_pool import BufferPool
 from .errors import CollectiveError, ScheduleMismatchError
 from .passes._fx import COLLECTIVE_KINDS, TAG, full_buffer
 from .sharding import GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, ParamLayout, Unit
@@ -164,6 +165,7 @@ class Runtime:
         self.graph_memory: list[dict] = []  # per captured graph: {'forward'|'backward': liveness.Timeline}
         self.requires_gradient_sync = True  # False: backward keeps full gradients here (no_sync)
         self.unsynced: dict[int, torch.Tensor] = {}  # key -> full gradient summed while unsynced (reduce_dtype)
+        self.buffer_pool = BufferPool()  # the comm buffers ``buffer_reuse`` assigns graphs to
         for layout in layouts:
             _LAYOUTS[layout.key] = layout
             _RUNTIME_OF_KEY[layout.key] = weakref.ref(self)

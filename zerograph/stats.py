@@ -42,6 +42,12 @@ class Stats:
             part of the step: ``"params"``, gathered full parameters alive at once (all of them
             at stages 1-2, the units in flight at stage 3); ``"grads"``, full gradients and
             buckets beyond the reduced shards.
+        saved_activation_bytes: bytes of the activations the step's forward graphs handed to
+            backward, measured when each ran (its last call): the tensors AOTAutograd's forward
+            returns past the user outputs, each storage once, without graph inputs (parameters,
+            shards, the batch) and gathered parameters. All of them are alive at once between
+            forward and backward, so this is their peak. What ``Config.activation_budget_bytes``
+            bounds (per graph).
     """
 
     stage: int
@@ -52,6 +58,7 @@ class Stats:
     resident_bytes: dict[str, int]
     formula_bytes: dict[str, float]
     transient_bytes: dict[str, int]
+    saved_activation_bytes: int = 0
 
 
 def formula_bytes(stage: int, world_size: int, num_params: int, param_bytes: float, grad_bytes: float,
@@ -138,5 +145,6 @@ def stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> S
     master = _bytes_per_element(rt, lambda layout: layout.dtype)  # shards and their .grad
     formula = formula_bytes(rt.stage, rt.world_size, num_params, compute, compute, opt_bytes_per_elem,
                             master_bytes=master, grad_shard_bytes=master)
+    saved = sum(state.captured.saved_activation_bytes.get(graph_id, 0) for graph_id in sorted(step.graphs))
     return Stats(rt.stage, rt.world_size, num_params, dict(step.elements), dict(step.bytes), resident,
-                 formula, transient)
+                 formula, transient, saved)

@@ -1,4 +1,5 @@
-"""The pack kernel as a PyTorch operator, so graph passes can put one node per bucket in a graph.
+"""The pack and unpack kernels as PyTorch operators, so graph passes can put one node per bucket in
+a graph.
 
 ``zerograph::pack_shards(Tensor[] shards, int[] chunk_rows, int world_size, ScalarType dtype) -> Tensor``
 is the copy-in of a collective (FSDP2's copy-in before all-gather / reduce-scatter): every tensor
@@ -27,7 +28,24 @@ row slices ``shard[r*c : (r+1)*c]`` (short or empty for the last ranks), each pa
 kernel, so the CPU path would have to branch inside a function that must also trace on fake
 tensors; here each device gets a plain function and Inductor calls the op as an opaque kernel.
 
-Source: FSDP2's ``foreach_all_gather`` copy-in and ``foreach_reduce`` reduce-scatter input;
+``zerograph::unpack_gathered(Tensor gathered, int world_size, int[] chunk_rows, int[] rows,
+int[] row_numels) -> Tensor`` is the all-gather's copy-out, the inverse layout: ``gathered`` is
+``world_size`` send buffers as ``pack_shards`` built them, and the output holds every parameter's
+full, unpadded rows, parameter-major, in one new allocation::
+
+    out[o_i : o_i + rows_i * n_i].view(rows_i, n_i) =
+        gathered.view(N, -1)[:, col_i : col_i + c_i * n_i].reshape(N * c_i, n_i)[:rows_i]
+
+with ``n_i = row_numels[i]``, ``c_i = chunk_rows[i]``, ``col_i = sum_{j<i} c_j * n_j`` and
+``o_i = sum_{j<i} rows_j * n_j``: each parameter is a view ``out[o_i : o_i + rows_i * n_i].view(shape_i)``
+and the gathered buffer can die as soon as the op has run. Implementations as for ``pack_shards``:
+fake (shape and dtype), CPU (and every device but CUDA) :func:`~zerograph.kernels.unpack_reference`
+into views of the output (``copy_`` of the old copy-out's ``view``/slice/``reshape``/``[:rows]``,
+bit-identical to it), CUDA :func:`~zerograph.kernels.unpack` (one Triton launch per parameter for
+fp32/bf16/fp16, else the same reference).
+
+Source: FSDP2's ``foreach_all_gather`` copy-in, ``foreach_all_gather_copy_out``
+(``split_with_sizes_copy``) and ``foreach_reduce`` reduce-scatter input;
 ``torch.library.custom_op`` / ``register_fake`` / ``register_kernel`` (PyTorch custom operators).
 """
 from __future__ import annotations
@@ -37,9 +55,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .packing import pack, pack_reference
+from .packing import pack, pack_reference, unpack, unpack_reference
 
-__all__ = ["PACK_SHARDS", "pack_shards", "pack_shards_numel"]
+__all__ = ["PACK_SHARDS", "UNPACK_GATHERED", "pack_shards", "pack_shards_numel", "unpack_gathered",
+           "unpack_gathered_numel"]
 
 
 def _check(shards: Sequence[torch.Tensor], chunk_rows: Sequence[int], world_size: int) -> None:
@@ -113,3 +132,92 @@ def _pack_shards_fake(shards, chunk_rows, world_size, dtype):
 
 
 PACK_SHARDS = torch.ops.zerograph.pack_shards.default
+
+
+# --------------------------------------------------------------------------------- unpack_gathered
+
+def _check_unpack(gathered: torch.Tensor, world_size: int, chunk_rows: Sequence[int], rows: Sequence[int],
+                  row_numels: Sequence[int]) -> None:
+    if world_size < 1:
+        raise ValueError(f"unpack_gathered: world_size must be >= 1, got {world_size}")
+    if len(rows) == 0:
+        raise ValueError("unpack_gathered: needs at least one parameter")
+    if not len(chunk_rows) == len(rows) == len(row_numels):
+        raise ValueError(f"unpack_gathered: {len(chunk_rows)} chunk_rows, {len(rows)} rows and "
+                         f"{len(row_numels)} row_numels; pass one of each per parameter")
+    for i, (c, r, n) in enumerate(zip(chunk_rows, rows, row_numels)):
+        if c < 0 or r < 0 or n < 0:
+            raise ValueError(f"unpack_gathered: parameter {i} has a negative size "
+                             f"(chunk_rows {c}, rows {r}, row_numel {n})")
+        if r > world_size * c:
+            raise ValueError(f"unpack_gathered: parameter {i} has {r} rows, more than "
+                             f"world_size {world_size} x chunk_rows {c}")
+    want = world_size * sum(c * n for c, n in zip(chunk_rows, row_numels))
+    if gathered.dim() != 1 or gathered.numel() != want:
+        raise ValueError(f"unpack_gathered: gathered must be 1-D of world_size x sum(chunk_rows x row_numels) "
+                         f"= {want} elements, got shape {tuple(gathered.shape)}")
+
+
+def unpack_gathered_numel(rows: Sequence[int], row_numels: Sequence[int]) -> int:
+    """Elements of the unpacked buffer: ``sum_i rows[i] * row_numels[i]`` (no padding)."""
+    return sum(r * n for r, n in zip(rows, row_numels))
+
+
+def _unpack_views(gathered, rows, row_numels):
+    """The output buffer and one ``(rows_i, row_numel_i)`` view of it per parameter."""
+    out = gathered.new_empty(unpack_gathered_numel(rows, row_numels))  # (sum rows_i * n_i,)
+    views, offset = [], 0
+    for r, n in zip(rows, row_numels):
+        views.append(out[offset : offset + r * n].view(r, n))  # (rows_i, n_i), contiguous
+        offset += r * n
+    return out, views
+
+
+@torch.library.custom_op("zerograph::unpack_gathered", mutates_args=())
+def unpack_gathered(gathered: torch.Tensor, world_size: int, chunk_rows: list[int], rows: list[int],
+                    row_numels: list[int]) -> torch.Tensor:
+    """Lay an all-gathered rank-major buffer out parameter-major, padding dropped (module docstring).
+
+    Args:
+        gathered: 1-D, ``world_size * sum_i chunk_rows[i] * row_numels[i]`` elements, any dtype: the
+            ranks' send buffers as ``pack_shards(..., world_size=1)`` built them, rank ``r``'s
+            ``r``-th. Not modified.
+        world_size: ranks N in the all-gather.
+        chunk_rows: padded rows per rank of each parameter (``ParamLayout.chunk_rows``).
+        rows: full (unpadded) rows of each parameter, at most ``world_size * chunk_rows[i]``.
+        row_numels: elements per row of each parameter, ``prod(shape[1:])`` (1 for a 1-D one).
+
+    Returns:
+        A new contiguous tensor of ``unpack_gathered_numel(rows, row_numels)`` elements and
+        ``gathered``'s dtype (the cast to ``param_dtype`` happened at copy-in); parameter ``i`` is
+        ``out[o_i : o_i + rows[i] * row_numels[i]].view(shape_i)``, ``o_i = sum_{j<i} rows[j] * row_numels[j]``.
+
+    Raises:
+        ValueError: no parameters, lists of different lengths, a negative size, more rows than
+            ``N * chunk_rows``, or ``gathered`` not 1-D of the size the lists give.
+    """
+    _check_unpack(gathered, world_size, chunk_rows, rows, row_numels)
+    out, views = _unpack_views(gathered, rows, row_numels)
+    if out.numel():  # gathered.view(N, -1) cannot infer -1 of an empty buffer
+        unpack_reference(gathered, [v.shape for v in views], world_size, chunk_rows, out=views)
+    return out
+
+
+@unpack_gathered.register_kernel("cuda")
+def _unpack_gathered_cuda(gathered, world_size, chunk_rows, rows, row_numels):
+    # Triton for fp32/bf16/fp16 (one launch per parameter), the reference for any other dtype. Called
+    # directly on CPU tensors under TRITON_INTERPRET=1 by the tests, to run the same kernel.
+    _check_unpack(gathered, world_size, chunk_rows, rows, row_numels)
+    out, views = _unpack_views(gathered, rows, row_numels)
+    if out.numel():
+        unpack(gathered, [v.shape for v in views], world_size, chunk_rows, out=views)
+    return out
+
+
+@unpack_gathered.register_fake
+def _unpack_gathered_fake(gathered, world_size, chunk_rows, rows, row_numels):
+    _check_unpack(gathered, world_size, chunk_rows, rows, row_numels)
+    return gathered.new_empty(unpack_gathered_numel(rows, row_numels))
+
+
+UNPACK_GATHERED = torch.ops.zerograph.unpack_gathered.default

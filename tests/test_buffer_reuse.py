@@ -1,0 +1,77 @@
+"""buffer_reuse (issue 4): comm buffers come from a fixed pool, allocated in the first step only."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import zerograph
+from zerograph.passes.buffer_reuse import PooledBuffer, assign_slots, slot_bytes
+
+from .distributed import spawn
+from .models import reference_training
+from .test_parity import LR, check_parity
+from .workers import pooled_trainings
+
+STEPS = 3
+MODEL = "gpt_deep"  # 8 blocks: enough units for the in-flight bound to mean something
+CONFIGS = (zerograph.Config(prefetch_depth=1), zerograph.Config(prefetch_depth=2),
+           zerograph.Config(disabled_passes=("buffer_reuse",)))
+
+
+def test_slots_number_the_most_buffers_alive_at_once() -> None:
+    plan = assign_slots([PooledBuffer("a", "gather", 10, 0, 5), PooledBuffer("b", "gather", 20, 3, 8),
+                         PooledBuffer("c", "gather", 5, 6, 9), PooledBuffer("d", "reduce", 7, 0, 9),
+                         PooledBuffer("e", "gather", 1, 9, 9)])
+    slot = {b.node: b.slot for b in plan}
+    assert slot["a"] != slot["b"] and slot["b"] != slot["c"] and slot["c"] != slot["e"]
+    assert slot["a"] == slot["c"]  # a dies at 5, c starts at 6
+    assert len({b.slot for b in plan if b.role == "gather"}) == 2  # at most two alive at once
+    # constant-size slots: each as large as the largest buffer it serves; roles never share
+    assert slot_bytes(plan) == {("gather", slot["a"]): 10, ("gather", slot["b"]): 20, ("reduce", slot["d"]): 7}
+
+
+def test_touching_lifetimes_do_not_share_a_slot() -> None:
+    """Inclusive ends: a buffer read by the node that writes the next one must not be that one."""
+    plan = assign_slots([PooledBuffer("a", "gather", 4, 0, 3), PooledBuffer("b", "gather", 4, 3, 6)])
+    assert plan[0].slot != plan[1].slot
+
+
+@functools.lru_cache(maxsize=None)
+def runs() -> tuple:
+    return tuple(spawn(pooled_trainings, 2, MODEL, 3, STEPS, 4, LR, CONFIGS, timeout_s=600))
+
+
+def test_no_comm_buffer_is_allocated_after_the_first_step() -> None:
+    for rank_runs in runs():
+        for run in rank_runs[:2]:
+            assert run["allocations"][0] > 0
+            assert run["allocations"] == [run["allocations"][0]] * STEPS
+            assert run["pool_bytes"] == [run["pool_bytes"][0]] * STEPS
+        assert rank_runs[2]["allocations"] == [0] * STEPS  # the pass disabled: nothing pooled
+
+
+@pytest.mark.parametrize("config_index, depth", [(0, 1), (1, 2)])
+def test_gathered_outputs_take_depth_plus_one_slots(config_index: int, depth: int) -> None:
+    run = runs()[0][config_index]
+    unit_bytes = run["unit_bytes"]
+    for (graph, kind), pooled in run["pooled"].items():
+        gathered = [b for b in pooled if b["role"] == "gathered"]
+        assert len(gathered) == len(unit_bytes), (graph, kind)  # stage 3: every unit gathered in both
+        assert all(b["tag"] == "gather" for b in gathered)
+        assert len({b["slot"] for b in gathered}) == depth + 1, (graph, kind)  # the unit in use + d in flight
+        assert {b["tag"] for b in pooled if b["role"] == "send"} == ({"gather", "reduce"} if kind == "backward"
+                                                                     else {"gather"})
+    # measured: the bytes the pool allocated for all-gather outputs, d + 1 buffers of at most a unit each
+    assert run["pool_bytes"][-1]["gathered"] <= (depth + 1) * max(unit_bytes)
+
+
+def test_pooled_training_is_bitwise_the_unpooled_one_and_matches_eager() -> None:
+    reference = reference_training(MODEL, STEPS, 4, LR)
+    for pooled_d1, pooled_d2, unpooled in runs():
+        for pooled in (pooled_d1, pooled_d2):
+            assert pooled["losses"] == unpooled["losses"]
+            for name, value in unpooled["params"].items():
+                assert torch.equal(pooled["params"][name], value), name
+            check_parity(pooled, reference)
