@@ -39,14 +39,13 @@ import torch.fx as fx
 from zerograph.buffer_pool import PACK_SHARDS_OUT, POOL_BUFFER
 from zerograph.kernels.ops import PACK_SHARDS
 
-from ._fx import COLLECTIVE_KINDS, TAG, WAIT, is_alias_of_input, position
+from ._fx import COLLECTIVE_KINDS, TAG, position
 from .context import PassContext, PassResult
+from .liveness import storage_root
 
 funcol = torch.ops._c10d_functional
 ALL_GATHER = funcol.all_gather_into_tensor.default
 ALL_GATHER_OUT = funcol.all_gather_into_tensor_out.default
-# ops whose result is (a view of) an input's storage without a schema alias annotation
-SAME_STORAGE = (WAIT, torch.ops.aten._unsafe_view.default, ALL_GATHER_OUT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,30 +60,17 @@ class PooledBuffer:
     slot: int = -1
 
 
-def aliases(node: fx.Node) -> list[fx.Node]:
-    """``node`` and every node whose result shares its storage (views, waits, out= results)."""
-    found, stack = [node], [node]
-    while stack:
-        for user in stack.pop().users:
-            shares = (is_alias_of_input(user) and user.args and user.args[0] in found) or (
-                user.target in SAME_STORAGE and any(i in found for i in user.all_input_nodes))
-            if shares and user not in found:
-                found.append(user)
-                stack.append(user)
-    return found
-
-
-def lifetime(node: fx.Node, order: dict[fx.Node, int]) -> int | None:
-    """The last position at which ``node``'s buffer is read, or ``None`` if it escapes the graph.
-
-    A collective keeps its input until its wait, so a read by a collective counts at the wait."""
+def lifetime(node: fx.Node, aliases: list[fx.Node], order: dict[fx.Node, int]) -> int | None:
+    """The last position at which ``node``'s buffer (read through ``aliases``: views, waits, out=
+    results) is read, or ``None`` if it escapes the graph. A collective keeps its input until its
+    wait, so a read by a collective counts at the wait."""
     last = order[node]
-    for alias in aliases(node):
+    for alias in aliases:
         for user in alias.users:
             if user.op == "output":
                 return None
             last = max(last, order[user])
-            if user.target in COLLECTIVE_KINDS or user.target is ALL_GATHER_OUT:
+            if user.target in COLLECTIVE_KINDS:
                 last = max(last, *(order[w] for w in user.users))
     return last
 
@@ -103,11 +89,14 @@ def plan_buffers(graph: fx.Graph) -> list[PooledBuffer]:
     start, which for an interval graph uses exactly as many colours as the most buffers alive at
     once (``assign_slots``)."""
     order = position(graph)
+    aliases: dict[fx.Node, list[fx.Node]] = {}
+    for node in graph.nodes:
+        aliases.setdefault(storage_root(node), []).append(node)
     found: list[PooledBuffer] = []
     for node in graph.nodes:
         if TAG not in node.meta or node.target not in (ALL_GATHER, PACK_SHARDS):
             continue
-        nbytes, last = _nbytes(node), lifetime(node, order)
+        nbytes, last = _nbytes(node), lifetime(node, aliases[node], order)
         if nbytes is None or last is None:
             continue
         role = "gathered" if node.target is ALL_GATHER else "send"
