@@ -300,18 +300,3 @@ def saved_activation_outputs(graph: fx.Graph, num_fwd_outputs: int) -> list[int]
     return [i for i, node in enumerate(output.args[0]) if i >= num_fwd_outputs and isinstance(node, fx.Node)
             and isinstance(node.meta.get("val"), torch.Tensor) and _activation_root(node) is not None]
 
-
-def measured_bytes(saved: Sequence[torch.Tensor], inputs: set[int]) -> int:
-    """Bytes of the storages of ``saved`` (each storage once), except those of ``inputs``
-    (``untyped_storage().data_ptr()`` of the graph's input tensors)."""
-    storages: dict[int, int] = {}
-    for t in saved:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in inputs:
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
-def input_storages(args: Sequence[object]) -> set[int]:
-    """``data_ptr`` of the storage of every tensor in ``args`` (a graph call's inputs)."""
-    return {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}

@@ -12,9 +12,9 @@ from torch._functorch._aot_autograd.utils import make_boxed_func
 import zerograph
 from zerograph.costmodel import CostModel
 from zerograph.dump import node_comments
+from zerograph.capture import measured_bytes
 from zerograph.passes.activation_partition import (ACTIVATION, KEEP, RECOMPUTE, activation_partition,
-                                                   is_seeded, measured_bytes, plan_activations,
-                                                   saved_activation_outputs)
+                                                   is_seeded, plan_activations, saved_activation_outputs)
 from zerograph.passes.context import PassContext
 from zerograph.sharding import Unit
 

@@ -10,9 +10,10 @@ import contextlib
 import itertools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -20,7 +21,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.graph import _BoxedCodeGen
 
-from zerograph.passes.activation_partition import input_storages, measured_bytes, saved_activation_outputs
+from zerograph.passes.activation_partition import saved_activation_outputs
 from zerograph.passes.context import PassContext
 from zerograph.passes.liveness import Timeline, timeline
 from zerograph.passes.manager import check_no_saved_gathers, collective_volume, pipeline, run_pipeline
@@ -195,3 +196,19 @@ def _measure_saved(compiled: Callable, positions: list[int], captured: CapturedG
 
     call._boxed_call = True  # type: ignore[attr-defined]
     return call
+
+
+def measured_bytes(saved: Sequence[torch.Tensor], inputs: set[int]) -> int:
+    """Bytes of the storages of ``saved`` (each storage once), except those of ``inputs``
+    (``untyped_storage().data_ptr()`` of the graph's input tensors)."""
+    storages: dict[int, int] = {}
+    for t in saved:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in inputs:
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def input_storages(args: Sequence[object]) -> set[int]:
+    """``data_ptr`` of the storage of every tensor in ``args`` (a graph call's inputs)."""
+    return {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
