@@ -10,9 +10,10 @@ bandwidth. The byte counts are the minimal traffic of each operation:
 * ``pack``        8 fp32 shards -> one bf16 buffer, each padded to a multiple of 64 elements: 4 B read + 2 B written
 * ``unpack``      bf16 gathered buffer of 8 ranks -> 4 bf16 parameters of 1024 columns: 2 B read + 2 B written
 
-Before timing, each kernel is checked once against its reference on the GPU (fp32 to 1e-6,
-bf16 to 1 ulp; exit status 1 on a mismatch); ``--no-check`` skips that. Without a CUDA GPU the
-script says so and exits 0.
+Before timing, each kernel is checked once against its reference on the GPU (fp32 to 1e-6 of
+the tensor's scale; AdamW's bf16 copy to 1 ulp of its own fp32 result; pack and unpack to 1 ulp;
+exit status 1 on a mismatch); ``--no-check`` skips that. Without a CUDA GPU the script says so
+and exits 0.
 
 Usage: ``python examples/bench_kernels.py [--sizes 1M 16M 256M] [--runs 20] [--peak-gbps 3350]``
 """
@@ -111,8 +112,11 @@ def cases(n: int, device: torch.device):
             adamw_step(*a, param_bf16_out=oa, use_triton=True, **hyper)
             adamw_step(*b, param_bf16_out=ob, use_triton=False, **hyper)
             errs = [((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item() for x, y in zip(a, b)]
-            ulp = max_ulps(oa, ob) if with_out else 0
-            # fp32 results within 1e-6 of the tensor's scale; the bf16 copy within 1 ulp.
+            # fp32 results within 1e-6 of the tensor's scale (FMA contraction differs from torch's
+            # op-by-op rounding); the bf16 copy within 1 ulp of rounding the kernel's own fp32 result.
+            # Not against the reference's bf16: where p - lr * update cancels to near zero, 1e-7 of
+            # the scale is many bf16 ulps of the tiny result (seen at 2^28 elements on an H200).
+            ulp = max_ulps(oa, a[0].to(torch.bfloat16)) if with_out else 0
             return max(errs) <= 1e-6 and ulp <= 1, f"max relative error {max(errs):.2e}, bf16 copy {ulp} ulp"
 
         return run(True), run(False), check

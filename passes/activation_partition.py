@@ -55,10 +55,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerograph.costmodel import CostModel, is_view, node_bytes, node_flops
+from zerograph.costmodel import CostModel, is_view, node_bytes, node_flops, tensor_bytes
 from zerograph.sharding import Unit
 
 from ._fx import TAG
@@ -153,11 +152,7 @@ def is_seeded(node: fx.Node) -> bool:
 def _nbytes(node: fx.Node) -> int:
     """Bytes of a node's tensor value (a symbolic size counts at its size hint, adding no guard)."""
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return 0
-    numel = val.numel()
-    numel = optimization_hint(numel, fallback=0) if isinstance(numel, torch.SymInt) else int(numel)
-    return numel * val.element_size()
+    return tensor_bytes(val) if isinstance(val, torch.Tensor) else 0
 
 
 def _activation_root(node: fx.Node) -> fx.Node | None:

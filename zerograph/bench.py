@@ -138,6 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, help="tokens per sequence; sets the GPT's block_size (default its size's)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seeds the model init and the batches")
+    parser.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                        help="process-group backend: auto is nccl when CUDA is present, else gloo; gloo with CUDA "
+                             "lets several ranks share one GPU (ranks map to GPUs round-robin), for memory figures")
     parser.add_argument("--simulate", metavar="CLUSTER[,CLUSTER]",
                         help=f"project zerograph's measured profiles onto clusters from --clusters, or '{LOCAL_CLUSTER}'")
     parser.add_argument("--clusters", default=str(CLUSTERS_FILE), metavar="PATH",
@@ -187,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("--backend nccl needs CUDA; this machine has none")
     for name in ("nproc", "steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -393,7 +398,7 @@ def padded_params(model: nn.Module, world_size: int) -> int:
 def rank_main(options: dict) -> dict | None:
     """Body of every rank: join the group, measure every system; rank 0 returns the result."""
     args = argparse.Namespace(**options)
-    device = _init_distributed()
+    device = _init_distributed(args.backend)
     try:
         return measure_all(args, device)
     finally:
@@ -401,19 +406,24 @@ def rank_main(options: dict) -> dict | None:
         dist.destroy_process_group()
 
 
-def _init_distributed() -> torch.device:
+def _init_distributed(backend: str = "auto") -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    timeout = datetime.timedelta(minutes=10)
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        # NCCL refuses two ranks on one GPU; gloo (which stages CUDA tensors through the host) does not
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=10))
+        if backend == "gloo":
+            dist.init_process_group("gloo", timeout=timeout)
+        else:
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
         # ranks share the cores: one intra-op thread pool per rank, sized to its share
         threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // local_world))
         torch.set_num_threads(threads)
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group("gloo", timeout=timeout)
     return device
 
 

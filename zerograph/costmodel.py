@@ -22,7 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # torch < 2.13 names it hint_int
+    from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint
 from torch.utils.flop_counter import flop_registry
 
 from .errors import ConfigError
@@ -161,25 +164,26 @@ def node_bytes(node: fx.Node) -> int:
     """Bytes one node reads and writes: its tensor inputs plus its outputs (an in-place op's
     output, which aliases its input, is counted once)."""
     inputs = [n.meta.get("val") for n in node.all_input_nodes]
-    total = sum(_nbytes(t) for t in _tensors(inputs))
+    total = sum(tensor_bytes(t) for t in _tensors(inputs))
     schema = getattr(node.target, "_schema", None)
     aliases_input = schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
     if not aliases_input:
-        total += sum(_nbytes(t) for t in _tensors(node.meta.get("val")))
+        total += sum(tensor_bytes(t) for t in _tensors(node.meta.get("val")))
     return total
 
 
 def collective_bytes(node: fx.Node) -> int:
     """Full (unsharded) bytes a collective node moves: the output of an all-gather, the input of a
     reduce-scatter or all-reduce (as ``passes.manager.collective_volume`` counts them)."""
-    return _nbytes(full_buffer(node))
+    return tensor_bytes(full_buffer(node))
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements (a symbolic size counts at its size hint; no guard is added)."""
     return _as_int(t.numel()) * t.element_size()
 
 
