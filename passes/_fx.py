@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,8 +70,11 @@ def splice(graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], *, 
 
 
 def is_alias_of_input(node: fx.Node) -> bool:
-    """True when ``node``'s output shares storage with its first tensor input (a view op)."""
+    """True when ``node``'s output shares storage with its first tensor input (a view op, or a
+    ``getitem`` of a view op with several outputs: ``split``, ``unbind``)."""
     target = node.target
+    if node.op == "call_function" and target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return is_alias_of_input(node.args[0])
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
     returns = target._schema.returns

@@ -1,19 +1,32 @@
-"""Fit the activations saved for backward into ``activation_budget_bytes`` by recomputing units.
+"""Fit the activations saved for backward into ``activation_budget_bytes``: per unit, keep,
+recompute, offload to host memory, or partition across the activation group (ZeRO-R P_a).
 
 Pre: a joint graph (before the min-cut partitioner) whose forward nodes carry Dynamo's
 ``nn_module_stack``; the gather chains of ``insert_allgather`` and the kept gathers of
 ``selective_unshard`` already carry their own ``recompute`` tags (left as they are).
 Post: with ``ctx.activation_budget_bytes`` None, nothing changes. Otherwise every non-root unit is
-planned ``keep`` or ``recompute`` (``plan_activations``); the forward nodes of a recomputed unit
-are tagged ``meta["recompute"] = MUST_RECOMPUTE`` and ``meta["ac_graph_id"]`` = the unit's rank in
-forward order, which is what ``torch.utils.checkpoint`` puts on the nodes of a checkpointed region
-when Dynamo traces it. The partitioner then saves what the unit reads from outside (its input;
-the output of the unit before it when both are recomputed, since ``cleanup_recompute_tags``
-saves values at the boundary of two regions) and runs the unit's forward again in backward: per
-unit activation checkpointing, decided ahead of time. The first forward node of every planned
-unit carries ``meta[ACTIVATION]["note"]`` (the decision and its numbers), which the dump prints.
+planned (``plan_activations``) and the plan is carried out:
 
-What is never tagged, and why:
+- ``recompute``: the unit's forward nodes are tagged ``meta["recompute"] = MUST_RECOMPUTE`` and
+  ``meta["ac_graph_id"]`` = the unit's rank in forward order, which is what
+  ``torch.utils.checkpoint`` puts on the nodes of a checkpointed region when Dynamo traces it.
+  The partitioner then saves what the unit reads from outside (its input; the output of the unit
+  before it when both are recomputed, since ``cleanup_recompute_tags`` saves values at the
+  boundary of two regions) and runs the unit's forward again in backward.
+- ``offload`` (``ctx.activation_offload``): each movable saved storage (``movable``) is marked
+  ``should_offload`` and ``MUST_SAVE``; PyTorch's partitioner-level offloading (switched on by
+  ``zerograph.capture`` for that partition) copies it to host memory after its last forward use
+  and back before its first backward use, on a transfer stream on CUDA. Backward's reads through
+  forward views are first replayed on the storage itself (PyTorch offloads no view).
+- ``partition`` (``ctx.activation_group``, M ranks): each movable saved storage gets a
+  ``zerograph::shard_activation`` right after it (this rank's 1/M, the only thing saved:
+  ``MUST_SAVE``) and a ``zerograph::gather_activation`` (an all-gather over the group) before its
+  first backward use; backward reads the gathered copy (views replayed on it) instead.
+
+The first forward node of every planned unit carries ``meta[ACTIVATION]["note"]`` (the decision
+and the price of every option), which the dump prints.
+
+What is never recomputed, and why:
 - the root unit (embedding, final norm, LM head and loss sit at both ends of the graph);
 - ops tagged ``torch.Tag.nondeterministic_seeded`` and their ``getitem``s (dropout, and every
   fused attention kernel, even at ``dropout_p=0``): their outputs stay saved. Recomputing one
@@ -27,18 +40,15 @@ What is never tagged, and why:
 The choice. Estimates come from the graph's fake values (bytes of each storage, views counted
 once; graph inputs and gathered parameters are not activations). Per unit: ``saved_bytes``, the
 unit's activations backward reads when kept; ``input_bytes``, what recomputing saves instead
-(values it reads from outside, plus its seeded outputs); ``recompute_flops`` / ``recompute_bytes``
-(``zerograph.costmodel.node_flops`` / ``node_bytes``) and, given a ``CostModel``, ``recompute_s``
-(its roofline). Units are recomputed in decreasing order of bytes freed per second of recompute
-(per byte recompute moves, without a cost model: the pass runs without one, so every rank decides
-alike from shapes alone), until the estimate of everything saved fits the budget; a unit that
-frees nothing is never recomputed. If it cannot fit, every useful unit is recomputed and a
-warning says by how much the estimate exceeds the budget.
-
-Not done: offload to host memory (an async device-to-host copy after the last forward use,
-fetched back before the backward use: meaningless on a CPU-only run) and ZeRO-R's P_a
-(partitioning saved activations across a tensor-parallel group and all-gathering them in backward:
-zerograph has no tensor-parallel group). Both would be further decisions of this plan.
+(values it reads from outside, plus its seeded outputs); ``movable_bytes``, what offload and P_a
+can move. Each option has a price in seconds: recompute, the roofline of the unit's forward ops
+(``CostModel.node_time``); offload, the host round trip of ``movable_bytes`` at
+``HOST_LINK_BYTES_PER_S``; P_a, the all-gather of ``movable_bytes`` (``collective_time``). The
+cost model is ``ctx.activation_cost_model``, or nominal rates (``NOMINAL_*``) when none is
+given: every rank must decide alike, so the pipeline measures nothing. Options are taken in
+decreasing order of bytes freed per second, each unit's cheapest first, a dearer one replacing
+it only if it frees more, until the estimate of device-resident saved bytes fits the budget. If
+it cannot fit, a warning says by how much the estimate exceeds the budget.
 
 Units: bytes (per rank); seconds.
 Source: ZeRO (arXiv 1910.02054) section 6.1 (activation checkpointing, P_a, CPU offload); Chen et
@@ -57,7 +67,10 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from torch._guards import detect_fake_mode
+
 from zerograph.costmodel import CostModel, is_view, node_bytes, node_flops, tensor_bytes
+from zerograph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
 from zerograph.sharding import Unit
 
 from ._fx import TAG
@@ -67,7 +80,17 @@ from .liveness import storage_root
 log = logging.getLogger(__name__)
 
 ACTIVATION = "zerograph_activation"  # node.meta key of the decision (not TAG: these are the model's nodes)
-KEEP, RECOMPUTE = "keep", "recompute"
+KEEP, RECOMPUTE, OFFLOAD, PARTITION = "keep", "recompute", "offload", "partition"
+SHOULD_OFFLOAD = "should_offload"  # node.meta key PyTorch's activation offloading reads
+
+# Rates that price the options when no CostModel is given (every rank must decide alike, so
+# nothing is measured): a device as clusters.json's 8xH100-nvlink entry assumes (FLOP/s, bytes/s
+# of memory, bus bytes/s of an all-gather), and the host link PyTorch's activation offloading
+# assumes (torch._functorch.config.activation_offload_cpu_gpu_bw, 50 GB/s: PCIe 5 x16).
+NOMINAL_FLOPS_PER_S = 50e12
+NOMINAL_MEMORY_BYTES_PER_S = 2.6e12
+NOMINAL_BUS_BYTES_PER_S = 450e9
+HOST_LINK_BYTES_PER_S = 50e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +103,11 @@ class UnitPlan:
     input_bytes: int         # what recomputing saves instead (its inputs, its seeded outputs)
     recompute_flops: int     # FLOPs of the forward ops backward would run again
     recompute_bytes: int     # bytes those ops read and write
-    recompute_s: float | None  # their roofline time under the given cost model
-    decision: str            # KEEP or RECOMPUTE
+    recompute_s: float       # their roofline time (the given cost model, else the nominal rates)
+    movable_bytes: int       # of saved_bytes, what offload / partition can move (see ``movable``)
+    offload_s: float | None  # host round trip of movable_bytes; None: offload not allowed
+    partition_s: float | None  # all-gather of movable_bytes over the group; None: no group
+    decision: str            # KEEP, RECOMPUTE, OFFLOAD or PARTITION
 
     @property
     def freed_bytes(self) -> int:
@@ -95,12 +121,15 @@ class ActivationPlan:
     budget_bytes: int
     root_bytes: int          # activations of the root unit and of nodes outside every unit (kept)
     unconstrained_bytes: int  # estimate with every unit kept
-    planned_bytes: int       # estimate with the decisions below
+    planned_bytes: int       # estimate of device bytes with the decisions below
     units: tuple[UnitPlan, ...]  # non-root units, in unit order
+
+    def decided(self, decision: str) -> list[int]:
+        return [u.unit for u in self.units if u.decision == decision]
 
     @property
     def recomputed(self) -> list[int]:
-        return [u.unit for u in self.units if u.decision == RECOMPUTE]
+        return self.decided(RECOMPUTE)
 
 
 @dataclasses.dataclass
@@ -112,6 +141,7 @@ class _Region:
     tagged: list[fx.Node]       # those recompute would tag
     saved: set[fx.Node]         # storage roots backward reads when kept
     instead: set[fx.Node]       # storage roots saved when recomputed
+    movable: set[fx.Node] = dataclasses.field(default_factory=set)  # of saved, what offload / P_a move
 
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -202,60 +232,100 @@ def regions(graph: fx.Graph, units: Sequence[Unit]) -> tuple[dict[int, _Region],
                 root = _activation_root(node)
                 if root is not None:
                     region.instead.add(root)
+        region.movable = {r for r in region.saved if movable(r)}
     return dict(sorted(found.items())), root_saved
+
+
+def movable(root: fx.Node) -> bool:
+    """Whether offload / partition can move this saved storage: a contiguous tensor the forward
+    computes (not a view, not a ``getitem`` of a multi-output op) that is not a user output of the
+    graph; PyTorch's offloading refuses the same (``can_offload``), and P_a's all-gather rebuilds
+    a contiguous tensor."""
+    val = root.meta.get("val")
+    return (root.op == "call_function" and root.target is not operator.getitem and not is_view(root)
+            and isinstance(val, torch.Tensor) and val.is_contiguous()
+            and not any(u.op == "output" for u in root.users))
 
 
 def _bytes(roots: set[fx.Node]) -> int:
     return sum(_nbytes(r) for r in roots)
 
 
-def plan_activations(graph: fx.Graph, units: Sequence[Unit], budget_bytes: int,
-                     cost: CostModel | None = None) -> ActivationPlan:
-    """Decide keep / recompute per non-root unit (see the module doc); plain data, no rewrite."""
+def plan_activations(graph: fx.Graph, units: Sequence[Unit], budget_bytes: int, cost: CostModel | None = None,
+                     *, offload: bool = False, group_size: int | None = None) -> ActivationPlan:
+    """Decide keep / recompute / offload / partition per non-root unit (see the module doc); plain
+    data, no rewrite. ``offload``: host memory may hold activations; ``group_size``: M, ranks of
+    the group over which activations are replicated (``None``: no P_a)."""
     found, root_saved = regions(graph, units)
-    return _choose(found, root_saved, units, budget_bytes, cost)
+    return _choose(found, root_saved, units, budget_bytes, cost, offload, group_size)
 
 
 def _choose(found: dict[int, _Region], root_saved: set[fx.Node], units: Sequence[Unit], budget: int,
-            cost: CostModel | None) -> ActivationPlan:
-    def estimate(recomputed: set[int]) -> int:
-        roots = set(root_saved)
-        for unit, region in found.items():
-            roots |= region.instead if unit in recomputed else region.saved
-        return _bytes(roots)
+            cost: CostModel | None, offload: bool = False, group_size: int | None = None) -> ActivationPlan:
+    group_size = group_size if group_size and group_size > 1 else None
 
-    stats = {}
+    def estimate(decisions: dict[int, str]) -> int:
+        """Device bytes saved for backward: what is kept, less what goes to the host, less
+        (M - 1) / M of what is partitioned (each piece rounds up)."""
+        device, offloaded, partitioned = set(root_saved), set(), set()
+        for unit, region in found.items():
+            decision = decisions.get(unit, KEEP)
+            device |= region.instead if decision == RECOMPUTE else region.saved
+            (offloaded if decision == OFFLOAD else partitioned if decision == PARTITION else set()).update(
+                region.movable)
+        partitioned -= offloaded
+        pieces = sum(-(-_nbytes(r) // (group_size or 1)) for r in partitioned)
+        return _bytes(device - offloaded - partitioned) + pieces
+
+    plans, options = [], []
     for unit, region in found.items():
         work = [n for n in region.tagged if isinstance(n.target, torch._ops.OpOverload) and not is_view(n)]
-        stats[unit] = (_bytes(region.saved), _bytes(region.instead), sum(node_flops(n) for n in work),
-                       sum(node_bytes(n) for n in work),
-                       sum(cost.node_time(n) for n in region.tagged) if cost is not None else None)
+        saved, instead, movable_bytes = _bytes(region.saved), _bytes(region.instead), _bytes(region.movable)
+        flops, moved = sum(node_flops(n) for n in work), sum(node_bytes(n) for n in work)
+        recompute_s = (sum(cost.node_time(n) for n in region.tagged) if cost is not None
+                       else max(flops / NOMINAL_FLOPS_PER_S, moved / NOMINAL_MEMORY_BYTES_PER_S))
+        offload_s = 2 * movable_bytes / HOST_LINK_BYTES_PER_S if offload else None
+        partition_s = None
+        if group_size:
+            partition_s = (cost.collective_time("all_gather", movable_bytes) if cost is not None
+                           else movable_bytes * (group_size - 1) / group_size / NOMINAL_BUS_BYTES_PER_S)
+        plans.append([unit, units[unit].name, saved, instead, flops, moved, recompute_s, movable_bytes,
+                      offload_s, partition_s])
+        freed = {RECOMPUTE: (saved - instead, recompute_s), OFFLOAD: (movable_bytes, offload_s),
+                 PARTITION: (movable_bytes - movable_bytes // group_size if group_size else 0, partition_s)}
+        for order, (decision, (nbytes, seconds)) in enumerate(freed.items()):
+            if seconds is not None and nbytes > 0:
+                options.append((-nbytes / max(seconds, 1e-12), unit, order, decision, nbytes))
 
-    def freed_per_cost(unit: int) -> float:
-        saved, instead, _, moved, seconds = stats[unit]
-        return (saved - instead) / max(seconds if seconds is not None else moved, 1e-12)
-
-    chosen: set[int] = set()
-    for unit in sorted(found, key=lambda u: (-freed_per_cost(u), u)):
-        if estimate(chosen) <= budget:
+    # Most bytes freed per second first. A unit takes its cheapest option; a later (dearer) one
+    # replaces it only if it frees more, so a budget P_a alone cannot meet falls back to offload or
+    # recompute of the same unit.
+    decisions: dict[int, str] = {}
+    freed_by: dict[int, int] = {}
+    for _, unit, _, decision, nbytes in sorted(options):
+        if estimate(decisions) <= budget:
             break
-        if stats[unit][0] > stats[unit][1]:
-            chosen.add(unit)
-    plans = tuple(UnitPlan(unit, units[unit].name, *stats[unit], RECOMPUTE if unit in chosen else KEEP)
-                  for unit in found)
-    return ActivationPlan(budget, _bytes(root_saved), estimate(set()), estimate(chosen), plans)
+        if nbytes > freed_by.get(unit, 0):
+            decisions[unit], freed_by[unit] = decision, nbytes
+    units_planned = tuple(UnitPlan(*p, decisions.get(p[0], KEEP)) for p in plans)
+    return ActivationPlan(budget, _bytes(root_saved), estimate({}), estimate(decisions), units_planned)
 
 
 def activation_partition(gm: fx.GraphModule, ctx: PassContext, *, cost: CostModel | None = None) -> PassResult:
-    """Plan (``plan_activations``), then tag the recomputed units' nodes (see the module doc).
-    ``cost``: rank by seconds of recompute under this model; the pipeline passes none (bytes moved)."""
+    """Plan (``plan_activations``), then carry the decisions out (see the module doc).
+    ``cost``: price recompute and P_a under this model (default ``ctx.activation_cost_model``;
+    ``None`` there too: nominal rates)."""
     if ctx.graph_kind != "joint" or ctx.activation_budget_bytes is None:
         return PassResult(gm, False)
     found, root_saved = regions(gm.graph, ctx.units)
-    plan = _choose(found, root_saved, ctx.units, ctx.activation_budget_bytes, cost)
+    cost = cost if cost is not None else ctx.activation_cost_model
+    group_name, group_size = ctx.activation_group or (None, None)
+    plan = _choose(found, root_saved, ctx.units, ctx.activation_budget_bytes, cost, ctx.activation_offload,
+                   group_size)
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     order = sorted(plan.recomputed, key=lambda u: pos[found[u].nodes[0]])
     region_id = {unit: i + 1 for i, unit in enumerate(order)}  # increasing along forward, as checkpoint's ids
+    backward = backward_nodes(gm.graph) if plan.decided(PARTITION) or plan.decided(OFFLOAD) else set()
     for p in plan.units:
         region = found[p.unit]
         if p.decision == RECOMPUTE:
@@ -263,27 +333,128 @@ def activation_partition(gm: fx.GraphModule, ctx: PassContext, *, cost: CostMode
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 node.meta["ac_graph_id"] = region_id[p.unit]
                 node.meta[ACTIVATION] = {"unit": p.unit, "decision": RECOMPUTE}
+        elif p.decision == OFFLOAD:
+            for root in sorted(region.movable, key=pos.__getitem__):
+                _offload(gm.graph, root, backward, pos)
+        elif p.decision == PARTITION:
+            for root in sorted(region.movable, key=pos.__getitem__):
+                _partition(gm.graph, root, backward, pos, group_name, group_size)
         first = region.nodes[0]
         first.meta[ACTIVATION] = {"unit": p.unit, "decision": p.decision, "note": _note(p)}
         log.debug("unit %d %r: %s", p.unit, p.name, _note(p))
     if plan.planned_bytes > plan.budget_bytes:
-        log.warning("activation budget %d bytes cannot be met: the estimate is %d bytes with every useful unit "
-                    "recomputed (%d of it the root unit's)", plan.budget_bytes, plan.planned_bytes, plan.root_bytes)
-    log.info("activations: %d of %d units recomputed; estimate %d -> %d bytes (budget %d)", len(plan.recomputed),
-             len(plan.units), plan.unconstrained_bytes, plan.planned_bytes, plan.budget_bytes)
-    if plan.recomputed:
+        log.warning("activation budget %d bytes cannot be met: the estimate is %d bytes with every useful option "
+                    "taken (%d of it the root unit's)", plan.budget_bytes, plan.planned_bytes, plan.root_bytes)
+    counts = {f"{d}_units": len(plan.decided(d)) for d in (RECOMPUTE, OFFLOAD, PARTITION)}
+    log.info("activations: %s of %d units; estimate %d -> %d bytes (budget %d)", counts, len(plan.units),
+             plan.unconstrained_bytes, plan.planned_bytes, plan.budget_bytes)
+    changed = any(counts.values())
+    if changed:
+        gm.graph.lint()
         gm.recompile()
-    return PassResult(gm, bool(plan.recomputed), {"recomputed_units": len(plan.recomputed), "units": len(plan.units),
-                                                  "estimated_saved_bytes": plan.planned_bytes})
+    return PassResult(gm, changed, {**counts, "units": len(plan.units), "estimated_saved_bytes": plan.planned_bytes})
+
+
+def _partition(graph: fx.Graph, root: fx.Node, backward: set[fx.Node], pos: dict[fx.Node, int], group_name: str,
+               group_size: int) -> None:
+    """P_a for one saved storage: forward keeps this rank's piece (``shard_activation``, saved:
+    ``MUST_SAVE``), backward all-gathers it (``gather_activation``, ``partitioner_tag`` is_backward)
+    before the first backward use and reads the gathered tensor wherever it read ``root`` or a
+    forward view of it (``_backward_reads_from``). ``root`` is then dead after forward."""
+    val = root.meta["val"]
+    with graph.inserting_after(root):
+        piece = graph.call_function(SHARD_ACTIVATION, (root, group_name, group_size))
+    with detect_fake_mode([val]):
+        piece.meta["val"] = SHARD_ACTIVATION(val, group_name, group_size)
+    piece.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    piece.meta[TAG] = {"role": "activation_shard"}
+    readers = _backward_readers(graph, root, backward)
+    with graph.inserting_before(min((u for n in readers for u in n.users if u in backward), key=pos.__getitem__)):
+        full = graph.call_function(GATHER_ACTIVATION, (piece, list(val.shape), group_name, group_size))
+    full.meta.update({"val": val, "partitioner_tag": "is_backward", TAG: {"role": "activation_gather"}})
+    _backward_reads_from(graph, full, root, readers, backward, pos)
+
+
+def _offload(graph: fx.Graph, root: fx.Node, backward: set[fx.Node], pos: dict[fx.Node, int]) -> None:
+    """Offload for one saved storage: PyTorch's offloading moves only a saved node that is no view
+    (``can_offload``), and the partitioner saves the views backward reads; so backward replays
+    those views on ``root`` itself (``_backward_reads_from``), ``root`` is saved as it is
+    (``MUST_SAVE``) and marked ``should_offload``."""
+    _backward_reads_from(graph, root, root, _backward_readers(graph, root, backward), backward, pos)
+    root.meta[SHOULD_OFFLOAD] = True
+    root.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def _backward_readers(graph: fx.Graph, root: fx.Node, backward: set[fx.Node]) -> list[fx.Node]:
+    """``root`` and its forward views (same storage) that backward nodes read."""
+    return [n for n in graph.nodes if n not in backward and storage_root(n) is root
+            and any(u in backward for u in n.users)]
+
+
+def _backward_reads_from(graph: fx.Graph, source: fx.Node, root: fx.Node, readers: list[fx.Node],
+                         backward: set[fx.Node], pos: dict[fx.Node, int]) -> None:
+    """Make every backward use of ``readers`` (``root`` and forward views of it) read ``source``
+    instead, a tensor equal to ``root`` (itself, or its all-gathered copy): the view chain from
+    ``root`` to each reader is replayed on ``source`` in backward, before the reader's first
+    backward use (``partitioner_tag`` is_backward; views cost no copy)."""
+    replayed = {root: source}
+
+    def replay(node: fx.Node, before: fx.Node) -> fx.Node:
+        if node not in replayed:
+            base = replay(node.args[0], before)
+            with graph.inserting_before(before):
+                copy = graph.call_function(node.target, (base, *node.args[1:]), dict(node.kwargs))
+            # MUST_RECOMPUTE as well: otherwise the min-cut may compute the copy in forward and
+            # save it (a view weighs as much as its base), which is what this undoes
+            copy.meta.update({"val": node.meta["val"], "partitioner_tag": "is_backward",
+                              "recompute": CheckpointPolicy.MUST_RECOMPUTE})
+            replayed[node] = copy
+        return replayed[node]
+
+    for node in readers:
+        users = sorted((u for u in node.users if u in backward), key=pos.__getitem__)
+        if node is root and source is root:
+            continue  # backward already reads root itself
+        view = replay(node, users[0])
+        for user in users:
+            user.replace_input_with(node, view)
 
 
 def _note(p: UnitPlan) -> str:
-    seconds = f", ~{p.recompute_s * 1e6:.0f} us" if p.recompute_s is not None else ""
-    what = (f"recompute in backward: saves ~{p.input_bytes:,} instead of ~{p.saved_bytes:,} bytes"
-            if p.decision == RECOMPUTE else f"keep: ~{p.saved_bytes:,} bytes saved for backward "
-            f"(recompute would save ~{p.input_bytes:,})")
-    return (f"activations of unit {p.unit} '{p.name}': {what}; recompute costs {p.recompute_flops:,} FLOPs, "
-            f"{p.recompute_bytes:,} bytes moved{seconds}")
+    """The decision and the numbers behind it, as the dump prints it."""
+    what = {KEEP: f"keep ~{p.saved_bytes:,} bytes saved for backward",
+            RECOMPUTE: f"recompute in backward: saves ~{p.input_bytes:,} instead of ~{p.saved_bytes:,} bytes",
+            OFFLOAD: f"offload ~{p.movable_bytes:,} of ~{p.saved_bytes:,} saved bytes to host memory",
+            PARTITION: f"partition ~{p.movable_bytes:,} of ~{p.saved_bytes:,} saved bytes over the activation "
+                       f"group (P_a)"}[p.decision]
+    priced = [f"recompute frees {p.freed_bytes:,} B in ~{p.recompute_s * 1e6:.1f} us "
+              f"({p.recompute_flops:,} FLOPs, {p.recompute_bytes:,} B moved)"]
+    if p.offload_s is not None:
+        priced.append(f"offload frees {p.movable_bytes:,} B in ~{p.offload_s * 1e6:.1f} us of host transfer")
+    if p.partition_s is not None:
+        priced.append(f"partition frees most of {p.movable_bytes:,} B in ~{p.partition_s * 1e6:.1f} us of all-gather")
+    return f"activations of unit {p.unit} '{p.name}': {what}; " + "; ".join(priced)
+
+
+def wants_offload(node: fx.Node) -> bool:
+    """Whether this pass marked a joint-graph node for PyTorch's activation offloading."""
+    return bool(node.meta.get(SHOULD_OFFLOAD))
+
+
+def offloaded_outputs(graph: fx.Graph) -> list[int]:
+    """Indices of a partitioned forward graph's outputs that PyTorch's activation offloading put
+    in host memory: made by ``prims.device_put`` (to the CPU) or by an ``ao.offload`` (through its
+    ``ao.wait_tensor``)."""
+    def offloaded(node: object) -> bool:
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            return False
+        name = str(node.target)
+        if name.startswith("ao.wait_tensor"):
+            return offloaded(node.args[0])
+        return name.startswith("ao.offload") or (name.startswith("prims.device_put")
+                                                 and torch.device(node.args[1]).type == "cpu")
+    output = graph.find_nodes(op="output")[0]
+    return [i for i, node in enumerate(output.args[0]) if offloaded(node)]
 
 
 def saved_activation_outputs(graph: fx.Graph, num_fwd_outputs: int) -> list[int]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import torch.fx as fx
 
@@ -30,6 +30,10 @@ class PassContext:
             buffers from (an int in the graph, never the pool itself); ``None``: no pooling.
         activation_budget_bytes: ``Config.activation_budget_bytes`` (bytes of saved activations
             per rank per graph; ``None``: no budget, ``activation_partition`` does nothing).
+        activation_offload: ``Config.activation_offload`` (saved activations may go to host memory).
+        activation_group: ``(group_name, size)`` of ``Config.activation_group``, the group over
+            which activations are replicated (P_a may partition them across it); ``None``: none.
+        activation_cost_model: ``Config.activation_cost_model`` (plain data; ``None``: nominal rates).
     """
 
     graph_kind: GraphKind
@@ -44,6 +48,9 @@ class PassContext:
     unshard_budget_bytes: int = 0
     buffer_pool: int | None = None
     activation_budget_bytes: int | None = None
+    activation_offload: bool = False
+    activation_group: tuple[str, int] | None = None
+    activation_cost_model: Any = None  # zerograph.costmodel.CostModel (not imported: it imports the passes)
 
     @property
     def communicates(self) -> bool:

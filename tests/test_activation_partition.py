@@ -12,42 +12,51 @@ from torch._functorch._aot_autograd.utils import make_boxed_func
 import zerograph
 from zerograph.costmodel import CostModel
 from zerograph.dump import node_comments
-from zerograph.capture import measured_bytes
-from zerograph.passes.activation_partition import (ACTIVATION, KEEP, RECOMPUTE, activation_partition,
-                                                   is_seeded, plan_activations, saved_activation_outputs)
+from zerograph.capture import _offloading, measured_bytes
+from zerograph.passes.activation_partition import (ACTIVATION, KEEP, OFFLOAD, PARTITION, RECOMPUTE,
+                                                   activation_partition,
+                                                   is_seeded, offloaded_outputs, plan_activations,
+                                                   saved_activation_outputs, wants_offload)
 from zerograph.passes.context import PassContext
 from zerograph.sharding import Unit
 
 from .distributed import spawn
 from .models import DEEP_GPT, build, global_batch, reference_training
 from .test_parity import LR, check_parity
-from .workers_activation import budget_runs
+from .workers_activation import SLOW_COMPUTE, budget_runs, moved_runs
 
 STEPS = 2
 UNITS = (Unit(0, "", ()),) + tuple(Unit(i + 1, f"blocks.{i}", ()) for i in range(DEEP_GPT.n_layer))
 
 
-def compile_single(budget: int | None) -> dict:
+def compile_single(budget: int | None, offload: bool = False) -> dict:
     """The deep GPT under plain ``torch.compile`` (one process, no sharding) with only this pass on
-    the joint graph: its plan, the joint graph, and the measured saved bytes of one forward."""
+    the joint graph: its plan, the joint and forward graphs, and the measured saved bytes of one
+    forward (on the device, and offloaded to the host)."""
     seen: dict = {}
 
     def backend(gm, example_inputs):
         def partition(joint, joint_inputs, **kwargs):
             if budget is not None:
-                seen["plan"] = plan_activations(joint.graph, UNITS, budget)
-                ctx = PassContext("joint", 0, 1, "", {}, UNITS, activation_budget_bytes=budget)
-                activation_partition(joint, ctx)
+                cost = SLOW_COMPUTE if offload else None
+                seen["plan"] = plan_activations(joint.graph, UNITS, budget, cost, offload=offload)
+                ctx = PassContext("joint", 0, 1, "", {}, UNITS, activation_budget_bytes=budget,
+                                  activation_offload=offload)
+                activation_partition(joint, ctx, cost=cost)
             seen["joint"] = joint
             seen["user_outputs"] = kwargs["num_fwd_outputs"]
-            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            with _offloading(joint):
+                return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         def forward_compiler(g, inputs):
-            positions = saved_activation_outputs(g.graph, seen["user_outputs"])
+            offloaded = offloaded_outputs(g.graph)
+            positions = [i for i in saved_activation_outputs(g.graph, seen["user_outputs"]) if i not in offloaded]
+            seen["forward"] = g
 
             def run(*args):
                 outs = g(*args)
                 seen["saved_bytes"] = measured_bytes([outs[i] for i in positions], set())
+                seen["offloaded_bytes"] = measured_bytes([outs[i] for i in offloaded], set())
                 return outs
             return make_boxed_func(run)
 
@@ -68,8 +77,8 @@ def world_size_2() -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def single(budget: int | None) -> dict:
-    return compile_single(budget)
+def single(budget: int | None, offload: bool = False) -> dict:
+    return compile_single(budget, offload)
 
 
 def test_plan_keeps_within_budget_and_never_recomputes_the_root() -> None:
@@ -80,7 +89,7 @@ def test_plan_keeps_within_budget_and_never_recomputes_the_root() -> None:
     assert plan.planned_bytes <= plan.budget_bytes < plan.unconstrained_bytes
     assert 0 < len(plan.recomputed) < DEEP_GPT.n_layer
     for unit in plan.units:
-        assert unit.freed_bytes > 0 and unit.recompute_flops > 0 and unit.recompute_s is None
+        assert unit.freed_bytes > 0 and unit.recompute_flops > 0 and unit.recompute_s > 0
         assert unit.decision in (KEEP, RECOMPUTE)
     everything = plan_activations(free["joint"].graph, UNITS, budget_bytes=0)
     assert everything.recomputed == list(range(1, DEEP_GPT.n_layer + 1))
@@ -89,7 +98,7 @@ def test_plan_keeps_within_budget_and_never_recomputes_the_root() -> None:
     cost = CostModel(world_size=1, flops_per_s=1e9, bytes_per_s=1e9, op_overhead_s=1e-6, collectives={})
     timed = plan_activations(free["joint"].graph, UNITS, budget_bytes=plan.budget_bytes, cost=cost)
     assert all(u.recompute_s > 0 for u in timed.units)
-    assert timed.recomputed == plan.recomputed  # like blocks: the same choice by seconds as by bytes moved
+    assert timed.recomputed == plan.recomputed  # like blocks: the same choice under any rates
 
 
 def test_pass_tags_units_like_checkpoint_and_keeps_numbers() -> None:
@@ -137,3 +146,71 @@ def test_half_budget_at_world_size_2_matches_unconstrained_and_eager(stage: int)
         check_parity(tight, reference)
         assert RECOMPUTE in tight["decisions"].values() and 0 not in tight["decisions"]
         assert free["decisions"] == {}
+
+
+def test_offload_moves_saved_activations_to_host_and_keeps_numbers() -> None:
+    """Offload (priced so that it beats recompute): the forward hands the offloaded activations to
+    backward through PyTorch's offloading (``device_put`` to the CPU on this machine), the
+    device-resident rest fits the budget, and gradients are bitwise those of the unconstrained run."""
+    free = single(None)
+    budget = free["saved_bytes"] // 2
+    moved = single(budget, offload=True)
+    assert set(moved["plan"].decided(OFFLOAD)) and not moved["plan"].recomputed
+    assert moved["saved_bytes"] <= budget < free["saved_bytes"]
+    assert moved["offloaded_bytes"] >= free["saved_bytes"] - budget
+    assert moved["loss"] == free["loss"]
+    for name, grad in free["grads"].items():
+        assert torch.equal(moved["grads"][name], grad), name
+    marked = [n for n in moved["joint"].graph.nodes if wants_offload(n)]
+    puts = [n for n in moved["forward"].graph.nodes if n.target is torch.ops.prims.device_put.default]
+    assert marked and len(puts) == len(offloaded_outputs(moved["forward"].graph)) == len(marked)
+    notes = [n.meta[ACTIVATION]["note"] for n in moved["joint"].graph.nodes if "note" in n.meta.get(ACTIVATION, {})]
+    assert any("offload" in t and "host transfer" in t for t in notes)
+
+
+def test_plan_prefers_the_cheapest_option_and_falls_back_to_one_that_frees_more() -> None:
+    """P_a at M = 2 frees half of what it moves; when that cannot meet the budget, a unit's
+    decision is replaced by one that frees more (here recompute, the only other option)."""
+    joint = single(None)["joint"].graph
+    free_plan = plan_activations(joint, UNITS, 10**9, SLOW_COMPUTE, group_size=2)
+    unconstrained = free_plan.unconstrained_bytes
+    loose = plan_activations(joint, UNITS, unconstrained - 1, SLOW_COMPUTE, group_size=2)
+    assert loose.decided(PARTITION) and not loose.recomputed  # cheapest first, and one unit is enough
+    assert all(u.partition_s > 0 and u.offload_s is None for u in loose.units)
+    tight = plan_activations(joint, UNITS, 0, SLOW_COMPUTE, group_size=2)
+    assert tight.recomputed == list(range(1, DEEP_GPT.n_layer + 1)) and not tight.decided(PARTITION)
+    assert tight.planned_bytes < loose.planned_bytes
+    both = plan_activations(joint, UNITS, 0, SLOW_COMPUTE, offload=True, group_size=2)
+    for unit in both.units:  # out of budget, each unit ends with the option that frees the most
+        freed = {RECOMPUTE: unit.freed_bytes, OFFLOAD: unit.movable_bytes, PARTITION: unit.movable_bytes // 2}
+        assert freed[unit.decision] == max(freed.values())
+
+
+def test_config_validates_activation_options() -> None:
+    for field, bad in (("activation_offload", 1), ("activation_group", "world"), ("activation_cost_model", 3)):
+        with pytest.raises(zerograph.ConfigError, match=field):
+            zerograph.Config(**{field: bad})
+
+
+@functools.lru_cache(maxsize=None)
+def moved_world_size_2() -> tuple:
+    return tuple(spawn(moved_runs, 2, "gpt", 3, STEPS, 4, LR))
+
+
+@pytest.mark.parametrize("how", ["partition", "offload"])
+def test_partition_and_offload_at_world_size_2(how: str) -> None:
+    """Stage 3, world size 2, every rank fed the whole batch (its activations replicated across
+    the group, as across a tensor-parallel group): P_a over that group (``activation_group``)
+    keeps half of each partitioned activation and all-gathers it in backward; offload hands
+    activations over in host memory. Saved device bytes fit the budget, losses and parameters are
+    bitwise those of the unconstrained run, and both match single-process training on the batch."""
+    reference = reference_training("gpt", STEPS, 4, LR)
+    for rank in moved_world_size_2():
+        free, moved, budget = rank["free"], rank[how], rank["budgets"][how]
+        assert max(moved["saved_bytes"]) <= budget < max(free["saved_bytes"])
+        assert set(moved["decisions"].values()) == {PARTITION if how == "partition" else OFFLOAD}
+        assert (min(moved["offloaded_bytes"]) > 0) == (how == "offload")
+        assert moved["losses"] == free["losses"]
+        for name, value in free["params"].items():
+            assert torch.equal(moved["params"][name], value), name
+        check_parity(moved, reference)

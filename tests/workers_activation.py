@@ -5,20 +5,27 @@ import torch
 import torch.distributed as dist
 
 import zerograph
+from zerograph.costmodel import CostModel
 from zerograph.passes.activation_partition import ACTIVATION
 
 from .models import build, global_batch, rank_slice
 
 
 def _train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_size: int, lr: float,
-           budget: int | None) -> dict:
-    model = zerograph.compile(build(name), stage=stage, config=zerograph.Config(activation_budget_bytes=budget))
+           budget: int | None, replicated: bool = False, **config) -> dict:
+    """``replicated``: every rank trains on the whole batch (activations are replicated across
+    ranks, as across a tensor-parallel group), else on its slice of it."""
+    model = zerograph.compile(build(name), stage=stage,
+                              config=zerograph.Config(activation_budget_bytes=budget, **config))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, saved = [], []
+    losses, saved, offloaded = [], [], []
     for step in range(steps):
-        loss = model(*rank_slice(global_batch(name, step, batch_size), rank, world_size))
+        batch = global_batch(name, step, batch_size)
+        loss = model(*(batch if replicated else rank_slice(batch, rank, world_size)))
         loss.backward()
-        saved.append(zerograph.stats(model).saved_activation_bytes)
+        stats = zerograph.stats(model)
+        saved.append(stats.saved_activation_bytes)
+        offloaded.append(stats.offloaded_activation_bytes)
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -30,7 +37,7 @@ def _train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_
             note = node.meta.get(ACTIVATION, {})
             if "note" in note:
                 decisions[note["unit"]] = note["decision"]
-    return {"losses": losses, "saved_bytes": saved, "decisions": decisions,
+    return {"losses": losses, "saved_bytes": saved, "offloaded_bytes": offloaded, "decisions": decisions,
             "params": {n: p.full_tensor() for n, p in model.named_parameters()}}
 
 
@@ -45,3 +52,23 @@ def budget_runs(rank: int, world_size: int, name: str, stages: tuple[int, ...], 
         out[stage] = {"free": free, "budget": budget,
                       "constrained": _train(rank, world_size, name, stage, steps, batch_size, lr, budget)}
     return out
+
+
+# recompute priced far above a host round trip or an all-gather, so that the plan moves activations
+SLOW_COMPUTE = CostModel(world_size=2, flops_per_s=1e6, bytes_per_s=1e6, op_overhead_s=1e-3,
+                         collectives={"all_gather": (1e-5, 1e-9)})
+
+
+def moved_runs(rank: int, world_size: int, name: str, stage: int, steps: int, batch_size: int, lr: float) -> dict:
+    """Every rank trains on the whole batch: without a budget; then with a budget below the
+    measured saved bytes, once with P_a over the whole world (the activation group) and once with
+    offload, both priced by ``SLOW_COMPUTE``."""
+    free = _train(rank, world_size, name, stage, steps, batch_size, lr, None, replicated=True)
+    unconstrained = max(free["saved_bytes"])
+    common = dict(replicated=True, activation_cost_model=SLOW_COMPUTE)
+    budgets = {"partition": unconstrained * 3 // 4, "offload": unconstrained // 2}  # P_a at M = 2 frees at most half
+    return {"free": free, "budgets": budgets,
+            "partition": _train(rank, world_size, name, stage, steps, batch_size, lr, budgets["partition"],
+                                activation_group=dist.group.WORLD, **common),
+            "offload": _train(rank, world_size, name, stage, steps, batch_size, lr, budgets["offload"],
+                              activation_offload=True, **common)}

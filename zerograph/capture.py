@@ -21,7 +21,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.graph import _BoxedCodeGen
 
-from zerograph.passes.activation_partition import saved_activation_outputs
+from zerograph.passes.activation_partition import offloaded_outputs, saved_activation_outputs, wants_offload
 from zerograph.passes.context import PassContext
 from zerograph.passes.liveness import Timeline, timeline
 from zerograph.passes.manager import check_no_saved_gathers, collective_volume, pipeline, run_pipeline
@@ -40,6 +40,7 @@ class CapturedGraphs:
         self.input_params: list[list[str | None]] = []
         # graph id -> bytes of activations its forward handed to backward on its last call (measured)
         self.saved_activation_bytes: dict[int, int] = {}
+        self.offloaded_activation_bytes: dict[int, int] = {}  # handed over in host memory instead (offload)
 
 
 def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captured: CapturedGraphs) -> Callable:
@@ -71,6 +72,9 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
                               max_inflight_bytes=config.max_inflight_bytes,
                               unshard_budget_bytes=config.unshard_budget_bytes,
                               activation_budget_bytes=config.activation_budget_bytes,
+                              activation_offload=config.activation_offload,
+                              activation_group=_activation_group(config),
+                              activation_cost_model=config.activation_cost_model,
                               buffer_pool=_pool_for(config, runtime))
             dump_dir = (os.path.join(dump_root, f"rank{runtime.rank}", f"graph{graph_id}_{kind}")
                         if dump_root else None)
@@ -86,7 +90,8 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
             user_outputs.append(kwargs["num_fwd_outputs"])  # the forward's outputs past these are saved for backward
             joint = run(kind="joint", g=joint)
-            fwd, bwd = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            with _offloading(joint):
+                fwd, bwd = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
             if runtime.stage == 3:
                 check_no_saved_gathers(fwd)
             return fwd, bwd
@@ -102,7 +107,9 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
                     memory["inference"] = timeline(g.graph)
                 lowered = _lower(config, g, inputs, kind)
                 if kind == "forward" and user_outputs:
-                    lowered = _measure_saved(lowered, saved_activation_outputs(g.graph, user_outputs[-1]), captured,
+                    saved = saved_activation_outputs(g.graph, user_outputs[-1])
+                    offloaded = offloaded_outputs(g.graph)
+                    lowered = _measure_saved(lowered, [i for i in saved if i not in offloaded], offloaded, captured,
                                              graph_id)
                 return _account(runtime, g, lowered, backward=kind == "backward", graph_id=graph_id)
             return compile_graph
@@ -115,6 +122,30 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
         )
 
     return backend
+
+
+def _activation_group(config: Config) -> tuple[str, int] | None:
+    """``PassContext.activation_group``: the group's registered name and size (passes see no group)."""
+    group = config.activation_group
+    return None if group is None else (group.group_name, group.size())
+
+
+def _offloading(joint: fx.GraphModule) -> contextlib.AbstractContextManager:
+    """PyTorch's partitioner-level activation offloading, switched on for one partition when
+    ``activation_partition`` marked saved activations ``should_offload``. On CUDA the copies run on
+    a transfer stream: the device-to-host copy waits only at the forward's end (sink_wait) and the
+    host-to-device copy starts ahead of its first backward use (reload_prefetch); on CPU a plain
+    ``device_put`` (no streams to overlap on)."""
+    marked = [n for n in joint.graph.nodes if wants_offload(n)]
+    if not marked:
+        return contextlib.nullcontext()
+    on_cuda = any(n.meta["val"].device.type == "cuda" for n in marked)
+    # cse off: it would merge the views activation_partition replays in backward on an offloaded
+    # tensor with their forward twins, and the partitioner would save those views (never offloaded)
+    options = dict(enable_activation_offloading=True, activation_offload_separate_stream=on_cuda,
+                   activation_offload_sink_wait=on_cuda, activation_reload_prefetch=on_cuda, cse=False)
+    known = {k: v for k, v in options.items() if hasattr(torch._functorch.config, k)}  # older torch: fewer knobs
+    return torch._functorch.config.patch(**known)
 
 
 def _pool_for(config: Config, runtime: Runtime) -> int | None:
@@ -184,14 +215,18 @@ def _account(runtime: Runtime, gm: fx.GraphModule, compiled: Callable, backward:
     return call
 
 
-def _measure_saved(compiled: Callable, positions: list[int], captured: CapturedGraphs, graph_id: int) -> Callable:
+def _measure_saved(compiled: Callable, positions: list[int], offloaded: list[int], captured: CapturedGraphs,
+                   graph_id: int) -> Callable:
     """Wrap a lowered forward: after each call, record in ``captured.saved_activation_bytes`` the
-    bytes of the activations it returned for backward (outputs at ``positions``, each storage once,
-    none of the graph's inputs). The inputs' storages are read first: a boxed call may clear them."""
+    bytes of the activations it returned for backward on the device (outputs at ``positions``, each
+    storage once, none of the graph's inputs) and in ``captured.offloaded_activation_bytes`` those
+    it handed over in host memory (outputs at ``offloaded``). The inputs' storages are read first:
+    a boxed call may clear them."""
     def call(args: list[Any]) -> Any:
         inputs = input_storages(args)
         outs = compiled(args)
         captured.saved_activation_bytes[graph_id] = measured_bytes([outs[i] for i in positions], inputs)
+        captured.offloaded_activation_bytes[graph_id] = measured_bytes([outs[i] for i in offloaded], inputs)
         return outs
 
     call._boxed_call = True  # type: ignore[attr-defined]

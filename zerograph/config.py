@@ -6,6 +6,8 @@ import os
 from typing import Literal
 
 import torch
+import torch._functorch.config
+import torch.distributed
 from torch import nn
 
 from .errors import ConfigError
@@ -52,6 +54,25 @@ class Config:
             blocks) in backward, those that free the most bytes per second of recompute first,
             until its estimate fits. ``None``: no budget, every activation the partitioner
             chooses is kept. 0 recomputes every unit (the root unit's activations stay kept).
+            With ``activation_offload`` or ``activation_group`` set, offloading and partitioning
+            compete with recompute, unit by unit, on bytes freed per second (see
+            ``passes/activation_partition.py``).
+        activation_offload: let ``activation_partition`` offload a unit's saved activations to
+            host memory (copied asynchronously after their last forward use on CUDA, fetched back
+            ahead of their backward use), through PyTorch's partitioner-level activation
+            offloading (``torch._functorch.config.enable_activation_offloading``, torch >= 2.13).
+            Source: ZeRO (arXiv 1910.02054) section 6.1, CPU offload of activations.
+        activation_group: a process group over which the model's activations are replicated (a
+            tensor-parallel group, or ranks fed the same batch): ``activation_partition`` may keep
+            only this rank's 1/M of a unit's saved activations (M = the group's size) and
+            all-gather them back in backward. ``None``: no partitioning. Source: ZeRO section
+            6.1, partitioned activation checkpointing (P_a).
+        activation_cost_model: the ``zerograph.costmodel.CostModel`` that prices recompute (roofline
+            seconds) and P_a (its all-gather) for ``activation_partition``; offload is priced at
+            the host link rate ``HOST_LINK_BYTES_PER_S``. Give every rank the same model (e.g. one
+            rank's ``calibrate`` result, broadcast, or a cluster from ``clusters.json``): ranks
+            that decide differently would run different collectives. ``None``: nominal rates of
+            an H100-class device (``passes/activation_partition.py``).
         param_dtype: mixed precision: dtype of the full parameters that forward and backward
             compute with and that the all-gathers move (e.g. ``torch.bfloat16``: half the bytes of
             fp32). The parameters themselves (the ``DTensor`` shards the optimizer updates) keep
@@ -85,6 +106,9 @@ class Config:
     max_inflight_bytes: int | None = None
     unshard_budget_bytes: int = 0
     activation_budget_bytes: int | None = None
+    activation_offload: bool = False
+    activation_group: torch.distributed.ProcessGroup | None = None
+    activation_cost_model: "zerograph.costmodel.CostModel | None" = None  # noqa: F821 (imported lazily)
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     # nn.modules.batchnorm._BatchNorm is private, but it is the one base of every batch norm
@@ -101,6 +125,19 @@ class Config:
             _check_count("max_inflight_bytes", self.max_inflight_bytes, "bytes or None", minimum=1)
         if self.activation_budget_bytes is not None:
             _check_count("activation_budget_bytes", self.activation_budget_bytes, "bytes or None", minimum=0)
+        if not isinstance(self.activation_offload, bool):
+            raise ConfigError(f"Config.activation_offload must be a bool, got {self.activation_offload!r}")
+        if self.activation_offload and not hasattr(torch._functorch.config, "enable_activation_offloading"):
+            raise ConfigError(f"Config.activation_offload needs PyTorch's partitioner-level activation offloading "
+                              f"(torch >= 2.13); this is torch {torch.__version__}")
+        from .costmodel import CostModel  # here, not at import: the cost model imports the passes
+
+        if self.activation_cost_model is not None and not isinstance(self.activation_cost_model, CostModel):
+            raise ConfigError(f"Config.activation_cost_model must be a zerograph.costmodel.CostModel or None, "
+                              f"got {self.activation_cost_model!r}")
+        if self.activation_group is not None and not isinstance(self.activation_group, torch.distributed.ProcessGroup):
+            raise ConfigError(f"Config.activation_group must be a torch.distributed.ProcessGroup or None, "
+                              f"got {self.activation_group!r}")
         _check_pass_names(self.disabled_passes)
         if self.unit_classes is not None:
             bad = [c for c in self.unit_classes if not (isinstance(c, type) and issubclass(c, nn.Module))]

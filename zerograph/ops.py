@@ -13,11 +13,20 @@ right either way. No output aliases its input.
 
 ``accumulate_unsynced`` and ``take_unsynced`` are what ``insert_reduce_scatter`` emits for the two
 accumulation modes: the runtime owns the full-size buffers, the graph only calls these ops.
+
+``shard_activation`` and ``gather_activation`` are what ``activation_partition`` emits for
+partitioned activations (ZeRO-R P_a, arXiv 1910.02054 section 6.1): forward keeps this rank's
+1/M of a saved activation, backward all-gathers it back over the activation group (M ranks).
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
+import torch.distributed as dist
 import torch.fx as fx
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import runtime
 from .sharding import GRAD_SYNC
@@ -85,6 +94,50 @@ def _take_unsynced_fake(grad: torch.Tensor, key: int) -> torch.Tensor:
     return grad.new_empty(grad.shape, dtype=runtime.layout_of(key).reduce_dtype)
 
 
+def activation_chunk(numel: int, group_size: int) -> int:
+    """Elements of each rank's piece of a partitioned activation of ``numel`` elements (the last
+    piece is zero-padded, as the all-gather needs equal pieces)."""
+    return -(-numel // group_size)
+
+
+@torch.library.custom_op("zerograph::shard_activation", mutates_args=())
+def shard_activation(x: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    """This rank's piece of ``x`` (contiguous, any shape and dtype), as a new 1-D tensor of
+    ``activation_chunk(x.numel(), group_size)`` elements: elements ``[r * chunk, (r + 1) * chunk)``
+    of ``x`` flattened, r = this rank in the group named ``group_name``, zero-padded."""
+    rank = dist.get_rank(_resolve_process_group(group_name))
+    chunk = activation_chunk(x.numel(), group_size)
+    piece = x.reshape(-1)[rank * chunk:(rank + 1) * chunk]
+    out = x.new_zeros(chunk)
+    out[:piece.numel()].copy_(piece)
+    return out
+
+
+@shard_activation.register_fake
+def _shard_activation_fake(x: torch.Tensor, group_name: str, group_size: int) -> torch.Tensor:
+    return x.new_empty(activation_chunk(x.numel(), group_size))
+
+
+@torch.library.custom_op("zerograph::gather_activation", mutates_args=())
+def gather_activation(piece: torch.Tensor, shape: Sequence[int], group_name: str, group_size: int) -> torch.Tensor:
+    """The full activation back from every rank's ``piece`` (1-D, ``chunk`` elements): an
+    all-gather over the group named ``group_name`` (its timeout applies), then the first
+    ``prod(shape)`` elements as a contiguous tensor of ``shape``.
+
+    Raises:
+        torch.distributed.DistBackendError: a peer of the group failed or timed out.
+    """
+    full = piece.new_empty(group_size * piece.numel())
+    runtime.all_gather_single(full, piece, group=_resolve_process_group(group_name))
+    return full[:math.prod(shape)].view(list(shape))
+
+
+@gather_activation.register_fake
+def _gather_activation_fake(piece: torch.Tensor, shape: Sequence[int], group_name: str,
+                            group_size: int) -> torch.Tensor:
+    return piece.new_empty(list(shape))
+
+
 def grad_mode_of(marker: fx.Node) -> str:
     """A marker node's ``grad_mode`` (traced graphs may leave out an argument at its default)."""
     if len(marker.args) > 2:
@@ -96,3 +149,5 @@ UNSHARD = torch.ops.zerograph.unshard.default
 REDUCE_GRAD = torch.ops.zerograph.reduce_grad.default
 ACCUMULATE_UNSYNCED = torch.ops.zerograph.accumulate_unsynced.default
 TAKE_UNSYNCED = torch.ops.zerograph.take_unsynced.default
+SHARD_ACTIVATION = torch.ops.zerograph.shard_activation.default
+GATHER_ACTIVATION = torch.ops.zerograph.gather_activation.default

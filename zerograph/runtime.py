@@ -34,6 +34,8 @@ from .sharding import GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, ParamLayout, Unit
 _LAYOUTS: dict[int, ParamLayout] = {}
 _RUNTIME_OF_KEY: dict[int, "weakref.ReferenceType[Runtime]"] = {}
 _KEYS = itertools.count()
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 # the functional collectives the passes insert (read here, never rewritten: runtime owns no passes)
@@ -208,7 +210,7 @@ class Runtime:
         everyone = torch.empty(self.world_size * 2, dtype=torch.int64, device=self.device)  # (N * 2,)
         start = time.monotonic()
         try:
-            work = dist.all_gather_into_tensor(everyone, mine, group=self.group, async_op=True)
+            work = all_gather_single(everyone, mine, group=self.group, async_op=True)
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
             raise CollectiveError(self.failure_message(f"the schedule check before {schedule.label}",
@@ -319,7 +321,7 @@ class Runtime:
             return shard.clone()
         padded = _pad_rows(shard, layout.chunk_rows)
         gathered = shard.new_empty((self.world_size * layout.chunk_rows, *layout.shape[1:]))
-        dist.all_gather_into_tensor(gathered, padded, group=self.group)
+        all_gather_single(gathered, padded, group=self.group)
         self.current.add("all_gather", gathered.numel(), gathered.element_size(), self.world_size)
         return gathered[: layout.shape[0]].clone()
 

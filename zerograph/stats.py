@@ -47,7 +47,9 @@ class Stats:
             returns past the user outputs, each storage once, without graph inputs (parameters,
             shards, the batch) and gathered parameters. All of them are alive at once between
             forward and backward, so this is their peak. What ``Config.activation_budget_bytes``
-            bounds (per graph).
+            bounds (per graph). Offloaded activations are not counted here.
+        offloaded_activation_bytes: bytes of saved activations the step's forward graphs handed
+            to backward in host memory instead (``Config.activation_offload``), measured alike.
     """
 
     stage: int
@@ -59,6 +61,7 @@ class Stats:
     formula_bytes: dict[str, float]
     transient_bytes: dict[str, int]
     saved_activation_bytes: int = 0
+    offloaded_activation_bytes: int = 0
 
 
 def formula_bytes(stage: int, world_size: int, num_params: int, param_bytes: float, grad_bytes: float,
@@ -146,5 +149,6 @@ def stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> S
     formula = formula_bytes(rt.stage, rt.world_size, num_params, compute, compute, opt_bytes_per_elem,
                             master_bytes=master, grad_shard_bytes=master)
     saved = sum(state.captured.saved_activation_bytes.get(graph_id, 0) for graph_id in sorted(step.graphs))
+    offloaded = sum(state.captured.offloaded_activation_bytes.get(graph_id, 0) for graph_id in sorted(step.graphs))
     return Stats(rt.stage, rt.world_size, num_params, dict(step.elements), dict(step.bytes), resident,
-                 formula, transient, saved)
+                 formula, transient, saved, offloaded)
