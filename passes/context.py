@@ -24,8 +24,9 @@ class PassContext:
         group_name: the process group's registered name, as functional collectives take it.
         layouts: marker key -> where that parameter's elements live.
         units: the sharding units; ``units[0]`` is the root unit.
-        bucket_bytes, prefetch_depth, max_inflight_bytes, unshard_budget_bytes: the schedule
-            and memory knobs of ``Config`` (bytes, units, bytes, bytes).
+        bucket_bytes, prefetch_depth, max_inflight_bytes, unshard_budget_bytes,
+            reshard_root_after_forward: the schedule and memory knobs of ``Config`` (bytes, units,
+            bytes, bytes, bool).
         buffer_pool: the number of the runtime's ``BufferPool`` that ``buffer_reuse`` takes comm
             buffers from (an int in the graph, never the pool itself); ``None``: no pooling.
         activation_budget_bytes: ``Config.activation_budget_bytes`` (bytes of saved activations
@@ -46,6 +47,7 @@ class PassContext:
     prefetch_depth: int = 1
     max_inflight_bytes: int | None = None
     unshard_budget_bytes: int = 0
+    reshard_root_after_forward: bool = True
     buffer_pool: int | None = None
     activation_budget_bytes: int | None = None
     activation_offload: bool = False

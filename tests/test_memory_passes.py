@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import functools
 
+import pytest
+
 import zerograph
 from zerograph.passes.selective_unshard import choose_kept
 
@@ -40,3 +42,28 @@ def test_selective_unshard_skips_one_regather_and_matches_eager() -> None:
     assert block * 4 == BLOCK_BYTES
     assert results[0]["stats"].comm_elements["all_gather"] == 2 * gathered - block  # one re-gather less
 
+
+
+@functools.lru_cache(maxsize=None)
+def root_kept_run() -> tuple:
+    config = zerograph.Config(reshard_root_after_forward=False)
+    return tuple(spawn(train, 2, "gpt", 3, STEPS, 4, LR, config))
+
+
+def test_root_kept_from_forward_to_backward_as_fsdp2_does() -> None:
+    """``reshard_root_after_forward=False``: backward gathers the two blocks but not the root
+    (embeddings, final norm, tied LM head), whose gathered parameters forward saves instead; the
+    step moves Ψ + (Ψ - root) in all-gathers, and training matches eager."""
+    results = root_kept_run()
+    for result in results:
+        check_parity(result, reference_training("gpt", STEPS, 4, LR))
+    assert results[0]["graphs"][0]["backward"]["collectives"].count("all_gather") == 2
+    assert len(results[0]["graphs"][0]["forward"]["saved_gathered"]) > 0
+    gathered = sum(size for _, size in results[0]["units"])
+    root = results[0]["units"][0][1]
+    assert results[0]["stats"].comm_elements["all_gather"] == 2 * gathered - root
+
+
+def test_config_validates_root_policy() -> None:
+    with pytest.raises(zerograph.ConfigError, match="reshard_root_after_forward"):
+        zerograph.Config(reshard_root_after_forward=1)

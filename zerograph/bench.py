@@ -12,10 +12,12 @@ agree across systems.
 described in ``clusters.json`` (or ``local``: this machine, as a self-consistency check).
 
 Systems (``--systems``, comma-separated):
-    zerograph-s<0-3>[-noov][-nopool][-pf<K>][-bb<BYTES>][-inductor]
+    zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>][-inductor]
         ``zerograph.compile`` at that stage; ``-noov`` disables ``config.OVERLAP_PASSES`` (every
         wait right after its start); ``-nopool`` disables ``buffer_reuse`` (comm buffers from the
-        allocator each step instead of a pool held across steps); ``-pf``/``-bb`` override ``--prefetch-depth`` /
+        allocator each step instead of a pool held across steps); ``-keeproot`` sets
+        ``Config.reshard_root_after_forward=False`` (the root unit stays gathered from forward
+        to backward, as FSDP2 keeps its root); ``-pf``/``-bb`` override ``--prefetch-depth`` /
         ``--bucket-bytes``; ``-inductor`` lowers with Inductor instead of running FX eagerly.
     ddp             ``torch.nn.parallel.DistributedDataParallel``
     fsdp2           ``torch.distributed.fsdp.fully_shard`` on each block, then on the root
@@ -239,6 +241,7 @@ class SystemSpec:
     stage: int | None = None
     overlap: bool = True
     pool: bool = True
+    keep_root: bool = False
     prefetch_depth: int = 1
     bucket_bytes: int = 0
     lowering: str = "eager"
@@ -252,10 +255,11 @@ class SystemSpec:
 
     def zerograph_config(self) -> Config:
         return Config(lowering=self.lowering, prefetch_depth=self.prefetch_depth, bucket_bytes=self.bucket_bytes,
+                      reshard_root_after_forward=not self.keep_root,
                       disabled_passes=(() if self.overlap else OVERLAP_PASSES) + (() if self.pool else ("buffer_reuse",)))
 
 
-_ZEROGRAPH_NAME = re.compile(r"^zerograph-s(?P<stage>[0-3])(?P<mods>(?:-(?:noov|nopool|inductor|pf\d+|bb\d+))*)$")
+_ZEROGRAPH_NAME = re.compile(r"^zerograph-s(?P<stage>[0-3])(?P<mods>(?:-(?:noov|nopool|keeproot|inductor|pf\d+|bb\d+))*)$")
 
 
 def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpec:
@@ -266,7 +270,7 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
         return SystemSpec(name, "fsdp2", compiled=name == "fsdp2-compile")
     match = _ZEROGRAPH_NAME.match(name)
     if not match:
-        raise ConfigError(f"unknown system {name!r}: expected zerograph-s<0-3>[-noov][-nopool][-pf<K>][-bb<BYTES>]"
+        raise ConfigError(f"unknown system {name!r}: expected zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>]"
                           "[-inductor], ddp, fsdp2 or fsdp2-compile")
     mods = match["mods"].split("-")[1:]
     for mod in mods:
@@ -275,6 +279,7 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
         elif mod.startswith("bb"):
             bucket_bytes = int(mod[2:])
     return SystemSpec(name, "zerograph", stage=int(match["stage"]), overlap="noov" not in mods, pool="nopool" not in mods,
+                      keep_root="keeproot" in mods,
                       prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes,
                       lowering="inductor" if "inductor" in mods else "eager")
 

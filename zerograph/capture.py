@@ -71,6 +71,7 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
                               prefetch_depth=config.prefetch_depth,
                               max_inflight_bytes=config.max_inflight_bytes,
                               unshard_budget_bytes=config.unshard_budget_bytes,
+                              reshard_root_after_forward=config.reshard_root_after_forward,
                               activation_budget_bytes=config.activation_budget_bytes,
                               activation_offload=config.activation_offload,
                               activation_group=_activation_group(config),

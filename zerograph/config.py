@@ -49,6 +49,13 @@ class Config:
         unshard_budget_bytes: stage 3: full bytes of gathered parameters that may stay alive
             from forward to backward instead of being gathered again (``selective_unshard``
             keeps the smallest units first). 0 re-gathers every unit (ZeRO-3 proper).
+        reshard_root_after_forward: stage 3: ``True`` (ZeRO-3 as the paper counts it, 3Ψ per step)
+            frees the root unit's gathered parameters at the end of forward and gathers them again
+            at the start of backward, like every other unit. ``False`` keeps them from forward to
+            backward, as FSDP2 does for the root module (its ``reshard_after_forward`` is ignored
+            for the root): backward starts with the LM head and final norm, which need them at
+            once, so the re-gather only adds a transient all-gather buffer and a send buffer at the
+            start of backward and the root's bytes to the step's communication.
         activation_budget_bytes: bytes of activations each compiled graph may save from forward
             for backward, per rank; ``activation_partition`` recomputes whole units (transformer
             blocks) in backward, those that free the most bytes per second of recompute first,
@@ -105,6 +112,7 @@ class Config:
     prefetch_depth: int = 1
     max_inflight_bytes: int | None = None
     unshard_budget_bytes: int = 0
+    reshard_root_after_forward: bool = True
     activation_budget_bytes: int | None = None
     activation_offload: bool = False
     activation_group: torch.distributed.ProcessGroup | None = None
@@ -125,6 +133,8 @@ class Config:
             _check_count("max_inflight_bytes", self.max_inflight_bytes, "bytes or None", minimum=1)
         if self.activation_budget_bytes is not None:
             _check_count("activation_budget_bytes", self.activation_budget_bytes, "bytes or None", minimum=0)
+        if not isinstance(self.reshard_root_after_forward, bool):
+            raise ConfigError(f"Config.reshard_root_after_forward must be a bool, got {self.reshard_root_after_forward!r}")
         if not isinstance(self.activation_offload, bool):
             raise ConfigError(f"Config.activation_offload must be a bool, got {self.activation_offload!r}")
         if self.activation_offload and not hasattr(torch._functorch.config, "enable_activation_offloading"):
