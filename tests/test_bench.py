@@ -63,6 +63,10 @@ def test_every_system_is_timed(tiny_grid):
     assert held["zerograph-s3"]["params"] < held["ddp"]["params"]
     assert held["fsdp2"]["params"] < held["ddp"]["params"]
     assert "peak alloc +MiB" in bench.format_report(result)
+    for name, s in result["systems"].items():  # what made each system's highest point, named by op
+        at_peak = s["allocations_per_rank"][0]["at_peak"]
+        assert at_peak and all(e["bytes"] > 0 and e["ops"] for e in at_peak), name
+    assert "at the highest allocation point" in bench.format_report(result)
 
 
 def test_step1_losses_are_equal_across_systems(tiny_grid):
@@ -254,3 +258,19 @@ def test_format_table_aligns_columns():
     assert len({len(line) for line in lines}) == 1  # every line the same width
     assert lines[1].split() == ["-" * len("zerograph-s3"), "-" * len("12.25")]
     assert lines[2].startswith("ddp ") and lines[2].endswith("  1.5")
+
+
+def test_peak_allocations_names_what_was_alive_at_the_highest_point():
+    """Allocate A (1 MiB) and B (2 MiB) inside ``first``, free A, allocate C (0.5 MiB) inside
+    ``second``: the highest point is A + B (3 MiB, not B + C), so C is not named."""
+    with torch.profiler.profile(profile_memory=True) as prof:
+        with torch.profiler.record_function("first"):
+            a = torch.empty(2**20, dtype=torch.uint8)
+            b = torch.empty(2 * 2**20, dtype=torch.uint8)
+        del a
+        with torch.profiler.record_function("second"):
+            c = torch.empty(2**19, dtype=torch.uint8)
+    del b, c
+    entries = bench.peak_allocations(prof.profiler.kineto_results.experimental_event_tree(), torch.device("cpu"))
+    assert [e["bytes"] for e in entries] == [3 * 2**20]  # A and B, both from aten::empty inside "first"
+    assert entries[0]["ops"].startswith("aten::empty") and "first" in entries[0]["ops"]

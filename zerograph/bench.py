@@ -568,10 +568,11 @@ def run_system(spec: SystemSpec, workload: Workload, args: argparse.Namespace, d
     breakdowns = [comm_breakdown(events, w, device) for w in windows]
     # separate steps: recording every allocation slows the step, so the timed profile runs without it
     held = held_bytes(model, optimizer)
-    peaks = profile_allocations(lambda: train_step(model, optimizer, batch_of(next(steps))), args.profile_steps, device)
+    peaks, at_peak = profile_allocations(lambda: train_step(model, optimizer, batch_of(next(steps))),
+                                         args.profile_steps, device)
     progress.update(args.profile_steps)
     mine = {**times, "memory": peak, "profile": breakdowns,
-            "allocations": {"state_bytes_by_kind": held, "step_peak_bytes": peaks}}
+            "allocations": {"state_bytes_by_kind": held, "step_peak_bytes": peaks, "at_peak": at_peak}}
     if spec.kind == "zerograph":
         mine["comm_elements"] = _zerograph_volume(model)
         mine["waits"] = _zerograph_wait_breakdown(events, windows)
@@ -765,12 +766,13 @@ def _comm_buffers(model: nn.Module) -> list[torch.Tensor]:
     return [bucket.buffer() for bucket in reducer._get_zeros_like_grad_buckets()]
 
 
-def profile_allocations(step: Callable[[], Any], n: int, device: torch.device) -> list[int]:
-    """Run ``step()`` ``n`` times as ``profile_steps`` does, with ``profile_memory``; per step, the
-    peak of the running sum of the device allocator's allocations (+) and frees (-) inside its
-    ``STEP_LABEL`` window: the most bytes the step allocated above what was held at its start."""
+def profile_allocations(step: Callable[[], Any], n: int, device: torch.device) -> tuple[list[int], list[dict]]:
+    """Run ``step()`` ``n`` times as ``profile_steps`` does, with ``profile_memory``. Returns per
+    step the peak of the running sum of the device allocator's allocations (+) and frees (-)
+    inside its ``STEP_LABEL`` window (the most bytes the step allocated above what was held at its
+    start), and ``peak_allocations`` of the profile (what made the highest point)."""
     if n == 0:
-        return []
+        return [], []
     prof = _profile(step, n, device, profile_memory=True)
     kineto = prof.profiler.kineto_results
     origin = kineto.trace_start_ns()  # FunctionEvent times are microseconds after it
@@ -786,7 +788,44 @@ def profile_allocations(step: Callable[[], Any], n: int, device: torch.device) -
                 running += nbytes
                 peak = max(peak, running)
         peaks.append(peak)
-    return peaks
+    return peaks, peak_allocations(kineto.experimental_event_tree(), device)
+
+
+def peak_allocations(roots: Sequence[Any], device: torch.device, top: int = 6) -> list[dict]:
+    """The blocks alive at the highest point of the allocations a profile recorded on ``device``,
+    summed by the ops that allocated them: ``[{"ops": "aten::empty < zerograph::unpack_gathered <
+    CompiledFunction", "bytes": ...}]`` (innermost op first, three levels), largest first, at most
+    ``top``. Blocks allocated before the profile started are not seen. ``roots``: the profiler's
+    event tree (``kineto_results.experimental_event_tree()``), whose allocation events carry the
+    address, size (negative: a free) and device, as ``torch.profiler._memory_profiler`` reads them."""
+    allocations = []
+    stack = list(roots)
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        fields = event.typed[1]
+        if type(fields).__name__.endswith("Allocation") and fields.device.type == device.type:
+            ops, parent = [], event.parent
+            while parent is not None and len(ops) < 3:
+                ops.append(parent.name)
+                parent = parent.parent
+            allocations.append((event.start_time_ns, fields.ptr, fields.alloc_size, " < ".join(ops) or "(no op)"))
+    live: dict[int, tuple[int, str]] = {}
+    total = best = 0
+    snapshot: dict[int, tuple[int, str]] = {}
+    for _, ptr, size, ops in sorted(allocations, key=lambda a: a[0]):
+        if size > 0:
+            live[ptr] = (size, ops)
+            total += size
+        elif ptr in live:
+            total -= live.pop(ptr)[0]
+        if total > best:
+            best, snapshot = total, dict(live)
+    by_ops: dict[str, int] = {}
+    for size, ops in snapshot.values():
+        by_ops[ops] = by_ops.get(ops, 0) + size
+    ranked = sorted(by_ops.items(), key=lambda kv: -kv[1])[:top]
+    return [{"ops": ops, "bytes": nbytes} for ops, nbytes in ranked]
 
 
 def _allocation_summary(ranks: Sequence[dict]) -> dict:
@@ -1321,6 +1360,11 @@ def format_report(result: dict) -> str:
         f"losses: step 1 differs by at most {check['step1_max_abs_diff']:.2e} across systems; "
         f"step {check['last_step']} by {check['last_max_abs_diff']:.2e}",
     ]
+    at_peak = {name: s["allocations_per_rank"][0].get("at_peak") for name, s in result["systems"].items()}
+    if any(at_peak.values()):
+        lines += ["", "at the highest allocation point of the profiled steps (rank 0), allocated by:"]
+        for name, entries in at_peak.items():
+            lines.append(f"  {name}: " + "; ".join(f"{e['ops']} {_mib(e['bytes'])} MiB" for e in entries[:4]))
     if result.get("simulate"):
         lines += ["", format_simulation(result)]
     return "\n".join(lines)
