@@ -13,15 +13,18 @@ planned (``plan_activations``) and the plan is carried out:
   The partitioner then saves what the unit reads from outside (its input; the output of the unit
   before it when both are recomputed, since ``cleanup_recompute_tags`` saves values at the
   boundary of two regions) and runs the unit's forward again in backward.
-- ``offload`` (``ctx.activation_offload``): each movable saved storage (``movable``) is marked
+- ``offload`` (``ctx.activation_offload``): each saved storage offload can move (``offloadable``) is marked
   ``should_offload`` and ``MUST_SAVE``; PyTorch's partitioner-level offloading (switched on by
   ``zerograph.capture`` for that partition) copies it to host memory after its last forward use
   and back before its first backward use, on a transfer stream on CUDA. Backward's reads through
   forward views are first replayed on the storage itself (PyTorch offloads no view).
-- ``partition`` (``ctx.activation_group``, M ranks): each movable saved storage gets a
+- ``partition`` (``ctx.activation_group``, M ranks): each saved storage P_a can partition
+  (``shardable``; not one a recomputed unit reads, nor an offloaded one: ``moved_roots``) gets a
   ``zerograph::shard_activation`` right after it (this rank's 1/M, the only thing saved:
   ``MUST_SAVE``) and a ``zerograph::gather_activation`` (an all-gather over the group) before its
-  first backward use; backward reads the gathered copy (views replayed on it) instead.
+  first backward use; backward reads the gathered copy (views replayed on it) instead. Every
+  rank of the group must hold bitwise the same activations (same batch, same dropout RNG state):
+  the all-gather stitches the pieces of different ranks together.
 
 The first forward node of every planned unit carries ``meta[ACTIVATION]["note"]`` (the decision
 and the price of every option), which the dump prints.
@@ -40,15 +43,18 @@ What is never recomputed, and why:
 The choice. Estimates come from the graph's fake values (bytes of each storage, views counted
 once; graph inputs and gathered parameters are not activations). Per unit: ``saved_bytes``, the
 unit's activations backward reads when kept; ``input_bytes``, what recomputing saves instead
-(values it reads from outside, plus its seeded outputs); ``movable_bytes``, what offload and P_a
-can move. Each option has a price in seconds: recompute, the roofline of the unit's forward ops
-(``CostModel.node_time``); offload, the host round trip of ``movable_bytes`` at
-``HOST_LINK_BYTES_PER_S``; P_a, the all-gather of ``movable_bytes`` (``collective_time``). The
-cost model is ``ctx.activation_cost_model``, or nominal rates (``NOMINAL_*``) when none is
-given: every rank must decide alike, so the pipeline measures nothing. Options are taken in
-decreasing order of bytes freed per second, each unit's cheapest first, a dearer one replacing
-it only if it frees more, until the estimate of device-resident saved bytes fits the budget. If
-it cannot fit, a warning says by how much the estimate exceeds the budget.
+(values it reads from outside, plus its seeded outputs); ``offload_bytes`` and
+``partition_bytes``, what offload and P_a can move. Each option has a price in seconds:
+recompute, the roofline of the unit's forward ops (``CostModel.node_time``); offload, the host
+round trip at ``HOST_LINK_BYTES_PER_S``; P_a, the all-gather (``_all_gather_s``: the cost model's
+if it describes a group of M ranks, else the nominal bus rate). The cost model is
+``ctx.activation_cost_model``, or nominal rates (``NOMINAL_*``) when none is given: every rank
+must decide alike, so the pipeline measures nothing. Options are taken in decreasing order of
+bytes freed per second, each unit's cheapest first, a dearer one replacing it only if it frees
+more, until the estimate of device-resident saved bytes fits the budget. Per-unit prices miss
+what adjacent units free together, so if that mixed plan misses the budget, the plan using one
+kind of option alone that fits is taken instead. If none fits, a warning says by how much the
+estimate exceeds the budget.
 
 Units: bytes (per rank); seconds.
 Source: ZeRO (arXiv 1910.02054) section 6.1 (activation checkpointing, P_a, CPU offload); Chen et
@@ -104,9 +110,10 @@ class UnitPlan:
     recompute_flops: int     # FLOPs of the forward ops backward would run again
     recompute_bytes: int     # bytes those ops read and write
     recompute_s: float       # their roofline time (the given cost model, else the nominal rates)
-    movable_bytes: int       # of saved_bytes, what offload / partition can move (see ``movable``)
-    offload_s: float | None  # host round trip of movable_bytes; None: offload not allowed
-    partition_s: float | None  # all-gather of movable_bytes over the group; None: no group
+    offload_bytes: int       # of saved_bytes, what offload can move (``offloadable``)
+    partition_bytes: int     # of saved_bytes, what P_a can partition (``shardable``)
+    offload_s: float | None  # host round trip of offload_bytes; None: offload not allowed
+    partition_s: float | None  # all-gather of partition_bytes over the group; None: no group
     decision: str            # KEEP, RECOMPUTE, OFFLOAD or PARTITION
 
     @property
@@ -141,7 +148,8 @@ class _Region:
     tagged: list[fx.Node]       # those recompute would tag
     saved: set[fx.Node]         # storage roots backward reads when kept
     instead: set[fx.Node]       # storage roots saved when recomputed
-    movable: set[fx.Node] = dataclasses.field(default_factory=set)  # of saved, what offload / P_a move
+    offloadable: set[fx.Node] = dataclasses.field(default_factory=set)  # of saved, what offload moves
+    shardable: set[fx.Node] = dataclasses.field(default_factory=set)  # of saved, what P_a partitions
 
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -232,19 +240,24 @@ def regions(graph: fx.Graph, units: Sequence[Unit]) -> tuple[dict[int, _Region],
                 root = _activation_root(node)
                 if root is not None:
                     region.instead.add(root)
-        region.movable = {r for r in region.saved if movable(r)}
+        region.offloadable = {r for r in region.saved if offloadable(r)}
+        region.shardable = {r for r in region.saved if shardable(r)}
     return dict(sorted(found.items())), root_saved
 
 
-def movable(root: fx.Node) -> bool:
-    """Whether offload / partition can move this saved storage: a contiguous tensor the forward
-    computes (not a view, not a ``getitem`` of a multi-output op) that is not a user output of the
-    graph; PyTorch's offloading refuses the same (``can_offload``), and P_a's all-gather rebuilds
-    a contiguous tensor."""
+def shardable(root: fx.Node) -> bool:
+    """Whether P_a can partition this saved storage: a contiguous tensor the forward computes (no
+    view: ``shard_activation`` copies this rank's piece, and the all-gather rebuilds a contiguous
+    tensor), not a user output of the graph."""
     val = root.meta.get("val")
-    return (root.op == "call_function" and root.target is not operator.getitem and not is_view(root)
-            and isinstance(val, torch.Tensor) and val.is_contiguous()
-            and not any(u.op == "output" for u in root.users))
+    return (root.op == "call_function" and not is_view(root) and isinstance(val, torch.Tensor)
+            and val.is_contiguous() and not any(u.op == "output" for u in root.users))
+
+
+def offloadable(root: fx.Node) -> bool:
+    """Whether offload can move it: ``shardable`` and not a ``getitem`` of a multi-output op (such
+    as ``native_layer_norm``'s output), which PyTorch's offloading refuses (``can_offload``)."""
+    return shardable(root) and root.target is not operator.getitem
 
 
 def _bytes(roots: set[fx.Node]) -> int:
@@ -260,6 +273,22 @@ def plan_activations(graph: fx.Graph, units: Sequence[Unit], budget_bytes: int, 
     return _choose(found, root_saved, units, budget_bytes, cost, offload, group_size)
 
 
+def moved_roots(found: dict[int, _Region], decisions: dict[int, str]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The storages ``decisions`` offload and partition. Offload wins where both apply; a storage a
+    recomputed unit reads (its ``instead``) is never partitioned: the recomputed forward reads it
+    whole, so it stays saved whole and an all-gather of it would be wasted."""
+    offloaded, partitioned, read_by_recompute = set(), set(), set()
+    for unit, region in found.items():
+        decision = decisions.get(unit, KEEP)
+        if decision == OFFLOAD:
+            offloaded |= region.offloadable
+        elif decision == PARTITION:
+            partitioned |= region.shardable
+        elif decision == RECOMPUTE:
+            read_by_recompute |= region.instead
+    return offloaded, partitioned - offloaded - read_by_recompute
+
+
 def _choose(found: dict[int, _Region], root_saved: set[fx.Node], units: Sequence[Unit], budget: int,
             cost: CostModel | None, offload: bool = False, group_size: int | None = None) -> ActivationPlan:
     group_size = group_size if group_size and group_size > 1 else None
@@ -267,48 +296,61 @@ def _choose(found: dict[int, _Region], root_saved: set[fx.Node], units: Sequence
     def estimate(decisions: dict[int, str]) -> int:
         """Device bytes saved for backward: what is kept, less what goes to the host, less
         (M - 1) / M of what is partitioned (each piece rounds up)."""
-        device, offloaded, partitioned = set(root_saved), set(), set()
+        device = set(root_saved)
         for unit, region in found.items():
-            decision = decisions.get(unit, KEEP)
-            device |= region.instead if decision == RECOMPUTE else region.saved
-            (offloaded if decision == OFFLOAD else partitioned if decision == PARTITION else set()).update(
-                region.movable)
-        partitioned -= offloaded
+            device |= region.instead if decisions.get(unit, KEEP) == RECOMPUTE else region.saved
+        offloaded, partitioned = moved_roots(found, decisions)
         pieces = sum(-(-_nbytes(r) // (group_size or 1)) for r in partitioned)
         return _bytes(device - offloaded - partitioned) + pieces
 
     plans, options = [], []
     for unit, region in found.items():
         work = [n for n in region.tagged if isinstance(n.target, torch._ops.OpOverload) and not is_view(n)]
-        saved, instead, movable_bytes = _bytes(region.saved), _bytes(region.instead), _bytes(region.movable)
+        saved, instead = _bytes(region.saved), _bytes(region.instead)
+        offload_bytes, partition_bytes = _bytes(region.offloadable), _bytes(region.shardable)
         flops, moved = sum(node_flops(n) for n in work), sum(node_bytes(n) for n in work)
         recompute_s = (sum(cost.node_time(n) for n in region.tagged) if cost is not None
                        else max(flops / NOMINAL_FLOPS_PER_S, moved / NOMINAL_MEMORY_BYTES_PER_S))
-        offload_s = 2 * movable_bytes / HOST_LINK_BYTES_PER_S if offload else None
-        partition_s = None
-        if group_size:
-            partition_s = (cost.collective_time("all_gather", movable_bytes) if cost is not None
-                           else movable_bytes * (group_size - 1) / group_size / NOMINAL_BUS_BYTES_PER_S)
-        plans.append([unit, units[unit].name, saved, instead, flops, moved, recompute_s, movable_bytes,
-                      offload_s, partition_s])
-        freed = {RECOMPUTE: (saved - instead, recompute_s), OFFLOAD: (movable_bytes, offload_s),
-                 PARTITION: (movable_bytes - movable_bytes // group_size if group_size else 0, partition_s)}
+        offload_s = 2 * offload_bytes / HOST_LINK_BYTES_PER_S if offload else None
+        partition_s = _all_gather_s(partition_bytes, group_size, cost) if group_size else None
+        plans.append([unit, units[unit].name, saved, instead, flops, moved, recompute_s, offload_bytes,
+                      partition_bytes, offload_s, partition_s])
+        freed = {RECOMPUTE: (saved - instead, recompute_s), OFFLOAD: (offload_bytes, offload_s),
+                 PARTITION: (partition_bytes - partition_bytes // group_size if group_size else 0, partition_s)}
         for order, (decision, (nbytes, seconds)) in enumerate(freed.items()):
             if seconds is not None and nbytes > 0:
                 options.append((-nbytes / max(seconds, 1e-12), unit, order, decision, nbytes))
 
-    # Most bytes freed per second first. A unit takes its cheapest option; a later (dearer) one
-    # replaces it only if it frees more, so a budget P_a alone cannot meet falls back to offload or
-    # recompute of the same unit.
-    decisions: dict[int, str] = {}
-    freed_by: dict[int, int] = {}
-    for _, unit, _, decision, nbytes in sorted(options):
-        if estimate(decisions) <= budget:
-            break
-        if nbytes > freed_by.get(unit, 0):
-            decisions[unit], freed_by[unit] = decision, nbytes
+    def greedy(allowed: set[str]) -> dict[int, str]:
+        """Most bytes freed per second first. A unit takes its cheapest option; a dearer one
+        replaces it only if it frees more, so a budget P_a alone cannot meet falls back to offload
+        or recompute of the same unit."""
+        decisions: dict[int, str] = {}
+        freed_by: dict[int, int] = {}
+        for _, unit, _, decision, nbytes in sorted(options):
+            if estimate(decisions) <= budget:
+                break
+            if decision in allowed and nbytes > freed_by.get(unit, 0):
+                decisions[unit], freed_by[unit] = decision, nbytes
+        return decisions
+
+    # Per-unit prices miss what neighbours free together (a recomputed unit's input is its
+    # predecessor's output, freed only when that one is recomputed too), so the mixed plan can
+    # miss a budget one kind of option alone meets: then that plan, the first of those that fits.
+    kinds = {d for *_, d, _ in options}
+    candidates = [greedy(kinds)] + [greedy({kind}) for kind in (RECOMPUTE, OFFLOAD, PARTITION) if kind in kinds]
+    decisions = next((c for c in candidates if estimate(c) <= budget), min(candidates, key=estimate))
     units_planned = tuple(UnitPlan(*p, decisions.get(p[0], KEEP)) for p in plans)
     return ActivationPlan(budget, _bytes(root_saved), estimate({}), estimate(decisions), units_planned)
+
+
+def _all_gather_s(nbytes: int, group_size: int, cost: CostModel | None) -> float:
+    """Seconds of P_a's all-gather of ``nbytes`` (full) over ``group_size`` ranks: the cost model's
+    all-gather if it describes a group of that size, else the nominal bus rate with nccl-tests'
+    (M - 1) / M factor."""
+    if cost is not None and cost.world_size == group_size and "all_gather" in cost.collectives:
+        return cost.collective_time("all_gather", nbytes)
+    return nbytes * (group_size - 1) / group_size / NOMINAL_BUS_BYTES_PER_S
 
 
 def activation_partition(gm: fx.GraphModule, ctx: PassContext, *, cost: CostModel | None = None) -> PassResult:
@@ -326,6 +368,7 @@ def activation_partition(gm: fx.GraphModule, ctx: PassContext, *, cost: CostMode
     order = sorted(plan.recomputed, key=lambda u: pos[found[u].nodes[0]])
     region_id = {unit: i + 1 for i, unit in enumerate(order)}  # increasing along forward, as checkpoint's ids
     backward = backward_nodes(gm.graph) if plan.decided(PARTITION) or plan.decided(OFFLOAD) else set()
+    offloaded, partitioned = moved_roots(found, {p.unit: p.decision for p in plan.units})
     for p in plan.units:
         region = found[p.unit]
         if p.decision == RECOMPUTE:
@@ -334,10 +377,10 @@ def activation_partition(gm: fx.GraphModule, ctx: PassContext, *, cost: CostMode
                 node.meta["ac_graph_id"] = region_id[p.unit]
                 node.meta[ACTIVATION] = {"unit": p.unit, "decision": RECOMPUTE}
         elif p.decision == OFFLOAD:
-            for root in sorted(region.movable, key=pos.__getitem__):
+            for root in sorted(region.offloadable & offloaded, key=pos.__getitem__):
                 _offload(gm.graph, root, backward, pos)
         elif p.decision == PARTITION:
-            for root in sorted(region.movable, key=pos.__getitem__):
+            for root in sorted(region.shardable & partitioned, key=pos.__getitem__):
                 _partition(gm.graph, root, backward, pos, group_name, group_size)
         first = region.nodes[0]
         first.meta[ACTIVATION] = {"unit": p.unit, "decision": p.decision, "note": _note(p)}
@@ -424,15 +467,15 @@ def _note(p: UnitPlan) -> str:
     """The decision and the numbers behind it, as the dump prints it."""
     what = {KEEP: f"keep ~{p.saved_bytes:,} bytes saved for backward",
             RECOMPUTE: f"recompute in backward: saves ~{p.input_bytes:,} instead of ~{p.saved_bytes:,} bytes",
-            OFFLOAD: f"offload ~{p.movable_bytes:,} of ~{p.saved_bytes:,} saved bytes to host memory",
-            PARTITION: f"partition ~{p.movable_bytes:,} of ~{p.saved_bytes:,} saved bytes over the activation "
+            OFFLOAD: f"offload ~{p.offload_bytes:,} of ~{p.saved_bytes:,} saved bytes to host memory",
+            PARTITION: f"partition ~{p.partition_bytes:,} of ~{p.saved_bytes:,} saved bytes over the activation "
                        f"group (P_a)"}[p.decision]
     priced = [f"recompute frees {p.freed_bytes:,} B in ~{p.recompute_s * 1e6:.1f} us "
               f"({p.recompute_flops:,} FLOPs, {p.recompute_bytes:,} B moved)"]
     if p.offload_s is not None:
-        priced.append(f"offload frees {p.movable_bytes:,} B in ~{p.offload_s * 1e6:.1f} us of host transfer")
+        priced.append(f"offload frees {p.offload_bytes:,} B in ~{p.offload_s * 1e6:.1f} us of host transfer")
     if p.partition_s is not None:
-        priced.append(f"partition frees most of {p.movable_bytes:,} B in ~{p.partition_s * 1e6:.1f} us of all-gather")
+        priced.append(f"partition frees most of {p.partition_bytes:,} B in ~{p.partition_s * 1e6:.1f} us of all-gather")
     return f"activations of unit {p.unit} '{p.name}': {what}; " + "; ".join(priced)
 
 

@@ -18,11 +18,15 @@ Source: DeepCompile (arXiv 2504.09983) section 4.3, selective unsharding; FSDP's
 """
 from __future__ import annotations
 
+import logging
+
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ._fx import TAG, find_collectives, is_alias_of_input
 from .context import PassContext, PassResult
+
+log = logging.getLogger(__name__)
 
 
 def choose_kept(sizes: list[int], budget: int) -> list[int]:
@@ -41,6 +45,9 @@ def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False)
     gathers = [c for c in find_collectives(gm.graph) if c.role == "gather"]
     root = set() if ctx.reshard_root_after_forward else {i for i, g in enumerate(gathers) if g.units == [0]}
+    if not ctx.reshard_root_after_forward and not root and any(0 in g.units for g in gathers):
+        log.warning("reshard_root_after_forward=False has no effect: the root unit's all-gather is fused with "
+                    "other units' (bucket_bytes=%d); backward gathers it again", ctx.bucket_bytes)
     rest = [i for i in range(len(gathers)) if i not in root]
     kept = sorted(root | {rest[i] for i in choose_kept([gathers[i].full_bytes for i in rest], ctx.unshard_budget_bytes)})
     for i in kept:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from zerograph.costmodel import CostModel
 from zerograph.dump import node_comments
 from zerograph.capture import _offloading, measured_bytes
 from zerograph.passes.activation_partition import (ACTIVATION, KEEP, OFFLOAD, PARTITION, RECOMPUTE,
-                                                   activation_partition,
+                                                   activation_partition, moved_roots, regions,
                                                    is_seeded, offloaded_outputs, plan_activations,
                                                    saved_activation_outputs, wants_offload)
 from zerograph.passes.context import PassContext
@@ -182,14 +183,33 @@ def test_plan_prefers_the_cheapest_option_and_falls_back_to_one_that_frees_more(
     assert tight.planned_bytes < loose.planned_bytes
     both = plan_activations(joint, UNITS, 0, SLOW_COMPUTE, offload=True, group_size=2)
     for unit in both.units:  # out of budget, each unit ends with the option that frees the most
-        freed = {RECOMPUTE: unit.freed_bytes, OFFLOAD: unit.movable_bytes, PARTITION: unit.movable_bytes // 2}
+        freed = {RECOMPUTE: unit.freed_bytes, OFFLOAD: unit.offload_bytes, PARTITION: unit.partition_bytes // 2}
         assert freed[unit.decision] == max(freed.values())
 
 
 def test_config_validates_activation_options() -> None:
     for field, bad in (("activation_offload", 1), ("activation_group", "world"), ("activation_cost_model", 3)):
-        with pytest.raises(zerograph.ConfigError, match=field):
-            zerograph.Config(**{field: bad})
+        with pytest.raises(zerograph.ConfigError, match=f"{field} must be"):
+            zerograph.Config(**{field: bad}, activation_budget_bytes=0)
+    for field, value in (("activation_offload", True), ("activation_cost_model", SLOW_COMPUTE)):
+        with pytest.raises(zerograph.ConfigError, match=f"{field} has no effect without Config.activation_budget_bytes"):
+            zerograph.Config(**{field: value})  # a forgotten budget is an error, not a silent no-op
+
+
+def test_a_storage_a_recomputed_unit_reads_is_never_partitioned() -> None:
+    """Unit 2's recomputed forward reads unit 1's output whole, so P_a of unit 1 leaves that
+    storage whole (and the estimate counts it whole); P_a covers a LayerNorm's output (a
+    ``getitem``), which offload cannot move."""
+    found, _ = regions(single(None)["joint"].graph, UNITS)
+    boundary = found[1].shardable & found[2].instead
+    assert boundary  # the rule has something to decide here
+    _, partitioned = moved_roots(found, {1: PARTITION, 2: RECOMPUTE})
+    assert not partitioned & boundary and partitioned == found[1].shardable - boundary
+    offloaded, partitioned = moved_roots(found, {1: OFFLOAD, 2: PARTITION})
+    assert offloaded == found[1].offloadable and not partitioned & offloaded
+    norms = {r for r in found[1].shardable if r.target is operator.getitem
+             and r.args[0].target is torch.ops.aten.native_layer_norm.default}
+    assert norms and not norms & found[1].offloadable
 
 
 @functools.lru_cache(maxsize=None)

@@ -55,7 +55,9 @@ class Config:
             backward, as FSDP2 does for the root module (its ``reshard_after_forward`` is ignored
             for the root): backward starts with the LM head and final norm, which need them at
             once, so the re-gather only adds a transient all-gather buffer and a send buffer at the
-            start of backward and the root's bytes to the step's communication.
+            start of backward and the root's bytes to the step's communication. The root is kept only
+            when its collective moves it alone: a ``bucket_bytes`` that fuses it with blocks makes
+            ``False`` do nothing (``selective_unshard`` logs a warning).
         activation_budget_bytes: bytes of activations each compiled graph may save from forward
             for backward, per rank; ``activation_partition`` recomputes whole units (transformer
             blocks) in backward, those that free the most bytes per second of recompute first,
@@ -72,11 +74,14 @@ class Config:
         activation_group: a process group over which the model's activations are replicated (a
             tensor-parallel group, or ranks fed the same batch): ``activation_partition`` may keep
             only this rank's 1/M of a unit's saved activations (M = the group's size) and
-            all-gather them back in backward. ``None``: no partitioning. Source: ZeRO section
+            all-gather them back in backward. The activations must be bitwise equal across the
+            group, dropout included (the same RNG state on every rank of it): the all-gather
+            stitches pieces of different ranks together. ``None``: no partitioning. Source: ZeRO section
             6.1, partitioned activation checkpointing (P_a).
         activation_cost_model: the ``zerograph.costmodel.CostModel`` that prices recompute (roofline
             seconds) and P_a (its all-gather) for ``activation_partition``; offload is priced at
-            the host link rate ``HOST_LINK_BYTES_PER_S``. Give every rank the same model (e.g. one
+            the host link rate ``HOST_LINK_BYTES_PER_S``; P_a uses its all-gather only if the
+            model's ``world_size`` is the activation group's size (else the nominal bus rate). Give every rank the same model (e.g. one
             rank's ``calibrate`` result, broadcast, or a cluster from ``clusters.json``): ranks
             that decide differently would run different collectives. ``None``: nominal rates of
             an H100-class device (``passes/activation_partition.py``).
@@ -148,6 +153,11 @@ class Config:
         if self.activation_group is not None and not isinstance(self.activation_group, torch.distributed.ProcessGroup):
             raise ConfigError(f"Config.activation_group must be a torch.distributed.ProcessGroup or None, "
                               f"got {self.activation_group!r}")
+        unused = [f for f in ("activation_offload", "activation_group", "activation_cost_model")
+                  if getattr(self, f) is not None and getattr(self, f) is not False]
+        if unused and self.activation_budget_bytes is None:
+            raise ConfigError(f"Config.{unused[0]} has no effect without Config.activation_budget_bytes (bytes of "
+                              f"saved activations per rank and graph); set a budget, or leave {unused[0]} unset")
         _check_pass_names(self.disabled_passes)
         if self.unit_classes is not None:
             bad = [c for c in self.unit_classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
