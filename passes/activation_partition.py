@@ -412,7 +412,7 @@ def _partition(graph: fx.Graph, root: fx.Node, backward: set[fx.Node], pos: dict
     piece.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     piece.meta[TAG] = {"role": "activation_shard"}
     readers = _backward_readers(graph, root, backward)
-    with graph.inserting_before(min((u for n in readers for u in n.users if u in backward), key=pos.__getitem__)):
+    with graph.inserting_before(_first_use(readers, backward, pos)):
         full = graph.call_function(GATHER_ACTIVATION, (piece, list(val.shape), group_name, group_size))
     full.meta.update({"val": val, "partitioner_tag": "is_backward", TAG: {"role": "activation_gather"}})
     _backward_reads_from(graph, full, root, readers, backward, pos)
@@ -428,6 +428,11 @@ def _offload(graph: fx.Graph, root: fx.Node, backward: set[fx.Node], pos: dict[f
     root.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
+def _first_use(readers: list[fx.Node], backward: set[fx.Node], pos: dict[fx.Node, int]) -> fx.Node:
+    """The first backward node that reads any of ``readers``."""
+    return min((u for n in readers for u in n.users if u in backward), key=pos.__getitem__)
+
+
 def _backward_readers(graph: fx.Graph, root: fx.Node, backward: set[fx.Node]) -> list[fx.Node]:
     """``root`` and its forward views (same storage) that backward nodes read."""
     return [n for n in graph.nodes if n not in backward and storage_root(n) is root
@@ -438,13 +443,15 @@ def _backward_reads_from(graph: fx.Graph, source: fx.Node, root: fx.Node, reader
                          backward: set[fx.Node], pos: dict[fx.Node, int]) -> None:
     """Make every backward use of ``readers`` (``root`` and forward views of it) read ``source``
     instead, a tensor equal to ``root`` (itself, or its all-gathered copy): the view chain from
-    ``root`` to each reader is replayed on ``source`` in backward, before the reader's first
-    backward use (``partitioner_tag`` is_backward; views cost no copy)."""
+    ``root`` to each reader is replayed on ``source`` in backward, before the first backward use
+    of any of them (replays share links of the chain, e.g. one ``split`` for q, k and v;
+    ``partitioner_tag`` is_backward; views cost no copy)."""
     replayed = {root: source}
+    before = _first_use(readers, backward, pos)
 
-    def replay(node: fx.Node, before: fx.Node) -> fx.Node:
+    def replay(node: fx.Node) -> fx.Node:
         if node not in replayed:
-            base = replay(node.args[0], before)
+            base = replay(node.args[0])
             with graph.inserting_before(before):
                 copy = graph.call_function(node.target, (base, *node.args[1:]), dict(node.kwargs))
             # MUST_RECOMPUTE as well: otherwise the min-cut may compute the copy in forward and
@@ -455,10 +462,10 @@ def _backward_reads_from(graph: fx.Graph, source: fx.Node, root: fx.Node, reader
         return replayed[node]
 
     for node in readers:
-        users = sorted((u for u in node.users if u in backward), key=pos.__getitem__)
+        users = [u for u in node.users if u in backward]
         if node is root and source is root:
             continue  # backward already reads root itself
-        view = replay(node, users[0])
+        view = replay(node)
         for user in users:
             user.replace_input_with(node, view)
 
