@@ -69,7 +69,7 @@ class Config:
         activation_offload: let ``activation_partition`` offload a unit's saved activations to
             host memory (copied asynchronously after their last forward use on CUDA, fetched back
             ahead of their backward use), through PyTorch's partitioner-level activation
-            offloading (``torch._functorch.config.enable_activation_offloading``, torch >= 2.13).
+            offloading (``torch._functorch.config.enable_activation_offloading``; torch 2.11 and 2.13 have it).
             Source: ZeRO (arXiv 1910.02054) section 6.1, CPU offload of activations.
         activation_group: a process group over which the model's activations are replicated (a
             tensor-parallel group, or ranks fed the same batch): ``activation_partition`` may keep
@@ -144,7 +144,7 @@ class Config:
             raise ConfigError(f"Config.activation_offload must be a bool, got {self.activation_offload!r}")
         if self.activation_offload and not hasattr(torch._functorch.config, "enable_activation_offloading"):
             raise ConfigError(f"Config.activation_offload needs PyTorch's partitioner-level activation offloading "
-                              f"(torch >= 2.13); this is torch {torch.__version__}")
+                              f"(torch._functorch.config.enable_activation_offloading), which torch {torch.__version__} lacks")
         from .costmodel import CostModel  # here, not at import: the cost model imports the passes
 
         if self.activation_cost_model is not None and not isinstance(self.activation_cost_model, CostModel):
