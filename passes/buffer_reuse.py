@@ -15,13 +15,12 @@ A buffer is pooled only if it dies inside the graph (never one saved for backwar
 stage 1-2's gathered parameters, ``selective_unshard``'s kept units), and only if it belongs to
 no collective of the root unit: the root's collectives run once per graph, at its ends, with the
 largest buffers of a language model (the embedding and LM head), so a slot for them would be
-idle, yet held, for the whole step, its peak included (measured on GPT-2 124M at world size 2:
-the pool held 350 MiB with them, more than FSDP2's whole margin); the allocator serves them. Two buffers share a slot
-only if they hold the same kind of data (gathered parameters, or send buffers, so the pool can
-say how much of each it holds) and their lifetimes (graph positions, inclusive) do not intersect:
-per role an interval graph, whose
-greedy colouring in order of start is optimal, so the slots number exactly the most buffers alive
-at once. Each slot's size is the largest buffer it serves (constant-size buffers, allocated once
+held, idle, through the rest of the step, its peak included (GPT-2 124M at world size 2: 350 MiB
+pooled with them, 108 MiB without); the allocator serves them. Two buffers share a slot only if
+they hold the same kind of data (gathered parameters, or send buffers, so the pool can say how
+much of each it holds) and their lifetimes (graph positions, inclusive) do not intersect: per
+role an interval graph, whose greedy colouring in order of start is optimal, so the slots number
+exactly the most buffers alive at once. Each slot's size is the largest buffer it serves (constant-size buffers, allocated once
 by the runtime's ``BufferPool``). The graph's order and every value computed stay the same. Does
 nothing without ``ctx.buffer_pool`` or without communication.
 
@@ -42,12 +41,12 @@ import torch.fx as fx
 
 from zerograph.buffer_pool import PACK_SHARDS_OUT, POOL_BUFFER
 from zerograph.kernels.ops import PACK_SHARDS
+from zerograph.sharding import ROOT_INDEX
 
 from ._fx import COLLECTIVE_KINDS, TAG, position
 from .context import PassContext, PassResult
 from .liveness import storage_root
 
-ROOT_UNIT = 0  # sharding.Unit.index of the root unit
 funcol = torch.ops._c10d_functional
 ALL_GATHER = funcol.all_gather_into_tensor.default
 ALL_GATHER_OUT = funcol.all_gather_into_tensor_out.default
@@ -102,7 +101,7 @@ def plan_buffers(graph: fx.Graph) -> list[PooledBuffer]:
         if TAG not in node.meta or node.target not in (ALL_GATHER, PACK_SHARDS):
             continue
         tag = node.meta[TAG]
-        if ROOT_UNIT in tag.get("units", [tag.get("unit")]):
+        if ROOT_INDEX in tag.get("units", [tag.get("unit")]):
             continue  # see the module doc: the root unit's buffers stay transient
         nbytes, last = _nbytes(node), lifetime(node, aliases[node], order)
         if nbytes is None or last is None:

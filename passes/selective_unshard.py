@@ -23,6 +23,8 @@ import logging
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from zerograph.sharding import ROOT_INDEX
+
 from ._fx import TAG, find_collectives, is_alias_of_input
 from .context import PassContext, PassResult
 
@@ -44,8 +46,8 @@ def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if ctx.stage != 3 or ctx.graph_kind != "joint" or (ctx.reshard_root_after_forward and not ctx.unshard_budget_bytes):
         return PassResult(gm, False)
     gathers = [c for c in find_collectives(gm.graph) if c.role == "gather"]
-    root = set() if ctx.reshard_root_after_forward else {i for i, g in enumerate(gathers) if g.units == [0]}
-    if not ctx.reshard_root_after_forward and not root and any(0 in g.units for g in gathers):
+    root = set() if ctx.reshard_root_after_forward else {i for i, g in enumerate(gathers) if g.units == [ROOT_INDEX]}
+    if not ctx.reshard_root_after_forward and not root and any(ROOT_INDEX in g.units for g in gathers):
         log.warning("reshard_root_after_forward=False has no effect: the root unit's all-gather is fused with "
                     "other units' (bucket_bytes=%d); backward gathers it again", ctx.bucket_bytes)
     rest = [i for i in range(len(gathers)) if i not in root]

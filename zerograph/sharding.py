@@ -25,6 +25,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from .errors import ModelChangedError, ShardingError
 
 ROOT_UNIT = "<root>"
+ROOT_INDEX = 0  # Unit.index of the root unit (parameters outside every other unit)
 
 
 @dataclasses.dataclass(frozen=True)
