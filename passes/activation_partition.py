@@ -71,9 +71,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils.checkpoint import CheckpointPolicy
-
 from torch._guards import detect_fake_mode
+from torch.utils.checkpoint import CheckpointPolicy
 
 from zerograph.costmodel import CostModel, is_view, node_bytes, node_flops, tensor_bytes
 from zerograph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
