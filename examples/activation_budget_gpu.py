@@ -11,15 +11,13 @@ import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpt import GPT, SIZES  # noqa: E402
-import zerograph  # noqa: E402
-from zerograph.costmodel import CostModel  # noqa: E402
+import zerograph
+from zerograph.costmodel import CostModel
+from zerograph.models.gpt import GPT, SIZES
 
 if not torch.cuda.is_available():
     print("no CUDA device: nothing to measure")

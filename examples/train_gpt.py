@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import zerograph
-from gpt import GPT, SIZES
+from zerograph.models.gpt import GPT, SIZES
 
 IDEAL_VOLUME = {0: 2, 1: 2, 2: 2, 3: 3}  # multiples of Ψ per step (paper, section 7)
 

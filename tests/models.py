@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpt import GPT, GPTConfig
+from zerograph.models.gpt import GPT, GPTConfig
 
 TINY_GPT = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=16)
 DEEP_GPT = GPTConfig(block_size=16, n_layer=8, n_head=2, n_embd=16)  # units small beside Ψ

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 import zerograph
 
 from .models import rank_slice
+from zerograph.state import graphs_of, runtime_of_model
 
 D = 9  # hidden width: odd, so every (D, ...) parameter is padded at world size 2
 
@@ -279,7 +280,7 @@ def _train(name: str, stage: int, rank: int, world_size: int, steps: int, batch_
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
-    runtime = model._zerograph.runtime
+    runtime = runtime_of_model(model)
     return {
         "losses": losses,
         "norms": norms,
@@ -291,7 +292,7 @@ def _train(name: str, stage: int, rank: int, world_size: int, steps: int, batch_
         "padded_numel": {layout.fqn: layout.padded_numel for layout in runtime.layouts.values()},
         "local_shapes": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()},
         "ties": _ties(model),
-        "graphs": len(model._zerograph.captured.graphs),
+        "graphs": len(graphs_of(model)),
     }
 
 

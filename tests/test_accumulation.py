@@ -22,6 +22,7 @@ import zerograph
 from .distributed import spawn
 from .models import build, global_batch, reference_training
 from .workers_precision import ACC_STEPS, MICRO, accumulation_reference, accumulation_runs, build_acc
+from zerograph.state import runtime_of_model
 
 STAGES = (1, 2, 3)
 WORLD_SIZE = 2
@@ -125,7 +126,7 @@ def test_world_size_1_accumulates_straight_into_grad() -> None:
     no buffer is held, and the step equals eager training on the full batch."""
     torch._dynamo.reset()
     model = zerograph.compile(build("mlp"), stage=3)
-    runtime = model._zerograph.runtime
+    runtime = runtime_of_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = global_batch("mlp", 0, 8)
     for micro in range(MICRO):
@@ -142,7 +143,7 @@ def test_world_size_1_accumulates_straight_into_grad() -> None:
 def test_no_sync_restores_the_previous_setting() -> None:
     torch._dynamo.reset()
     model = zerograph.compile(build("mlp"), stage=1)
-    runtime = model._zerograph.runtime
+    runtime = runtime_of_model(model)
     assert runtime.requires_gradient_sync
     with pytest.raises(KeyError):
         with model.no_sync():

@@ -20,6 +20,7 @@ from zerograph.timeline import Schedule, measure, predict, schedule_from_profile
 
 from .distributed import spawn
 from .models import build, global_batch, rank_slice
+from zerograph.state import graphs_of
 
 C10D = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -229,7 +230,7 @@ def calibrate_measure_predict(rank: int, world_size: int) -> dict:
     model = zerograph.compile(build("gpt"), stage=3)
     batch = rank_slice(global_batch("gpt", 0, 4), rank, world_size)
     measured = measure(lambda: model(*batch).backward(), warmup=2)  # the first step compiles
-    record = model._zerograph.captured.graphs[0]
+    record = graphs_of(model)[0]
     graphs = [record["forward"], record["backward"]]
     in_graphs: dict[str, int] = {}
     for gm in graphs:
@@ -237,7 +238,7 @@ def calibrate_measure_predict(rank: int, world_size: int) -> dict:
             if node.target in COLLECTIVE_OPS:
                 in_graphs[COLLECTIVE_OPS[node.target]] = in_graphs.get(COLLECTIVE_OPS[node.target], 0) + 1
     return {"cost": cost.to_dict(), "measured": measured, "predicted": predict(graphs, cost),
-            "in_graphs": in_graphs, "graph_count": len(model._zerograph.captured.graphs)}
+            "in_graphs": in_graphs, "graph_count": len(graphs_of(model))}
 
 
 @pytest.fixture(scope="module")

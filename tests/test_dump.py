@@ -22,6 +22,7 @@ from zerograph.sharding import ROOT_UNIT, Unit
 
 from .distributed import spawn
 from .models import build, global_batch, rank_slice
+from zerograph.state import config_of, runtime_of_model
 
 # a statement of the dumped Python that runs an all-gather / the unshard marker
 ALL_GATHER_LINE = re.compile(r'^\s+\w+(: "[^"]*")? = torch\.ops\._c10d_functional\.all_gather_into_tensor(_out)?\.default\(',
@@ -58,10 +59,10 @@ def dump_worker(rank: int, world_size: int, dump_dir: str, off_dir: str) -> dict
     text = dump.explain(model, opt)
     batch = rank_slice(global_batch("gpt", 1, 4), rank, world_size)
     zerograph.measure(lambda: model(*batch).backward(), warmup=0, model=model)  # writes measured_schedule.json
-    rt = model._zerograph.runtime
+    rt = runtime_of_model(model)
     return {
         "off_files": off_files,
-        "off_dump_dir": off._zerograph.config.resolved_dump_dir(),
+        "off_dump_dir": config_of(off).resolved_dump_dir(),
         "stats": stats,
         "explain": text,
         "shard_bytes": sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters()),

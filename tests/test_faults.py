@@ -18,6 +18,7 @@ from zerograph.runtime import CommSchedule, ScheduleEntry, is_communication_fail
 
 from .distributed import RankFailed, spawn
 from .workers_faults import dies_between_forward_and_backward, one_rank_goes_silent, schedule_checks, unsupported_uses
+from zerograph.state import runtime_of_model, state_of
 
 WORLD = 2
 ADVICE = "only activation shapes, such as sequence lengths, may differ"
@@ -79,7 +80,7 @@ def test_different_parameter_shapes_are_named() -> None:
 
 def test_mismatch_text_names_dtype_and_world_size_one_skips_the_check() -> None:
     entry = ScheduleEntry("all_gather", 72, "float32", (1,))
-    runtime = zerograph.compile(torch.nn.Linear(3, 3), stage=3)._zerograph.runtime
+    runtime = runtime_of_model(zerograph.compile(torch.nn.Linear(3, 3), stage=3))
     graph = torch.fx.Graph()
     empty = runtime.schedule(graph, "forward")
     assert isinstance(empty, CommSchedule) and empty.entries == () and empty.label.startswith("forward graph #")
@@ -150,7 +151,7 @@ def test_a_rank_dying_between_forward_and_backward(tmp_path) -> None:
 
 
 def test_graph_errors_are_translated_only_when_communication_failed() -> None:
-    runtime = zerograph.compile(torch.nn.Linear(3, 3), stage=3)._zerograph.runtime
+    runtime = runtime_of_model(zerograph.compile(torch.nn.Linear(3, 3), stage=3))
     schedule = CommSchedule("backward graph #7", "backward", (ScheduleEntry("reduce_scatter", 12, "float32", (0,)),), 1)
 
     def closed(args):
@@ -208,7 +209,7 @@ def test_model_changes_are_caught_without_a_per_step_parameter_loop() -> None:
     """The per-forward check is one list test; the requires_grad comparison runs only when Dynamo
     recompiles (it guards on requires_grad), so a steady step never loops over the parameters."""
     model = zerograph.compile(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)), stage=3)
-    watch = model._zerograph.watch
+    watch = state_of(model).watch
     calls = []
     check = watch.check_trainable
     watch.check_trainable = lambda: calls.append(1) or check()  # type: ignore[method-assign]

@@ -28,6 +28,7 @@ from tests.subprocess_checks import assert_check_passed, start_checks, stop_chec
 from zerograph.buffer_pool import PACK_SHARDS_OUT
 from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED, pack_shards_numel, unpack_gathered_numel
 from zerograph.sharding import ParamLayout
+from zerograph.state import graphs_of, state_of
 
 # the pass modules (zerograph.passes re-exports each pass function under its module's name)
 insert_allgather = importlib.import_module("zerograph.passes.insert_allgather")
@@ -362,7 +363,7 @@ def pack_nodes_per_collective(rank: int, world_size: int, unit_classes=None) -> 
 
     model = zerograph.compile(build("gpt"), stage=3, config=zerograph.Config(unit_classes=unit_classes))
     model(*rank_slice(global_batch("gpt", 0, 4), rank, world_size)).backward()
-    state = model._zerograph
+    state = state_of(model)
     layouts = state.runtime.layouts
     facts = {}
     for kind in ("forward", "backward"):
@@ -420,7 +421,7 @@ def saved_unpacked(rank: int, world_size: int) -> tuple[int, list[str]]:
 
     model = zerograph.compile(build("gpt"), stage=1)
     model(*rank_slice(global_batch("gpt", 0, 4), rank, world_size)).backward()
-    graph = model._zerograph.captured.graphs[0]["forward"].graph
+    graph = graphs_of(model)[0]["forward"].graph
     saved = []
     for out in graph.find_nodes(op="output")[0].all_input_nodes:
         node = out

@@ -28,6 +28,7 @@ from .distributed import spawn
 from .models import build, global_batch, reference_training
 from .workers_precision import (BATCH, LR, MIXED, STEPS, build_bn, bn_batch, mixed_reference, mlp_batch,
                                 precision_runs)
+from zerograph.state import graphs_of
 
 STAGES = (1, 2, 3)
 WORLD_SIZE = 2
@@ -176,7 +177,7 @@ def test_world_size_1_casts_without_communicating(stage: int) -> None:
     for name, param in model.named_parameters():
         assert param.dtype == torch.float32
         torch.testing.assert_close(param.full_tensor(), reference["params"][name], rtol=RTOL, atol=ATOL)
-    graphs = model._zerograph.captured.graphs[0]
+    graphs = graphs_of(model)[0]
     for kind in ("forward", "backward"):
         targets = [str(n.target) for n in graphs[kind].graph.nodes if n.op == "call_function"]
         assert not [t for t in targets if "_c10d_functional" in t]

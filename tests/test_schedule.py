@@ -20,6 +20,7 @@ from .distributed import spawn
 from .models import build, global_batch, rank_slice, reference_training
 from .test_parity import LR, STEPS, check_parity
 from .workers import train
+from zerograph.state import graphs_of, runtime_of_model
 
 
 def _depends_on(nodes: list[fx.Node], source: fx.Node) -> set[fx.Node]:
@@ -57,8 +58,8 @@ def one_step_facts(stage: int, config_kwargs: dict, rank: int, world_size: int) 
     model = zerograph.compile(build("gpt"), stage=stage, config=zerograph.Config(**config_kwargs))
     batch = rank_slice(global_batch("gpt", 0, 4), rank, world_size)
     model(*batch).backward()
-    record = model._zerograph.captured.graphs[0]
-    runtime = model._zerograph.runtime
+    record = graphs_of(model)[0]
+    runtime = runtime_of_model(model)
     measured = zerograph.measure(lambda: model(*batch).backward(), warmup=0)  # a profiled second step
     return {"forward": schedule_facts(record["forward"]), "backward": schedule_facts(record["backward"]),
             "units": [u.name for u in runtime.units],

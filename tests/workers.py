@@ -11,6 +11,7 @@ from zerograph.passes.liveness import PARAM_ROLES, timeline
 from zerograph.passes._fx import COLLECTIVE_KINDS as COLLECTIVE_OPS
 
 from .models import build, global_batch, rank_slice
+from zerograph.state import runtime_of_model, state_of
 
 
 def train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_size: int, lr: float,
@@ -28,7 +29,7 @@ def train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_s
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
-    state = model._zerograph
+    state = state_of(model)
     return {
         "losses": losses,
         "params": {n: p.full_tensor() for n, p in model.named_parameters()},
@@ -134,7 +135,7 @@ def pooled_training(rank: int, world_size: int, name: str, stage: int, steps: in
 
     model = zerograph.compile(build(name), stage=stage, config=config)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    pool = model._zerograph.runtime.buffer_pool
+    pool = runtime_of_model(model).buffer_pool
     losses, allocations, pool_bytes = [], [], []
     for step in range(steps):
         loss = model(*rank_slice(global_batch(name, step, batch_size), rank, world_size))
@@ -146,7 +147,7 @@ def pooled_training(rank: int, world_size: int, name: str, stage: int, steps: in
         losses.append(mean.item() / world_size)
         allocations.append(pool.allocations)
         pool_bytes.append({"gathered": pool.nbytes("gathered"), "send": pool.nbytes("send")})
-    state = model._zerograph
+    state = state_of(model)
     pooled = {}
     for i, record in enumerate(state.captured.graphs):
         for kind in ("forward", "backward"):

@@ -9,6 +9,7 @@ from zerograph.costmodel import CostModel
 from zerograph.passes.activation_partition import ACTIVATION
 
 from .models import build, global_batch, rank_slice
+from zerograph.state import graphs_of
 
 
 def _train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_size: int, lr: float,
@@ -32,7 +33,7 @@ def _train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
     decisions = {}
-    for record in model._zerograph.captured.graphs:
+    for record in graphs_of(model):
         for node in record["joint"].graph.nodes if "joint" in record else ():
             note = node.meta.get(ACTIVATION, {})
             if "note" in note:

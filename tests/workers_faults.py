@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerograph
+from zerograph.state import graphs_of
 
 WIDTH = 8
 
@@ -64,7 +65,7 @@ def schedule_checks(rank: int, world_size: int) -> dict:
     seq_len = 16 if rank == 0 else 8  # each rank its own length: different graphs, same collectives
     results = {"legal": error_of(lambda: model(batch(seq_len)).backward()), "seq_len": seq_len,
                "graph_shapes": [tuple(p.meta["val"].shape) for p in
-                                model._zerograph.captured.graphs[0]["forward"].graph.find_nodes(op="placeholder")]}
+                                graphs_of(model)[0]["forward"].graph.find_nodes(op="placeholder")]}
     # rank 1 skips the last block: its forward gathers two units, rank 0's three
     results["control_flow"] = error_of(lambda: model(batch(4), depth=3 if rank == 0 else 2))
     results["after_mismatch"] = error_of(lambda: model(batch(4)).backward())  # the group still works

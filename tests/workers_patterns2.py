@@ -26,6 +26,7 @@ from zerograph.passes.liveness import timeline
 
 from .models import build as build_named
 from .models import rank_slice
+from zerograph.state import graphs_of, runtime_of_model
 
 
 def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -370,7 +371,7 @@ def eval_reference(world_size: int) -> dict:
 def _sharded_baseline(model: nn.Module) -> bool:
     """Every parameter attribute, read outside forward, is the DTensor shard itself (nothing
     gathered stays reachable), with this rank's shard shape, and no gradient exists."""
-    runtime = model._zerograph.runtime
+    runtime = runtime_of_model(model)
     shapes = {layout.fqn: layout.local_shape(runtime.rank) for layout in runtime.layouts.values()}
     for mod_name, mod in model.named_modules():
         for name, param in mod._parameters.items():
@@ -401,7 +402,7 @@ def _inference_memory(model: nn.Module) -> list[dict]:
     """Liveness of each captured inference graph: gathered bytes at its peak and at its end,
     and the gathered values it returns (none may outlive the graph)."""
     facts = []
-    for record in model._zerograph.captured.graphs:
+    for record in graphs_of(model):
         if "inference" in record:
             tl = timeline(record["inference"].graph)
             facts.append({"peak_gathered": tl.peak(("gather",)),
@@ -427,7 +428,7 @@ def _eval_run(stage: int, rank: int, world_size: int) -> dict:
         losses.append(loss.item())
         evals.append(_evaluate_both_modes(model, eval_input()))
     return {"evals": evals, "losses": losses, "inference_graphs": _inference_memory(model),
-            "graph_kinds": [sorted(k for k in rec if k != "dynamo") for rec in model._zerograph.captured.graphs]}
+            "graph_kinds": [sorted(k for k in rec if k != "dynamo") for rec in graphs_of(model)]}
 
 
 def eval_runs(rank: int, world_size: int, stages: tuple[int, ...] = EVAL_STAGES) -> dict:
@@ -486,8 +487,8 @@ def cnn_run(rank: int, world_size: int, name: str, stage: int = 3) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()},
-            "buffers": _buffers(model), "graphs": len(model._zerograph.captured.graphs),
-            "units": len(model._zerograph.runtime.units)}
+            "buffers": _buffers(model), "graphs": len(graphs_of(model)),
+            "units": len(runtime_of_model(model).units)}
 
 
 # == dynamic shapes ================================================================================
@@ -538,7 +539,7 @@ def dynamic_run(rank: int, world_size: int) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
         lengths.append(length)
-    return {"losses": losses, "lengths": lengths, "graphs": len(model._zerograph.captured.graphs),
+    return {"losses": losses, "lengths": lengths, "graphs": len(graphs_of(model)),
             "params": {n: _full(p) for n, p in model.named_parameters()}}
 
 

@@ -31,6 +31,7 @@ from zerograph.passes._fx import COLLECTIVE_KINDS, TAG
 
 from .models import build as build_named
 from .models import global_batch, rank_slice
+from zerograph.state import graphs_of, runtime_of_model
 
 MIXED = zerograph.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 STEPS, LR, BATCH = 3, 1e-3, 4  # as the parity tests: 3 AdamW steps on a global batch of 4
@@ -93,7 +94,7 @@ def train_gpt(rank: int, world_size: int, stage: int, config: zerograph.Config) 
         opt.step()
         opt.zero_grad()
         losses.append(_mean_over_ranks(loss))
-    record = model._zerograph.captured.graphs[0]
+    record = graphs_of(model)[0]
     return {
         "losses": losses,
         "loss_dtype": str(loss.dtype).removeprefix("torch."),
@@ -198,8 +199,8 @@ def train_mixed(rank: int, world_size: int, name: str, stage: int) -> dict:
         "param_dtypes": _dtypes(model.parameters()),
         "grad_dtypes": grad_dtypes,
         "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
-        "units": [unit.name for unit in model._zerograph.runtime.units],
-        "collectives": {kind: collectives(model._zerograph.captured.graphs[0][kind])
+        "units": [unit.name for unit in runtime_of_model(model).units],
+        "collectives": {kind: collectives(graphs_of(model)[0][kind])
                         for kind in ("forward", "backward")},
     }
 
@@ -277,7 +278,7 @@ def train_accumulating(rank: int, world_size: int, name: str, stage: int, sync_e
     """``ACC_STEPS`` optimizer steps of ``MICRO`` micro-batches. Without sync on the inner
     micro-batches, step 0 uses ``set_requires_gradient_sync`` and step 1 the ``no_sync()`` context."""
     model = zerograph.compile(build_acc(name), stage=stage)
-    runtime = model._zerograph.runtime
+    runtime = runtime_of_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     grads, params, comm, unsynced = [], [], [], []
     for step in range(ACC_STEPS):
@@ -295,14 +296,14 @@ def train_accumulating(rank: int, world_size: int, name: str, stage: int, sync_e
         opt.step()
         opt.zero_grad()
         params.append({n: _full(p) for n, p in model.named_parameters()})
-    backward = [rec["backward"] for rec in model._zerograph.captured.graphs if "backward" in rec]
+    backward = [rec["backward"] for rec in graphs_of(model) if "backward" in rec]
     return {
         "grads": grads,
         "params": params,
         "comm": comm,
         "unsynced_bytes": unsynced,
         "trainable_bytes": sum(p.numel() * 4 for p in model.parameters()),  # full fp32 gradients
-        "graphs": len(model._zerograph.captured.graphs),
+        "graphs": len(graphs_of(model)),
         "backward": [{"collectives": collectives(gm), "accumulate": _count(gm, ACCUMULATE_UNSYNCED),
                       "take": _count(gm, TAKE_UNSYNCED)} for gm in backward],
         "num_params": len(list(model.parameters())),

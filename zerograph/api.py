@@ -21,25 +21,11 @@ from .capture import CapturedGraphs, make_backend
 from .config import Config, check_stage
 from .errors import ConfigError, ProcessGroupError, ShardingError, UnshardedParameterError, ZeroGraphError
 from .runtime import Runtime
+from .state import STATE_ATTR, ZeroGraphState, state_of
 from .sharding import (ParameterWatch, find_units, set_gathering, set_grad_mode, shard_module_,
                        sharded_parameter)
 
 log = logging.getLogger(__name__)
-
-STATE_ATTR = "_zerograph"
-
-
-class ZeroGraphState:
-    """Everything ``compile`` attached to a model (reachable as ``model._zerograph``)."""
-
-    def __init__(self, runtime: Runtime, config: Config, captured: CapturedGraphs, compiled_forward: Any,
-                 watch: ParameterWatch):
-        self.runtime = runtime
-        self.config = config
-        self.captured = captured
-        self.compiled_forward = compiled_forward
-        self.watch = watch
-
 
 def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | None = None,
             config: Config | None = None) -> nn.Module:
@@ -256,10 +242,3 @@ def _install_optimizer_guard() -> None:
 
     register_optimizer_step_pre_hook(guard)
     _GUARD_INSTALLED = True
-
-
-def state_of(model: nn.Module) -> ZeroGraphState:
-    state = getattr(model, STATE_ATTR, None)
-    if state is None:
-        raise ShardingError("this model was not compiled by zerograph.compile")
-    return state

@@ -103,6 +103,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .config import OVERLAP_PASSES, Config
 from .costmodel import WAIT, CostModel
 from .errors import ConfigError
+from .state import graphs_of, is_compiled, runtime_of_model
 from .timeline import is_top_level_op
 
 log = logging.getLogger(__name__)
@@ -318,17 +319,10 @@ def load_workload(model: str, batch_size: int, seq_len: int | None, seed: int) -
 
 
 def _example_gpt() -> Any:
-    """The repository's ``examples/gpt.py`` (not part of the installed package)."""
-    if "gpt" in sys.modules and hasattr(sys.modules["gpt"], "SIZES"):
-        return sys.modules["gpt"]
-    path = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
-    if not path.exists():
-        raise ConfigError(f"the GPT example is not at {path} (a non-editable install?); use --model module:factory")
-    spec = importlib.util.spec_from_file_location("gpt", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpt"] = module  # Dynamo and pickling look classes up by module name
-    spec.loader.exec_module(module)
-    return module
+    """The package's GPT (``zerograph.models.gpt``)."""
+    from .models import gpt
+
+    return gpt
 
 
 def _gpt_workload(size: str, batch_size: int, seq_len: int | None, seed: int) -> Workload:
@@ -347,7 +341,7 @@ def _gpt_workload(size: str, batch_size: int, seq_len: int | None, seed: int) ->
         return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()                               # 2 x (B/N, T)
 
     return Workload(f"gpt-{size}", lambda: gpt.GPT(cfg), batch, lambda model: list(model.blocks),
-                    {"kind": "GPT example (examples/gpt.py), random tokens", "size": size,
+                    {"kind": "GPT (zerograph.models.gpt), random tokens", "size": size,
                      **dataclasses.asdict(cfg), "global_batch": batch_size})
 
 
@@ -757,9 +751,8 @@ def _comm_buffers(model: nn.Module) -> list[torch.Tensor]:
     """Buffers a system keeps from step to step outside parameters and optimizer: zerograph's
     ``BufferPool`` slots; DDP's gradient buckets (as same-sized copies: the reducer exposes no
     other handle on them)."""
-    state = getattr(model, "_zerograph", None)
-    if state is not None:
-        return list(state.runtime.buffer_pool.buffers.values())
+    if is_compiled(model):
+        return list(runtime_of_model(model).buffer_pool.buffers.values())
     reducer = getattr(model, "reducer", None)
     if not isinstance(reducer, dist.Reducer):
         return []
@@ -1159,7 +1152,7 @@ def measured_graph_profile(model: nn.Module, events: Sequence[Any], window: Any,
 
     Raises ``ConfigError`` when the profiled step ran a different number of graphs than captured.
     """
-    captured = model._zerograph.captured.graphs
+    captured = graphs_of(model)
     forwards = [g["forward"] for g in captured if "forward" in g]
     backwards = [g["backward"] for g in reversed(captured) if "backward" in g]
     regions = _graph_regions(events, window)

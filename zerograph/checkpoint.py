@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from .api import state_of
+from .state import state_of
 from .errors import ZeroGraphError
 
 MARKER = ".zerograph_complete"  # written last, inside the checkpoint directory

@@ -714,7 +714,7 @@ def _write_summary_files(rank_dir: str, report: Mapping[str, Any]) -> str:
 
 
 def _report_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, dict[str, Any]]:
-    from .api import state_of
+    from .state import state_of
     from .stats import stats
 
     state = state_of(model)
@@ -755,7 +755,7 @@ def write_measured_schedule(model: torch.nn.Module, schedule: Any) -> str | None
 
     Raises ``ShardingError`` when ``model`` was not compiled by ``zerograph.compile``.
     """
-    from .api import state_of
+    from .state import state_of
 
     state = state_of(model)
     dump_root = state.config.resolved_dump_dir()

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from zerograph.passes.liveness import GRAD_ROLES, PARAM_ROLES
 
-from .api import state_of
+from .state import state_of
 from .runtime import Runtime
 from .sharding import ParamLayout
 
