@@ -40,7 +40,8 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from zerograph.passes._fx import TAG, find_collectives, full_buffer
+from zerograph.passes._fx import find_collectives
+from zerograph.vocab import TAG, full_buffer
 from zerograph.passes.activation_partition import ACTIVATION
 from zerograph.passes.liveness import reads, storage_root, timeline
 
