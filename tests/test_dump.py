@@ -46,11 +46,11 @@ def dump_worker(rank: int, world_size: int, dump_dir: str, off_dir: str) -> dict
     def refuse(*args, **kwargs):
         raise AssertionError("dump code ran with dumping off")
 
-    real = dump.GraphDump, dump.finish_graph, dump.calibrate_once
-    dump.GraphDump = dump.finish_graph = dump.calibrate_once = refuse
+    real = dump.GraphDump, dump.finish_graph, dump.calibrate_once, dump.begin_dump
+    dump.GraphDump = dump.finish_graph = dump.calibrate_once = dump.begin_dump = refuse
     off = zerograph.compile(build("mlp"), stage=3)  # the small model: this part only checks that nothing runs
     _one_step(off, "mlp", rank, world_size)
-    dump.GraphDump, dump.finish_graph, dump.calibrate_once = real
+    dump.GraphDump, dump.finish_graph, dump.calibrate_once, dump.begin_dump = real
     off_files = os.listdir(off_dir)
 
     model = zerograph.compile(build("gpt"), stage=3, config=zerograph.Config(dump_dir=dump_dir))

@@ -58,9 +58,10 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
         captured.graphs.append(record)
         dump_root = config.resolved_dump_dir()
         if dump_root:  # the dump's cost model: collective, so here on every rank alike (not in AOT's compilers)
-            from .dump import calibrate_once
+            from .dump import begin_dump, calibrate_once
 
             calibrate_once(runtime.group)
+            begin_dump(dump_root, runtime)  # the run's manifest; clears a previous dump there, refuses a non-dump
         memory: dict[str, Timeline] = {}
         user_outputs: list[int] = []
         runtime.graph_memory.append(memory)
