@@ -24,7 +24,8 @@ from torch.fx.graph import _BoxedCodeGen
 from zerograph.passes.activation_partition import offloaded_outputs, saved_activation_outputs, wants_offload
 from zerograph.passes.context import PassContext
 from zerograph.passes.liveness import Timeline, timeline
-from zerograph.passes.manager import check_no_saved_gathers, collective_volume, pipeline, run_pipeline
+from zerograph.passes.manager import (check_no_saved_gathers, collective_volume, pipeline, run_pipeline,
+                                      structured_trace_on)
 
 from .config import Config
 from .runtime import Runtime
@@ -82,11 +83,12 @@ def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captu
                         if dump_root else None)
             g = run_pipeline(g, ctx, pipeline(kind), disabled=config.disabled_passes, dump_dir=dump_dir)
             record[kind] = g
-            if dump_dir:  # the final graph's rendering, memory, schedule (imported here: off costs nothing)
+            traced = structured_trace_on()  # TORCH_TRACE: the same numbers go to tlparse's trace
+            if dump_dir or traced:  # the final graph's rendering, memory, schedule (imported here: off costs nothing)
                 from .dump import finish_graph
 
                 saved = memory["forward"].saved if kind == "backward" and "forward" in memory else None
-                finish_graph(dump_dir, kind, g, runtime, captured, graph_id, carried=saved)
+                finish_graph(dump_dir, kind, g, runtime, captured, graph_id, carried=saved, traced=traced)
             return g
 
         def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):

@@ -65,6 +65,9 @@ def add_inspect(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--pass", dest="pass_name", metavar="NAME",
                         help="print this pass's unified diff(s) instead (e.g. prefetch, or 02_prefetch)")
     parser.add_argument("--rank", type=int, default=None, help="which rank's dump to read (default: the lowest)")
+    parser.add_argument("--html", nargs="?", const="", default=None, metavar="OUT",
+                        help="write a static web page of the whole dump instead (every rank; default OUT: "
+                             "DIR/index.html) with each pass's highlighted diff, graphs, memory plots, schedules")
     parser.set_defaults(handler=run_inspect)
 
 
@@ -82,6 +85,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     for problem in view.problems:
         print(f"zerograph inspect: {problem}", file=sys.stderr)
     status = 1 if view.problems else 0
+    if args.html is not None:
+        return write_page(args.dir, args.html or None) or status
     if not view.ranks:
         print(f"zerograph inspect: nothing readable in {args.dir}", file=sys.stderr)
         return 1
@@ -109,6 +114,19 @@ def run_inspect(args: argparse.Namespace) -> int:
     for graph in graphs:
         print_pass_list(graph)
     return status
+
+
+def write_page(path: str, out: str | None) -> int:
+    """``inspect --html``: write the page (``zerograph.dump.html``) and print where it is."""
+    from .dump.html import write_html
+
+    try:
+        page, _ = write_html(path, out)
+    except OSError as exc:
+        print(f"zerograph inspect: cannot write the page: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {page}")
+    return 0
 
 
 def print_pass_list(graph) -> None:

@@ -26,7 +26,8 @@ Modules, one concern each: ``annotate`` (facts about a graph, the graph as comme
 ``passlog`` (``GraphDump``: the per-pass log), ``memory`` (memory timeline), ``render`` (DOT / SVG),
 ``schedule`` (cost model, predicted and measured schedules), ``report`` (summary, ``explain``,
 ``write_summary``), ``finish`` (a graph's files after its last pass), ``manifest`` (what a run
-wrote), ``reader`` (reading and checking a dump, for ``zerograph inspect``).
+wrote), ``reader`` (reading and checking a dump, for ``zerograph inspect``), ``trace`` (the passes
+in PyTorch's structured trace, ``TORCH_TRACE``, for ``tlparse``).
 
 Dumping off costs nothing: ``import zerograph`` imports none of this package, and
 ``passes/manager.py`` and ``zerograph/capture.py`` import it only when a dump directory is set.
@@ -52,10 +53,11 @@ _LAZY = {
     "finish_graph": "finish",
     "begin_dump": "manifest", "rank_manifest": "manifest",
     "read_dump": "reader",
+    "PassTrace": "trace", "open_pass_log": "trace",
 }
 
 # the names of _LAZY (a test checks they agree)
-__all__ = ["GraphDump", "MEMORY_CATEGORIES", "begin_dump", "build_report", "calibrate_once", "collectives",
+__all__ = ["GraphDump", "MEMORY_CATEGORIES", "PassTrace", "open_pass_log", "begin_dump", "build_report", "calibrate_once", "collectives",
            "describe_changes", "dot_graph", "explain", "finish_graph", "held_inputs", "last_reads",
            "memory_timeline", "module_unit", "node_comments", "nodes_moved", "op_counts", "op_name",
            "plot_memory", "rank_manifest", "read_dump", "readable_python", "releases", "summary_markdown",

@@ -48,6 +48,20 @@ def nodes_moved(before: Sequence[str], after: Sequence[str]) -> int:
     return len(after) - sum(block.size for block in matcher.get_matching_blocks())
 
 
+def pass_entry(number: int, name: str, gm: fx.GraphModule, modified: bool, seconds: float,
+               counts_before: Mapping[str, int], order_before: Sequence[str]) -> tuple[dict[str, Any], Any, list[str]]:
+    """The ``passes.json`` entry of pass ``number`` (``name``, ``seconds`` long) that left ``gm``,
+    given the op counts and node order before it; returns ``(entry, op counts, node order)`` after."""
+    counts = op_counts(gm.graph)
+    order = [n.name for n in gm.graph.nodes]
+    moved = nodes_moved(order_before, order) if modified and counts == counts_before else 0
+    changes, summary = describe_changes(counts_before, counts, moved)
+    entry: dict[str, Any] = {"number": number, "pass": name, "modified": modified, "seconds": seconds,
+                             "nodes_before": sum(counts_before.values()), "nodes_after": sum(counts.values()),
+                             "changes": changes, "summary": summary if modified else "unchanged"}
+    return entry, counts, order
+
+
 class GraphDump:
     """Writes one graph's pass-by-pass dump into ``directory``; ``run_pipeline`` drives it.
 
@@ -74,13 +88,7 @@ class GraphDump:
     def after_pass(self, number: int, name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:
         """Record pass ``number`` (``name``), which ran in ``seconds``; write its graph and diff when
         it ``modified`` the graph."""
-        counts = op_counts(gm.graph)
-        order = [n.name for n in gm.graph.nodes]
-        moved = nodes_moved(self._order, order) if modified and counts == self._counts else 0
-        changes, summary = describe_changes(self._counts, counts, moved)
-        entry: dict[str, Any] = {"number": number, "pass": name, "modified": modified, "seconds": seconds,
-                                 "nodes_before": sum(self._counts.values()), "nodes_after": sum(counts.values()),
-                                 "changes": changes, "summary": summary if modified else "unchanged"}
+        entry, counts, order = pass_entry(number, name, gm, modified, seconds, self._counts, self._order)
         if modified:
             file = f"{number:02d}_{name}.py"
             body = self._write_python(file, gm, f"after pass {number} {name}")
