@@ -107,6 +107,10 @@ def test_dumping_off_runs_no_dump_code_and_writes_nothing(dumped):
 
 def test_every_file_is_written_and_parses(dumped):
     root, results = dumped
+    manifest = _load(root, "manifest.json")  # one run: the ranks agreed on its id
+    assert manifest["world_size"] == len(results) and manifest["ranks"] == [f"rank{r}" for r in range(len(results))]
+    for rank in range(len(results)):
+        assert _load(os.path.join(root, f"rank{rank}"), "manifest.json")["run"] == manifest["run"]
     for rank in range(len(results)):
         graphs = _graph_dirs(root, rank)
         assert {"graph0_joint", "graph0_forward", "graph0_backward"} <= set(graphs)
