@@ -125,13 +125,23 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *
 
 
 def _open_dump(dump_dir: str | None, ctx: PassContext, gm: fx.GraphModule):
-    """A ``zerograph.dump.GraphDump`` that has written the input graph, or ``None`` when dumping is
-    off. Imported here, not at the top, so that dumping off costs nothing."""
-    if not dump_dir:
+    """The per-pass log (``zerograph.dump.GraphDump`` writing into ``dump_dir``, and / or the
+    structured trace's ``PassTrace``) with the input graph recorded, or ``None`` when dumping and
+    the trace are off. Imported here, not at the top, so that both off cost nothing."""
+    traced = structured_trace_on()
+    if not dump_dir and not traced:
         return None
-    from zerograph.dump import GraphDump
+    from zerograph.dump import open_pass_log
 
-    return GraphDump(dump_dir, ctx, gm)
+    return open_pass_log(dump_dir, ctx, gm, traced)
+
+
+def structured_trace_on() -> bool:
+    """True when PyTorch's structured trace (``TORCH_TRACE=dir``, read by ``tlparse``) will write:
+    it has a handler other than the lazy one made without a directory (which removes itself)."""
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    return any(not (isinstance(h, LazyTraceHandler) and h.root_dir is None) for h in trace_log.handlers)
 
 
 def check_collectives_waited(graph: fx.Graph) -> None:

@@ -26,7 +26,8 @@ from torch.fx.graph import _BoxedCodeGen
 from zerograph.passes.activation_partition import offloaded_outputs, saved_activation_outputs, wants_offload
 from zerograph.passes.context import PassContext
 from zerograph.passes.liveness import Timeline, timeline
-from zerograph.passes.manager import check_no_saved_gathers, collective_volume, pipeline, run_pipeline
+from zerograph.passes.manager import (check_no_saved_gathers, collective_volume, pipeline, run_pipeline,
+                                      structured_trace_on)
 
 from .config import Config
 from .runtime import Runtime
@@ -106,9 +107,10 @@ class _GraphCompile:
         runtime.graph_memory.append(self.memory)
         self.dump_root = backend.config.resolved_dump_dir()
         if self.dump_root:  # the dump's cost model: collective, so here on every rank alike (not in AOT's compilers)
-            from .dump import calibrate_once  # imported only when dumping: off costs nothing
+            from .dump import begin_dump, calibrate_once  # imported only when dumping: off costs nothing
 
             calibrate_once(runtime.group)
+            begin_dump(self.dump_root, runtime)  # the run's manifest; clears a previous dump there, refuses a non-dump
 
     def run_passes(self, kind: str, g: fx.GraphModule) -> fx.GraphModule:
         """Run the pipeline of ``kind`` on ``g`` (dumped when asked) and record the result."""
@@ -118,11 +120,13 @@ class _GraphCompile:
         g = run_pipeline(g, backend.pass_context(kind), pipeline(kind), disabled=backend.config.disabled_passes,
                          dump_dir=dump_dir)
         self.record[kind] = g
-        if dump_dir:  # the final graph's rendering, memory, schedule (imported here: off costs nothing)
+        traced = structured_trace_on()  # TORCH_TRACE: the same numbers go to tlparse's trace
+        if dump_dir or traced:  # the final graph's rendering, memory, schedule (imported here: off costs nothing)
             from .dump import finish_graph
 
             saved = self.memory["forward"].saved if kind == "backward" and "forward" in self.memory else None
-            finish_graph(dump_dir, kind, g, backend.runtime, backend.captured, self.graph_id, carried=saved)
+            finish_graph(dump_dir, kind, g, backend.runtime, backend.captured, self.graph_id, carried=saved,
+                         traced=traced)
         return g
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
