@@ -1,11 +1,11 @@
 """zerograph: ZeRO (arXiv 1910.02054) as compiler passes over PyTorch's captured training graphs."""
 from .config import Config
 from .policies import ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, SchedulePolicy
-from .errors import (CollectiveError, ConfigError, ModelChangedError, PassError, ProcessGroupError,
+from .errors import (CollectiveError, ConfigError, ModelChangedError, PassError, PoolCorruptionError, ProcessGroupError,
                      ScheduleMismatchError, ShardingError, UnshardedParameterError, ZeroGraphError)
 from .api import compile
 
-__all__ = ["Config", "ActivationPolicy", "MemoryPolicy", "MixedPrecisionPolicy", "SchedulePolicy", "compile", "CollectiveError", "ConfigError", "ModelChangedError", "PassError",
+__all__ = ["Config", "ActivationPolicy", "MemoryPolicy", "MixedPrecisionPolicy", "SchedulePolicy", "compile", "CollectiveError", "ConfigError", "ModelChangedError", "PassError", "PoolCorruptionError",
            "ProcessGroupError", "ScheduleMismatchError", "ShardingError", "UnshardedParameterError",
            "ZeroGraphError"]
 from . import checkpoint  # noqa: E402  (zerograph.checkpoint.save / load / full_state_dict)

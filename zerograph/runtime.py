@@ -246,6 +246,8 @@ class Runtime:
                 raise
             what = f"a collective of {schedule.label}"
             raise CollectiveError(self.failure_message(what, schedule, exc, time.monotonic() - start)) from exc
+        finally:
+            self.buffer_pool.release_all()  # every pooled buffer of the graph is dead once it returns
 
     # -- gradient synchronisation switch (FSDP2's set_requires_gradient_sync) ------------------
     def grad_mode(self) -> str:
