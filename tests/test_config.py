@@ -71,3 +71,11 @@ def test_pipeline_problem_names_the_pass_and_the_capability() -> None:
 
 def test_the_package_exports_the_policies() -> None:
     assert zerograph.SchedulePolicy is SchedulePolicy and zerograph.Config is Config
+
+
+def test_auto_lowering_is_inductor_on_cuda_and_eager_elsewhere() -> None:
+    assert Config().lowering == "auto"
+    assert Config().resolved_lowering(torch.device("cuda", 0)) == "inductor"
+    assert Config().resolved_lowering(torch.device("cpu")) == "eager"
+    assert Config(lowering="eager").resolved_lowering(torch.device("cuda")) == "eager"
+    assert Config(lowering="inductor").resolved_lowering(torch.device("cpu")) == "inductor"

@@ -69,6 +69,7 @@ class ZeroGraphBackend:
         self.config = config
         self.params = params
         self.captured = captured
+        self.lowering = config.resolved_lowering(runtime.device)  # "eager" or "inductor"
         self._graph_ids = itertools.count()
 
     def pass_context(self, kind: str) -> PassContext:
@@ -78,7 +79,7 @@ class ZeroGraphBackend:
                            tuple(runtime.units), schedule=config.schedule, memory=config.memory,
                            activations=dataclasses.replace(config.activations, group=None),
                            activation_group=config.activations.group_for_passes(),
-                           buffer_pool=_pool_for(config, runtime))
+                           buffer_pool=_pool_for(self.lowering, runtime))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         graph = _GraphCompile(self, next(self._graph_ids), gm, example_inputs)
@@ -87,7 +88,7 @@ class ZeroGraphBackend:
             fw_compiler=functools.partial(graph.compile_graph, "forward"),
             bw_compiler=functools.partial(graph.compile_graph, "backward"),
             inference_compiler=functools.partial(graph.compile_graph, "inference"),
-            partition_fn=graph.partition, decompositions=_decompositions(self.config),
+            partition_fn=graph.partition, decompositions=_decompositions(self.lowering),
         )
 
 
@@ -145,7 +146,7 @@ class _GraphCompile:
         g = self.run_passes(kind, g)
         carried = self.memory["forward"].saved if kind == "backward" else None
         self.memory[kind] = timeline(g.graph, carried=carried)
-        lowered = _lower(backend.config, g, inputs, kind)
+        lowered = _lower(backend.lowering, g, inputs, kind)
         if kind == "forward" and self.user_outputs:
             saved = saved_activation_outputs(g.graph, self.user_outputs[-1])
             offloaded = offloaded_outputs(g.graph)
@@ -172,15 +173,15 @@ def _offloading(joint: fx.GraphModule) -> contextlib.AbstractContextManager:
     return torch._functorch.config.patch(**known)
 
 
-def _pool_for(config: Config, runtime: Runtime) -> int | None:
+def _pool_for(lowering: str, runtime: Runtime) -> int | None:
     """The buffer pool ``buffer_reuse`` may use: the runtime's under the eager lowering; none under
     Inductor, which plans its own buffers and hands a dead buffer's storage to a later one, so a
     pooled slot could end up as the storage of a tensor that outlives the graph (a gradient)."""
-    return runtime.buffer_pool.id if config.lowering == "eager" else None
+    return runtime.buffer_pool.id if lowering == "eager" else None
 
 
-def _lower(config: Config, gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
-    if config.lowering == "inductor":
+def _lower(lowering: str, gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
+    if lowering == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.decomposition import select_decomp_table
 
@@ -208,8 +209,8 @@ def _boxed(gm: fx.GraphModule) -> Callable:
     return run
 
 
-def _decompositions(config: Config) -> dict | None:
-    if config.lowering == "inductor":
+def _decompositions(lowering: str) -> dict | None:
+    if lowering == "inductor":
         from torch._inductor.decomposition import select_decomp_table
 
         return select_decomp_table()

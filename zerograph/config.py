@@ -16,6 +16,7 @@ import dataclasses
 import os
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from .costmodel import CostModel
@@ -25,7 +26,7 @@ from .policies import (ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, Sch
                        check_module_classes)
 
 STAGES = (0, 1, 2, 3)
-LOWERINGS = ("eager", "inductor")
+LOWERINGS = ("auto", "eager", "inductor")
 # the passes that only reorder (no effect on what is computed or moved); disable both for the
 # "scheduling off" baseline: every collective's wait right after its start
 OVERLAP_PASSES = ("prefetch", "schedule_overlap")
@@ -62,7 +63,11 @@ class Config:
             ``nn.Sequential`` (one unit per block, as FSDP2 users wrap ``fully_shard`` per block).
             Parameters outside every unit form the root unit.
         lowering: ``"eager"`` runs the transformed FX graphs op by op (fast to compile);
-            ``"inductor"`` compiles them with Inductor (C++ on CPU, Triton on GPU).
+            ``"inductor"`` compiles them with Inductor (C++ on CPU, Triton on GPU). ``"auto"`` (the
+            default) is Inductor on CUDA, where its fused Triton kernels are the point of a compiler
+            (SimpleFSDP and DeepCompile report their gains from it), and eager on CPU, where
+            Inductor's C++ code measured no faster on this project's GPT and costs about 2.7 s of
+            compile time per block (README, "Choices worth knowing").
         timeout_s: seconds a collective may wait for its peers before the process group raises
             (passed to ``init_process_group`` when zerograph creates the group).
         dump_dir: directory to write every graph before and after every pass; ``None`` reads the
@@ -82,7 +87,7 @@ class Config:
     """
 
     unit_classes: tuple[type[nn.Module], ...] | None = None
-    lowering: Literal["eager", "inductor"] = "eager"
+    lowering: Literal["auto", "eager", "inductor"] = "auto"
     timeout_s: float = 300.0
     dump_dir: str | None = None
     disabled_passes: tuple[str, ...] = ()
@@ -92,7 +97,7 @@ class Config:
     activations: ActivationPolicy = ActivationPolicy()
 
     def __init__(self, *, unit_classes: tuple[type[nn.Module], ...] | None = None,
-                 lowering: Literal["eager", "inductor"] = "eager", timeout_s: float = 300.0,
+                 lowering: Literal["auto", "eager", "inductor"] = "auto", timeout_s: float = 300.0,
                  dump_dir: str | None = None, disabled_passes: tuple[str, ...] = (),
                  mixed_precision: MixedPrecisionPolicy | None = None, schedule: SchedulePolicy | None = None,
                  memory: MemoryPolicy | None = None, activations: ActivationPolicy | None = None,
@@ -141,6 +146,13 @@ class Config:
             policy, field = FLAT_KEYWORDS[name]
             return getattr(object.__getattribute__(self, policy), field)
         raise AttributeError(f"'Config' object has no attribute {name!r}")
+
+    def resolved_lowering(self, device: torch.device) -> Literal["eager", "inductor"]:
+        """The lowering for parameters on ``device``: ``lowering`` itself, or for ``"auto"``
+        Inductor on CUDA and eager elsewhere."""
+        if self.lowering != "auto":
+            return self.lowering
+        return "inductor" if torch.device(device).type == "cuda" else "eager"
 
     def resolved_dump_dir(self) -> str | None:
         return self.dump_dir if self.dump_dir is not None else (os.environ.get("ZEROGRAPH_DUMP") or None)
