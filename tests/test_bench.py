@@ -366,7 +366,9 @@ def _failure_with_error_file(tmp_path, monkeypatch, rank: int, exc: BaseExceptio
     """A ``ProcessFailure`` as elastic's launcher builds it from the error file a rank's ``record``
     wrapper writes (``ErrorHandler.record_exception``), with the exception's real traceback."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-    from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+    from torch.distributed.elastic.multiprocessing.errors.error_handler import (
+        ErrorHandler,
+    )
 
     error_file = str(tmp_path / f"error{rank}.json")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", error_file)
@@ -378,7 +380,10 @@ def _failure_with_error_file(tmp_path, monkeypatch, rank: int, exc: BaseExceptio
 
 
 def test_rank_failure_names_the_real_error_first(tmp_path, monkeypatch):
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,
+        ProcessFailure,
+    )
 
     failed = _failure_with_error_file(tmp_path, monkeypatch, 1, ValueError("batch_fn got rank 1\nsecond line"))
     stopped = ProcessFailure(local_rank=0, pid=1000, exitcode=-15, error_file=str(tmp_path / "none.json"))

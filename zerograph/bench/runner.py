@@ -137,7 +137,7 @@ def run_system(spec: SystemSpec, workload: Workload, args: argparse.Namespace, d
     torch.manual_seed(args.seed)
     model, optimizer = build_system(spec, workload, device, args.lr)
     steps = itertools.count()  # global step numbers: every system sees the same batches
-    batch_of = lambda step: tuple(t.to(device) for t in workload.batch(step, rank, world_size))
+    batch_of = lambda step: tuple(t.to(device) for t in workload.batch(step, rank, world_size))  # noqa: E731
 
     losses: list[torch.Tensor] = []
     times: dict[str, list[float]] = {"warmup_s": [], "step_s": []}
