@@ -3,4 +3,5 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing this module (e.g. to check the imports) runs nothing
+    sys.exit(main())
