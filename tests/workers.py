@@ -6,9 +6,9 @@ import torch.distributed as dist
 import torch.fx as fx
 
 import zerograph
-from zerograph.passes._fx import TAG
+from zerograph.vocab import TAG
 from zerograph.passes.liveness import PARAM_ROLES, timeline
-from zerograph.passes._fx import COLLECTIVE_KINDS as COLLECTIVE_OPS
+from zerograph.vocab import COLLECTIVE_KINDS as COLLECTIVE_OPS
 
 from .models import build, global_batch, rank_slice
 from zerograph.state import runtime_of_model, state_of

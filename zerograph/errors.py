@@ -37,3 +37,8 @@ class ScheduleMismatchError(ZeroGraphError, RuntimeError):
 
 class CollectiveError(ZeroGraphError, RuntimeError):
     """A collective failed or timed out: a peer rank probably died, or stopped calling the model."""
+
+
+class DumpError(ZeroGraphError):
+    """The dump (``ZEROGRAPH_DUMP`` / ``Config(dump_dir=)``) cannot be written where asked, or a
+    folder given to ``zerograph inspect`` is not a readable dump; the message names the file."""
