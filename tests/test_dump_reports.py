@@ -180,7 +180,7 @@ def open_in_chromium(page_path: str, screenshot: str, *, full_page: bool = True)
     chromium = _chromium()
     if chromium is None:
         pytest.skip("Chromium is not installed (apt-get install chromium, or set ZEROGRAPH_CHROMIUM); "
-                    "`make test` does not install it: that needs root and ~300 MB of OS packages")
+                    "`make test` does not install it: that needs root, ~2 minutes and ~350 MB of OS packages")
     errors: list[str] = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
