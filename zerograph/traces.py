@@ -61,8 +61,8 @@ SELECT s.id AS id, s.ts AS ts, s.dur AS dur, s.name AS name, s.category AS categ
        p.pid AS pid, p.name AS process_name
 FROM slice s
 JOIN thread_track tt ON s.track_id = tt.id
-JOIN thread t USING (utid)
-LEFT JOIN process p USING (upid)
+JOIN thread t ON tt.utid = t.utid
+LEFT JOIN process p ON t.upid = p.upid
 ORDER BY s.ts
 """
 IMPORT_ERRORS_SQL = "SELECT name, idx, value FROM stats WHERE severity IN ('error', 'data_loss') AND value > 0"
