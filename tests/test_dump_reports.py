@@ -152,3 +152,68 @@ def test_html_page_of_a_damaged_dump_lists_its_problems(traced_step, tmp_path, c
     assert 'src="dump/rank0/graph0_backward/memory.png"' in page  # links relative to where the page is
     assert cli.main(["inspect", copy, "--html", str(tmp_path / "no" / "such" / "page.html")]) == 1
     assert "cannot write the page" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# the page in a real browser (issue 20 item 3)
+
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def _chromium() -> str | None:
+    """The Chromium to drive: ``ZEROGRAPH_CHROMIUM`` when set, else the first of CHROMIUM_NAMES on PATH."""
+    explicit = os.environ.get("ZEROGRAPH_CHROMIUM")
+    if explicit:
+        return explicit if os.path.exists(explicit) else None
+    return next((found for name in CHROMIUM_NAMES if (found := shutil.which(name))), None)
+
+
+def open_in_chromium(page_path: str, screenshot: str, *, full_page: bool = True) -> dict:
+    """Open ``page_path`` (a file) in headless Chromium through Playwright, screenshot it to
+    ``screenshot``, and return what the browser reported: ``errors`` (console messages of type
+    error, uncaught exceptions, failed requests), the pass names listed per graph section, and
+    the images that did not load. Skips the calling test when Playwright or Chromium is absent."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install playwright; it is in the test extra)")
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("Chromium is not installed (apt-get install chromium, or set ZEROGRAPH_CHROMIUM); "
+                    "`make test` does not install it: that needs root, ~2 minutes and ~350 MB of OS packages")
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(f"uncaught: {e}"))
+            page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url} ({r.failure})"))
+            page.goto("file://" + os.path.abspath(page_path), wait_until="load")
+            passes = page.eval_on_selector_all(
+                "section[id^='rank'] > section", "sections => Object.fromEntries(sections.map(s => "
+                "[s.id, [...s.querySelectorAll('ol.passes > li b')].map(b => b.textContent)]))")
+            broken_images = page.eval_on_selector_all(
+                "img", "imgs => imgs.filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.getAttribute('src'))")
+            page.locator("ol.passes details > summary").first.click()  # a diff opens, highlighted
+            opened = page.locator("ol.passes details[open] .highlight").first.is_visible()
+            page.screenshot(path=screenshot, full_page=full_page)
+        finally:
+            browser.close()
+    return {"errors": errors, "passes": passes, "broken_images": broken_images, "diff_opens": opened}
+
+
+def test_html_page_in_headless_chromium(traced_step, tmp_path):
+    from zerograph.dump.html import write_html
+
+    page_path, _ = write_html(traced_step["dump"], str(tmp_path / "dump_report.html"))
+    shot = str(tmp_path / "dump_report.png")
+    seen = open_in_chromium(page_path, shot)
+    assert seen["errors"] == []
+    assert seen["broken_images"] == []
+    assert seen["diff_opens"]
+    assert seen["passes"] == {f"rank0-graph0_{kind}": [e["pass"] for e in _passes(traced_step["dump"], kind)]
+                              for kind in KINDS}
+    with open(shot, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(shot) > 10_000

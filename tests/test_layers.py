@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("execution", ["zerograph.runtime", "zerograph.capture"]),
     ("api", ["zerograph.api", "zerograph.fake", "zerograph.replicas"]),
     ("reporting", ["zerograph.stats", "zerograph.plan", "zerograph.checkpoint", "zerograph.timeline",
-                   "zerograph.profile", "zerograph.optim", "zerograph.init", "zerograph.loading",
+                   "zerograph.traces", "zerograph.profile", "zerograph.optim", "zerograph.init", "zerograph.loading",
                    "zerograph.dump*"]),
     ("tools", ["zerograph.bench*", "zerograph.cli", "zerograph.__main__"]),
 ]
