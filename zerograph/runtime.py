@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .buffer_pool import BufferPool
-from .errors import CollectiveError, ScheduleMismatchError
+from .errors import CollectiveError, ProcessGroupError, ScheduleMismatchError
 from . import registry
 from .sharding import ParamLayout, Unit
 from .vocab import (COLLECTIVE_KINDS, COLLECTIVES, GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, TAG, all_gather_single,
@@ -146,12 +146,25 @@ class Runtime:
 
     # -- step accounting -------------------------------------------------------------------
     def start_forward(self) -> None:
-        """A forward after a finished backward opens a new step."""
+        """A forward after a finished backward opens a new step (on a live process group)."""
+        self.check_group()
         if self.backward_ran:
             self.last, self.current, self.backward_ran = self.current, CommCounter(), False
 
     def finished_step(self) -> CommCounter:
         return self.current if self.backward_ran or self.last is None else self.last
+
+    def check_group(self) -> None:
+        """Raise ``ProcessGroupError`` when the model's process group was destroyed (e.g. by
+        ``dist.destroy_process_group()``): its graphs name the group and could no longer resolve it.
+        One dictionary lookup (``dist.get_rank``, which refuses an unregistered group)."""
+        try:
+            dist.get_rank(self.group)
+        except (ValueError, RuntimeError) as exc:
+            raise ProcessGroupError(
+                f"the model's process group ({self.group_name!r}) was destroyed (destroy_process_group?) or "
+                "never initialised here; a compiled model is bound to the group it was compiled with: compile "
+                f"a fresh model after initialising a new group. Cause: {type(exc).__name__}: {exc}") from exc
 
     # -- agreement across ranks before each graph runs ---------------------------------------
     def schedule(self, graph: fx.Graph, graph_kind: str) -> CommSchedule:
@@ -242,7 +255,10 @@ class Runtime:
         try:
             return compiled(args)
         except RuntimeError as exc:
-            if isinstance(exc, CollectiveError) or not schedule.entries or not is_communication_failure(exc):
+            if isinstance(exc, CollectiveError) or not schedule.entries:
+                raise
+            self.check_group()  # a group destroyed between forward and backward: say so, not "Could not resolve"
+            if not is_communication_failure(exc):
                 raise
             what = f"a collective of {schedule.label}"
             raise CollectiveError(self.failure_message(what, schedule, exc, time.monotonic() - start)) from exc
