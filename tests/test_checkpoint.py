@@ -140,12 +140,29 @@ def test_checkpoint_saved_before_the_first_step_resumes_as_a_fresh_start(jobs) -
 
 # -- in-process checks (world size 1): what save refuses, what load verifies -----------------------
 
-def _linear_stack(layers: int, seed: int = 0):
-    """A compiled ``nn.Sequential`` of ``layers`` Linear(8, 8) at stage 3 and its AdamW after one step."""
+class _Layers(torch.nn.Module):
+    """``layers`` Linear(8, 8) in a row. Its own class: Dynamo caches at most 8 graphs per code object
+    in a process, and every compiled model adds one for its class's ``forward``; the tests of other
+    files compile ``nn.Sequential`` in this process too."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _linear_stack(layers: int, seed: int = 0, sequential: bool = False):
+    """A compiled ``nn.Sequential`` (or ``_Layers``) of ``layers`` Linear(8, 8) at stage 3 and its
+    AdamW after one step."""
     import zerograph
 
     torch.manual_seed(seed)
-    model = zerograph.compile(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)]), stage=3)
+    linears = [torch.nn.Linear(8, 8) for _ in range(layers)]
+    model = zerograph.compile(torch.nn.Sequential(*linears) if sequential else _Layers(layers), stage=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
@@ -184,7 +201,7 @@ def test_save_refuses_a_folder_that_is_not_a_checkpoint(tmp_path) -> None:
         sibling = tmp_path / f"{target.name}{suffix}"
         sibling.mkdir()
         (sibling / "mine.txt").write_text("z")
-        error = _error(lambda: checkpoint.save(model, opt, target))
+        error = _error(lambda target=target: checkpoint.save(model, opt, target))
         assert isinstance(error, checkpoint.CheckpointError) and role in str(error), error
         assert (sibling / "mine.txt").read_text() == "z" and not target.exists()
     (tmp_path / "empty").mkdir()
@@ -198,23 +215,22 @@ def test_strict_load_names_the_unexpected_key(tmp_path) -> None:
     key on the first line; ``strict=False`` loads the shared layer; shapes are checked either way."""
     from zerograph import checkpoint
 
-    two, two_opt = _linear_stack(2)
+    two, two_opt = _linear_stack(2, sequential=True)
     checkpoint.save(two, two_opt, tmp_path / "two")
-    one, one_opt = _linear_stack(1, seed=1)
+    one, one_opt = _linear_stack(1, seed=1, sequential=True)
     error = _error(lambda: checkpoint.load(one, one_opt, tmp_path / "two"))
     assert isinstance(error, checkpoint.CheckpointError)
     first_line = str(error).splitlines()[0]
     assert "unexpected key 'model.1.bias'" in first_line, first_line
     checkpoint.load(one, one_opt, tmp_path / "two", strict=False)
-    assert torch.equal(one[0].weight.full_tensor(), two[0].weight.full_tensor())
+    assert torch.equal(one[0].weight.full_tensor(), two[0].weight.full_tensor())  # the shared layer loaded
     assert one_opt.state[one[0].weight]["step"] == two_opt.state[two[0].weight]["step"]
-    three, three_opt = _linear_stack(3)
+    three, three_opt = _linear_stack(3, sequential=True)
     assert "missing key 'model.2.bias'" in str(_error(lambda: checkpoint.load(three, three_opt, tmp_path / "two")))
-    sgd_model, _ = _linear_stack(2)
-    sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.1, momentum=0.9)
-    sgd_model(torch.randn(2, 8)).sum().backward()
+    sgd = torch.optim.SGD(three.parameters(), lr=0.1, momentum=0.9)
+    three(torch.randn(2, 8)).sum().backward()
     sgd.step()
-    error = str(_error(lambda: checkpoint.load(sgd_model, sgd, tmp_path / "two")))
+    error = str(_error(lambda: checkpoint.load(three, sgd, tmp_path / "two")))
     assert "optimizer class torch.optim.adamw.AdamW was saved, this one is torch.optim.sgd.SGD" in error
     import zerograph
 

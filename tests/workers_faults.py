@@ -220,9 +220,11 @@ def replica_and_checkpoint_faults(rank: int, world_size: int, root: str) -> None
     dist.barrier()
     if rank == 0:
         shard = f"{root}/good/__1_0.distcp"
-        data = bytearray(open(shard, "rb").read())
-        data[len(data) // 2] ^= 0x01
-        open(shard, "wb").write(bytes(data))
+        with open(shard, "r+b") as f:  # one bit of the middle byte flipped in place
+            f.seek(os.path.getsize(shard) // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0x01]))
     dist.barrier()
     out["corrupt"] = error_of(lambda: checkpoint.load(model, opt, f"{root}/good"))
     torch.save(out, f"{root}/result{rank}.pt")

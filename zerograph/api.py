@@ -18,9 +18,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .capture import CapturedGraphs, ZeroGraphBackend
 from .config import Config, check_stage
-from .replicas import sync_replicas
 from .errors import ConfigError, ProcessGroupError, ShardingError, UnshardedParameterError, ZeroGraphError
 from .registry import next_key
+from .replicas import sync_replicas
 from .runtime import Runtime
 from .state import STATE_ATTR, ZeroGraphState, state_of
 from .sharding import (ParameterWatch, find_units, set_gathering, set_grad_mode, shard_module_,

@@ -60,8 +60,13 @@ from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from .errors import CollectiveError, ZeroGraphError
 from .runtime import is_communication_failure
@@ -244,7 +249,7 @@ def _agree(group: dist.ProcessGroup, problem: str | None, what: str) -> None:
 def _raise_first(problems: list[str | None]) -> None:
     failed = [(r, p) for r, p in enumerate(problems) if p is not None]
     if failed:
-        rank, problem = failed[0]
+        problem = failed[0][1]
         where = f" (seen by ranks {[r for r, _ in failed]})" if len(problems) > 1 else ""
         raise CheckpointError(f"{problem}{where}")
 
@@ -324,12 +329,17 @@ def _hash_share(staging: str, size: int, rank: int, nonce: str) -> dict[str, dic
     """Check that every rank's token is visible here, then digest this rank's share of the files."""
     for other in range(size):
         token = os.path.join(staging, f"{TOKEN_PREFIX}{other}")
-        if not os.path.isfile(token) or open(token).read() != nonce:
+        if not os.path.isfile(token) or _read_text(token) != nonce:
             return (f"rank {rank} does not see rank {other}'s files in {staging!r}: the ranks do not share "
                     "a file system at this path (or it does not show one rank's writes to another)")
     sizes = {e.name: e.stat().st_size for e in os.scandir(staging) if e.is_file() and e.name != MARKER}
     return {name: {"bytes": sizes[name], CHECKSUM: _digest(os.path.join(staging, name))}
             for name in _share(sizes, size, rank)}
+
+
+def _read_text(file: str) -> str:
+    with open(file) as f:
+        return f.read()
 
 
 def _share(sizes: dict[str, int], size: int, rank: int) -> list[str]:
@@ -461,7 +471,9 @@ def _fit_problem(state: dict, path: str, marker: dict, optimizer: torch.optim.Op
     if "optimizer" in state and saved_class is not None and saved_class != mine:
         return (f"the checkpoint at {path!r} does not fit this model and optimizer: optimizer class {saved_class} "
                 f"was saved, this one is {mine}\n(load(..., strict=False) loads it anyway)")
-    missing, unexpected = sorted(template.keys() - saved.keys()), sorted(saved.keys() - template.keys())
+    tensors_first = lambda key: (".param_groups." in key, key)  # noqa: E731 - hyperparameters matter less
+    missing = sorted(template.keys() - saved.keys(), key=tensors_first)
+    unexpected = sorted(saved.keys() - template.keys(), key=tensors_first)
     if not missing and not unexpected:
         return None
     first = f"missing key {missing[0]!r}" if missing else f"unexpected key {unexpected[0]!r}"
