@@ -59,6 +59,9 @@ def test_control_flow_divergence_raises_on_every_rank() -> None:
         assert ("differ at collective 2: rank 0 runs all_gather of 72 float32 elements for unit 'blocks.2', "
                 "rank 1 runs nothing (its schedule ends after 2 collectives)") in message
         assert ADVICE in message and message.endswith(f"this is rank {rank})")
+        # rank 1's schedule is the start of rank 0's: the hint that its forward was cut (by its own raise?)
+        assert "Rank 1's graph stops early, where the other continues" in message
+        assert "if rank 1 raises an exception of its own right after these collectives" in message
     # the check raised before any collective of the graph: both ranks train on afterwards
     assert [result["after_mismatch"] for result in _schedule_run()] == [None, None]
 
@@ -66,6 +69,7 @@ def test_control_flow_divergence_raises_on_every_rank() -> None:
 def test_divergence_at_stage_0_is_caught_before_the_backward_all_reduces() -> None:
     for result in _schedule_run():
         message = _mismatch(result, "stage0_backward")
+        assert "stops early" not in message  # different units, not one schedule cut short
         assert "backward graph" in message
         assert ("collective 0: rank 0 runs all_reduce of 72 float32 elements for unit 'blocks.2', "
                 "rank 1 runs all_reduce of 72 float32 elements for unit 'blocks.1'") in message

@@ -230,7 +230,21 @@ class Runtime:
                 "run the same collectives in each step: the same model (parameter shapes and dtypes) and "
                 "the same layers used in the same order; only activation shapes, such as sequence "
                 "lengths, may differ between ranks. Look for rank- or data-dependent control flow that "
-                "skips or repeats a layer on some ranks")
+                f"skips or repeats a layer on some ranks{self._early_end_hint(a, other, b)}")
+
+    @staticmethod
+    def _early_end_hint(a: tuple, other: int, b: tuple) -> str:
+        """When one schedule is the start of the other, the shorter rank's forward was cut there
+        (Dynamo ends a graph where Python code it cannot trace runs: a ``raise``, an early
+        ``return``): its own error, which it would raise right after, never got to run."""
+        if len(a) == len(b) or tuple(a[:len(b)]) != tuple(b[:len(a)]):
+            return ""
+        short = other if len(b) < len(a) else 0
+        return (f". Rank {short}'s graph stops early, where the other continues: its forward was cut there "
+                f"(Dynamo ends a graph before Python code it cannot trace, such as a raise or an early return), "
+                f"so if rank {short} raises an exception of its own right after these collectives, that "
+                "exception is the cause and this check stopped it from surfacing; move checks that can raise "
+                "on one rank only before the model call")
 
     def _entry_text(self, entries: tuple[ScheduleEntry, ...], i: int) -> str:
         if i >= len(entries):
