@@ -292,3 +292,25 @@ def test_a_peer_dying_during_save_is_a_collective_error(replica_run) -> None:
     assert dead["type"] == "CollectiveError" and dead["zerograph"], dead
     assert "a peer rank probably died" in dead["message"]
     assert dead["elapsed_s"] < 30
+
+
+def test_eager_collectives_translate_communication_failures(monkeypatch) -> None:
+    """A frame Dynamo ran eagerly uses the runtime's eager collectives: a dead peer there is a
+    ``CollectiveError`` naming the parameter (gloo's error chained), other errors pass unchanged."""
+    import zerograph.runtime as runtime_module
+
+    runtime = runtime_of_model(zerograph.compile(torch.nn.Linear(4, 3), stage=3))
+    runtime.world_size = 2  # pretend a peer: the eager all-gather runs instead of the one-rank shortcut
+    key = next(k for k, layout in runtime.layouts.items() if layout.fqn == "weight")
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+
+    monkeypatch.setattr(runtime_module, "all_gather_single", closed)
+    with pytest.raises(CollectiveError, match=r"rank 0: the eager all_gather of 'weight' \(run outside a graph") as info:
+        runtime.unshard_eager(torch.zeros(2, 4), key)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    monkeypatch.setattr(runtime_module, "all_gather_single", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape")))
+    with pytest.raises(RuntimeError, match="shape") as info:
+        runtime.unshard_eager(torch.zeros(2, 4), key)
+    assert not isinstance(info.value, zerograph.ZeroGraphError)

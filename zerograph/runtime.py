@@ -325,7 +325,7 @@ class Runtime:
             return shard.clone()
         padded = _pad_rows(shard, layout.chunk_rows)
         gathered = shard.new_empty((self.world_size * layout.chunk_rows, *layout.shape[1:]))
-        all_gather_single(gathered, padded, group=self.group)
+        self._eager("all_gather", key, lambda: all_gather_single(gathered, padded, group=self.group))
         self.current.add("all_gather", gathered.numel(), gathered.element_size(), self.world_size)
         return gathered[: layout.shape[0]].clone()
 
@@ -343,14 +343,30 @@ class Runtime:
         grad = self.take_unsynced(grad, key) if grad_mode == GRAD_FLUSH else grad.to(layout.reduce_dtype)
         if not layout.sharded:
             out = grad.contiguous().clone()
-            dist.all_reduce(out, group=self.group)
+            self._eager("all_reduce", key, lambda: dist.all_reduce(out, group=self.group))
             self.current.add("all_reduce", out.numel(), out.element_size(), self.world_size)
             return out.div_(self.world_size).to(layout.dtype)
         padded = _pad_rows(grad, self.world_size * layout.chunk_rows)
         out = grad.new_empty((layout.chunk_rows, *layout.shape[1:]))
-        dist.reduce_scatter_tensor(out, padded, group=self.group)
+        self._eager("reduce_scatter", key, lambda: dist.reduce_scatter_tensor(out, padded, group=self.group))
         self.current.add("reduce_scatter", padded.numel(), padded.element_size(), self.world_size)
         return out[: layout.rank_rows[self.rank]].div_(self.world_size).to(layout.dtype, copy=True)
+
+    def _eager(self, kind: str, key: int, collective: Callable[[], Any]) -> None:
+        """Run one eager collective; a communication failure becomes a ``CollectiveError`` naming
+        it (as ``run_graph`` does for graphs), chaining gloo's or NCCL's error."""
+        start = time.monotonic()
+        try:
+            collective()
+        except RuntimeError as exc:
+            if not is_communication_failure(exc):
+                raise
+            self.check_group()
+            raise CollectiveError(
+                f"rank {self.rank}: the eager {kind} of {self.layouts[key].fqn!r} (run outside a graph: Dynamo fell "
+                f"back to eager for this frame) failed after {time.monotonic() - start:.1f} s. A peer rank probably "
+                "died, raised, or is stuck elsewhere: check the other ranks' logs. Eager collectives wait the "
+                f"process group's timeout. Cause: {type(exc).__name__}: {exc}") from exc
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
