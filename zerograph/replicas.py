@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.utils import _sync_module_states
 
 from .errors import CollectiveError, ShardingError
-from .runtime import all_gather_single
+from .vocab import all_gather_single
 
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
 
