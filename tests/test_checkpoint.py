@@ -136,3 +136,170 @@ def test_checkpoint_saved_before_the_first_step_resumes_as_a_fresh_start(jobs) -
         assert result["from_initial"]["state_after_load"] == 0
         assert result["from_initial"]["losses"] == pytest.approx(uninterrupted["losses"][:CKPT_SAVE_AFTER],
                                                                  abs=RESUME_TOL, rel=0)
+
+
+# -- in-process checks (world size 1): what save refuses, what load verifies -----------------------
+
+class _Layers(torch.nn.Module):
+    """``layers`` Linear(8, 8) in a row. Its own class: Dynamo caches at most 8 graphs per code object
+    in a process, and every compiled model adds one for its class's ``forward``; the tests of other
+    files compile ``nn.Sequential`` in this process too."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _linear_stack(layers: int, seed: int = 0, sequential: bool = False):
+    """A compiled ``nn.Sequential`` (or ``_Layers``) of ``layers`` Linear(8, 8) at stage 3 and its
+    AdamW after one step."""
+    import zerograph
+
+    torch.manual_seed(seed)
+    linears = [torch.nn.Linear(8, 8) for _ in range(layers)]
+    model = zerograph.compile(torch.nn.Sequential(*linears) if sequential else _Layers(layers), stage=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _error(step) -> Exception:
+    """The exception ``step()`` raised (a BaseException that is not an Exception fails the test)."""
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001 - the error a user sees
+        return exc
+    raise AssertionError("no error")
+
+
+def test_save_refuses_a_folder_that_is_not_a_checkpoint(tmp_path) -> None:
+    """Issue 22 item 1: a folder with a user's files is refused before any byte is written; so are
+    foreign ``.incomplete`` / ``.replaced`` siblings; an empty folder and a checkpoint are replaced."""
+    from zerograph import checkpoint
+
+    model, opt = _linear_stack(2)
+    target = tmp_path / "ckpt"
+    (target / "step100").mkdir(parents=True)
+    (target / "notes.txt").write_text("x")
+    error = _error(lambda: checkpoint.save(model, opt, target))
+    assert isinstance(error, checkpoint.CheckpointError)
+    assert "exists and is not a zerograph checkpoint" in str(error) and "notes.txt, step100/" in str(error)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing written beside it
+    assert sorted(p.name for p in target.iterdir()) == ["notes.txt", "step100"]
+    assert (target / "notes.txt").read_text() == "x"
+    (tmp_path / "file").write_text("y")
+    assert "a file, not a directory" in str(_error(lambda: checkpoint.save(model, opt, tmp_path / "file")))
+    for suffix, role in ((".incomplete", "staging directory"), (".replaced", "previous checkpoint set aside")):
+        target = tmp_path / f"other{suffix[1:]}"
+        sibling = tmp_path / f"{target.name}{suffix}"
+        sibling.mkdir()
+        (sibling / "mine.txt").write_text("z")
+        error = _error(lambda target=target: checkpoint.save(model, opt, target))
+        assert isinstance(error, checkpoint.CheckpointError) and role in str(error), error
+        assert (sibling / "mine.txt").read_text() == "z" and not target.exists()
+    (tmp_path / "empty").mkdir()
+    checkpoint.save(model, opt, tmp_path / "empty")  # nothing to lose
+    checkpoint.save(model, opt, tmp_path / "empty")  # a checkpoint: replaced
+    checkpoint.load(model, opt, tmp_path / "empty")
+
+
+def test_strict_load_names_the_unexpected_key(tmp_path) -> None:
+    """Issue 22 item 3: two layers saved, one loaded: refused by default with the first unexpected
+    key on the first line; ``strict=False`` loads the shared layer; shapes are checked either way."""
+    from zerograph import checkpoint
+
+    two, two_opt = _linear_stack(2, sequential=True)
+    checkpoint.save(two, two_opt, tmp_path / "two")
+    one, one_opt = _linear_stack(1, seed=1, sequential=True)
+    error = _error(lambda: checkpoint.load(one, one_opt, tmp_path / "two"))
+    assert isinstance(error, checkpoint.CheckpointError)
+    first_line = str(error).splitlines()[0]
+    assert "unexpected key 'model.1.bias'" in first_line, first_line
+    checkpoint.load(one, one_opt, tmp_path / "two", strict=False)
+    assert torch.equal(one[0].weight.full_tensor(), two[0].weight.full_tensor())  # the shared layer loaded
+    assert one_opt.state[one[0].weight]["step"] == two_opt.state[two[0].weight]["step"]
+    three, three_opt = _linear_stack(3, sequential=True)
+    assert "missing key 'model.2.bias'" in str(_error(lambda: checkpoint.load(three, three_opt, tmp_path / "two")))
+    sgd = torch.optim.SGD(three.parameters(), lr=0.1, momentum=0.9)
+    three(torch.randn(2, 8)).sum().backward()
+    sgd.step()
+    error = str(_error(lambda: checkpoint.load(three, sgd, tmp_path / "two")))
+    assert "optimizer class torch.optim.adamw.AdamW was saved, this one is torch.optim.sgd.SGD" in error
+    import zerograph
+
+    torch.manual_seed(0)
+    wide = zerograph.compile(torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 8)), stage=3)
+    error = str(_error(lambda: checkpoint.load(wide, torch.optim.AdamW(wide.parameters()), tmp_path / "two",
+                                               strict=False)))
+    assert "key 'model.0.bias' has shape (8,) in the checkpoint, (6,) here" in error.splitlines()[0]
+
+
+def test_corrupt_files_and_markers_are_named(tmp_path) -> None:
+    """Issue 22 item 4: a flipped bit, a truncated file and a malformed marker each raise a
+    ``CheckpointError`` that says "corrupt" and names the file; the intact checkpoint loads."""
+    import json
+
+    from zerograph import checkpoint
+
+    model, opt = _linear_stack(2)
+    checkpoint.save(model, opt, tmp_path / "ck")
+    marker = json.loads((tmp_path / "ck" / checkpoint.MARKER).read_text())
+    assert marker["checksum"] == "xxh3_128" and "__0_0.distcp" in marker["files"] and ".metadata" in marker["files"]
+    shard = tmp_path / "ck" / "__0_0.distcp"
+    original = shard.read_bytes()
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0x10  # inside the tensor bytes
+    for damaged, words in ((bytes(flipped), "checksum differs"), (original[:-7], "truncated")):
+        shard.write_bytes(damaged)
+        error = _error(lambda: checkpoint.load(model, opt, tmp_path / "ck"))
+        assert isinstance(error, checkpoint.CheckpointError), error
+        assert "corrupt" in str(error) and "__0_0.distcp" in str(error) and words in str(error), error
+    shard.write_bytes(original)
+    checkpoint.load(model, opt, tmp_path / "ck")
+    (tmp_path / "ck" / checkpoint.MARKER).write_text('{"format": 2, "files": ')
+    error = _error(lambda: checkpoint.load(model, opt, tmp_path / "ck"))
+    assert isinstance(error, checkpoint.CheckpointError) and "is corrupt (not JSON" in str(error)
+
+
+def test_unwritable_path_and_destroyed_group_raise_zerograph_errors(tmp_path) -> None:
+    """The class "every failure names its cause": an unwritable path (under a file here; DCP's own
+    failure, a ``BaseException``, through a storage writer that fails) gives ``CheckpointError``;
+    a model whose process group was destroyed gives ``ProcessGroupError`` at forward and save."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.filesystem as fs
+
+    import zerograph
+    from zerograph import checkpoint
+    from zerograph.errors import ProcessGroupError
+
+    model, opt = _linear_stack(2)
+    (tmp_path / "file").write_text("y")
+    error = _error(lambda: checkpoint.save(model, opt, tmp_path / "file" / "ck"))
+    assert isinstance(error, checkpoint.CheckpointError) and "NotADirectoryError" in str(error)
+    write_data = fs.FileSystemWriter.write_data
+
+    def failing(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    fs.FileSystemWriter.write_data = failing
+    try:
+        error = _error(lambda: checkpoint.save(model, opt, tmp_path / "full"))
+    finally:
+        fs.FileSystemWriter.write_data = write_data
+    assert isinstance(error, checkpoint.CheckpointError) and "No space left on device" in str(error)
+    assert type(error.__cause__).__name__ == "CheckpointException"  # DCP's, chained
+    group = dist.new_group([0])
+    torch.manual_seed(0)
+    lone = zerograph.compile(torch.nn.Linear(8, 8), stage=3, process_group=group)
+    lone(torch.randn(2, 8)).sum().backward()
+    dist.destroy_process_group(group)
+    for step in (lambda: lone(torch.randn(2, 8)), lambda: checkpoint.save(lone, opt, tmp_path / "gone")):
+        error = _error(step)
+        assert isinstance(error, ProcessGroupError) and "was destroyed" in str(error), error

@@ -17,7 +17,8 @@ from zerograph.errors import CollectiveError, ModelChangedError
 from zerograph.runtime import CommSchedule, ScheduleEntry, is_communication_failure
 
 from .distributed import RankFailed, spawn
-from .workers_faults import dies_between_forward_and_backward, one_rank_goes_silent, schedule_checks, unsupported_uses
+from .workers_faults import (dies_between_forward_and_backward, one_rank_goes_silent, replica_and_checkpoint_faults,
+                             schedule_checks, unsupported_uses)
 from zerograph.state import runtime_of_model, state_of
 
 WORLD = 2
@@ -58,6 +59,9 @@ def test_control_flow_divergence_raises_on_every_rank() -> None:
         assert ("differ at collective 2: rank 0 runs all_gather of 72 float32 elements for unit 'blocks.2', "
                 "rank 1 runs nothing (its schedule ends after 2 collectives)") in message
         assert ADVICE in message and message.endswith(f"this is rank {rank})")
+        # rank 1's schedule is the start of rank 0's: the hint that its forward was cut (by its own raise?)
+        assert "Rank 1's graph stops early, where the other continues" in message
+        assert "if rank 1 raises an exception of its own right after these collectives" in message
     # the check raised before any collective of the graph: both ranks train on afterwards
     assert [result["after_mismatch"] for result in _schedule_run()] == [None, None]
 
@@ -65,17 +69,10 @@ def test_control_flow_divergence_raises_on_every_rank() -> None:
 def test_divergence_at_stage_0_is_caught_before_the_backward_all_reduces() -> None:
     for result in _schedule_run():
         message = _mismatch(result, "stage0_backward")
+        assert "stops early" not in message  # different units, not one schedule cut short
         assert "backward graph" in message
         assert ("collective 0: rank 0 runs all_reduce of 72 float32 elements for unit 'blocks.2', "
                 "rank 1 runs all_reduce of 72 float32 elements for unit 'blocks.1'") in message
-
-
-def test_different_parameter_shapes_are_named() -> None:
-    for result in _schedule_run():
-        message = _mismatch(result, "shapes")
-        # width 8: (8x8 weight + 8 bias) padded to 2 x 36; width 6: 2 x 21
-        assert ("collective 0: rank 0 runs all_gather of 72 float32 elements for unit 'blocks.0', "
-                "rank 1 runs all_gather of 42 float32 elements for unit 'blocks.0'") in message
 
 
 def test_mismatch_text_names_dtype_and_world_size_one_skips_the_check() -> None:
@@ -224,3 +221,96 @@ def test_model_changes_are_caught_without_a_per_step_parameter_loop() -> None:
     assert watch.changes == []
     model[1].bias = torch.nn.Parameter(torch.zeros(1))
     assert watch.changes == ["parameter '1.bias' was replaced"]
+
+
+# -- issue 22: replicas that start different, checkpoints across ranks ------------------------------
+
+@pytest.fixture(scope="module")
+def replica_run(tmp_path_factory) -> tuple[list[dict], dict]:
+    """Per-rank results of ``replica_and_checkpoint_faults`` and rank 0's view of the dead peer."""
+    root = tmp_path_factory.mktemp("issue22")
+    with pytest.raises(RankFailed):  # rank 1 dies on purpose in the last case; rank 0 raises
+        spawn(replica_and_checkpoint_faults, WORLD, str(root), pg_timeout_s=30, timeout_s=240, teardown_barrier=False)
+    results = [torch.load(root / f"result{r}.pt", weights_only=False) for r in range(WORLD)]
+    return results, torch.load(root / "dead_peer.pt", weights_only=False)
+
+
+def test_replicas_seeded_differently_start_from_rank_0(replica_run) -> None:
+    """Issue 22 item 5: each rank seeded ``torch.manual_seed(rank)``; at every stage every rank's
+    full parameters and buffer are those rank 0 built (DDP's and FSDP1's broadcast at construction)."""
+    from .workers_faults import Stack
+
+    torch.manual_seed(0)
+    expected = Stack()
+    expected.register_buffer("scale", torch.randn(8))
+    results, _ = replica_run
+    for stage in range(4):
+        for rank, result in enumerate(results):
+            got = result["replicas"][stage]
+            assert got.keys() == dict(expected.named_parameters()).keys() | {"scale"}
+            for name, value in [*expected.named_parameters(), ("scale", expected.scale)]:
+                assert torch.equal(got[name], value), (stage, rank, name)
+
+
+def test_different_models_are_refused_at_compile() -> None:
+    for rank, result in enumerate(_schedule_run()):
+        error = result["shapes"]
+        assert error is not None and error["type"] == "ShardingError", error
+        assert ("ranks built different models: at parameter/buffer 0, rank 0 has parameter 'blocks.0.weight' "
+                "of shape (8, 8) float32, rank 1 has parameter 'blocks.0.weight' of shape (6, 6) float32") \
+            in error["message"]
+        assert f"(this is rank {rank})" in error["message"]
+
+
+def test_save_refuses_ranks_that_disagree_on_the_path_or_share_no_file_system(replica_run) -> None:
+    """Issue 22 item 2: different paths, then the same relative path in different directories (no
+    shared file system), with and without a staging directory on rank 1's disk: every rank raises
+    ``CheckpointError`` and nothing is marked complete."""
+    results, _ = replica_run
+    for rank, result in enumerate(results):
+        paths = result["paths"]
+        assert paths["type"] == "CheckpointError", paths
+        assert "ranks passed different paths to checkpoint.save" in paths["message"]
+        assert "rank 1 '" in paths["message"] and "rank1'" in paths["message"]
+        assert result["after_paths"] == []  # nothing written
+        assert result["unshared"]["type"] == "CheckpointError", result["unshared"]
+        assert "rank 1 does not see the staging directory" in result["unshared"]["message"]
+        assert "do not share a file system" in result["unshared"]["message"]
+        stale = result["unshared_stale"]
+        assert stale["type"] == "CheckpointError", stale
+        assert "does not see rank 1's files" in stale["message"] or "does not see rank 0's files" in stale["message"]
+        assert "ck" not in result["host_listing"] and "ck2" not in result["host_listing"]  # never completed
+        corrupt = result["corrupt"]
+        assert corrupt["type"] == "CheckpointError" and "corrupt" in corrupt["message"], corrupt
+        assert "__1_0.distcp" in corrupt["message"]
+
+
+def test_a_peer_dying_during_save_is_a_collective_error(replica_run) -> None:
+    """The class "every failure names its cause": rank 1 exits while writing its shards; rank 0's
+    save raises ``CollectiveError`` (gloo's error chained), not gloo's raw ``RuntimeError``."""
+    _, dead = replica_run
+    assert dead["type"] == "CollectiveError" and dead["zerograph"], dead
+    assert "a peer rank probably died" in dead["message"]
+    assert dead["elapsed_s"] < 30
+
+
+def test_eager_collectives_translate_communication_failures(monkeypatch) -> None:
+    """A frame Dynamo ran eagerly uses the runtime's eager collectives: a dead peer there is a
+    ``CollectiveError`` naming the parameter (gloo's error chained), other errors pass unchanged."""
+    import zerograph.runtime as runtime_module
+
+    runtime = runtime_of_model(zerograph.compile(torch.nn.Linear(4, 3), stage=3))
+    runtime.world_size = 2  # pretend a peer: the eager all-gather runs instead of the one-rank shortcut
+    key = next(k for k, layout in runtime.layouts.items() if layout.fqn == "weight")
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+
+    monkeypatch.setattr(runtime_module, "all_gather_single", closed)
+    with pytest.raises(CollectiveError, match=r"rank 0: the eager all_gather of 'weight' \(run outside a graph") as info:
+        runtime.unshard_eager(torch.zeros(2, 4), key)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    monkeypatch.setattr(runtime_module, "all_gather_single", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape")))
+    with pytest.raises(RuntimeError, match="shape") as info:
+        runtime.unshard_eager(torch.zeros(2, 4), key)
+    assert not isinstance(info.value, zerograph.ZeroGraphError)

@@ -73,10 +73,9 @@ def schedule_checks(rank: int, world_size: int) -> dict:
     ddp = build_stack(stage=0)
     loss = ddp(batch(4), depth=3 if rank == 0 else 2)
     results["stage0_backward"] = error_of(loss.backward)
-    # ranks that built different models: same collectives, different sizes
+    # ranks that built different models: refused at compile, before rank 0's values are broadcast
     width = WIDTH if rank == 0 else WIDTH - 2
-    other = build_stack(width=width)
-    results["shapes"] = error_of(lambda: other(batch(4, width)))
+    results["shapes"] = error_of(lambda: build_stack(width=width))
     return results
 
 
@@ -170,3 +169,72 @@ def dies_between_forward_and_backward(rank: int, world_size: int, report: str) -
         torch.save({**describe(exc), "elapsed_s": time.monotonic() - start}, report)
         raise
     torch.save({"type": None, "elapsed_s": time.monotonic() - start}, report)
+
+
+def replica_and_checkpoint_faults(rank: int, world_size: int, root: str) -> None:
+    """Issue 22 on two ranks, in one spawn; each rank saves its results to ``root/result{rank}.pt``
+    before the last case, in which rank 1 dies inside ``checkpoint.save`` (so ``spawn`` raises).
+
+    - ``replicas``: every rank seeds ``torch.manual_seed(rank)``; after compile at each stage its
+      full parameters and its buffer are returned (they must be rank 0's);
+    - ``paths``: ranks pass different paths to save; ``unshared``: the same relative path from a
+      different working directory per rank (ranks on machines that share no file system);
+      ``unshared_stale``: the same, where rank 1's own disk holds a staging directory of ours, so
+      rank 1 writes its shards and token and only the token check can notice;
+    - ``corrupt``: one shard of a good two-rank checkpoint damaged: every rank refuses it;
+    - ``dead_peer`` (in ``root/dead_peer.pt``, rank 0's view): rank 1 exits while writing.
+    """
+    import torch.distributed.checkpoint.filesystem as fs
+
+    from zerograph import checkpoint
+
+    out: dict = {"replicas": {}}
+    for stage in range(4):
+        torch.manual_seed(rank)
+        stack = Stack()
+        stack.register_buffer("scale", torch.randn(WIDTH))
+        model = zerograph.compile(stack, stage=stage)
+        out["replicas"][stage] = {**{n: p.full_tensor() for n, p in model.named_parameters()},
+                                  "scale": model.scale.clone()}
+    model = build_stack(config=zerograph.Config(timeout_s=10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(batch(4)).backward()
+    opt.step()
+    out["paths"] = error_of(lambda: checkpoint.save(model, opt, f"{root}/rank{rank}"))
+    dist.barrier()
+    out["after_paths"] = sorted(os.listdir(root))
+    dist.barrier()
+    home = os.getcwd()
+    os.makedirs(f"{root}/host{rank}/ck2.incomplete")
+    os.chdir(f"{root}/host{rank}")
+    try:
+        out["unshared"] = error_of(lambda: checkpoint.save(model, opt, "ck"))
+        if rank == 1:  # a leftover of ours on rank 1's disk only
+            open(f"ck2.incomplete/{checkpoint.STAGING_TAG}", "w").close()
+        dist.barrier()
+        out["unshared_stale"] = error_of(lambda: checkpoint.save(model, opt, "ck2"))
+        out["host_listing"] = sorted(os.listdir("."))
+    finally:
+        os.chdir(home)
+    checkpoint.save(model, opt, f"{root}/good")
+    dist.barrier()
+    if rank == 0:
+        shard = f"{root}/good/__1_0.distcp"
+        with open(shard, "r+b") as f:  # one bit of the middle byte flipped in place
+            f.seek(os.path.getsize(shard) // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0x01]))
+    dist.barrier()
+    out["corrupt"] = error_of(lambda: checkpoint.load(model, opt, f"{root}/good"))
+    torch.save(out, f"{root}/result{rank}.pt")
+    dist.barrier()
+    if rank == 1:
+        fs.FileSystemWriter.write_data = lambda self, plan, planner: os._exit(0)
+    start = time.monotonic()
+    try:
+        checkpoint.save(model, opt, f"{root}/dead")
+    except BaseException as exc:
+        torch.save({**describe(exc), "elapsed_s": time.monotonic() - start}, f"{root}/dead_peer.pt")
+        raise
+    torch.save({"type": None}, f"{root}/dead_peer.pt")

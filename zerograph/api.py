@@ -20,6 +20,7 @@ from .capture import CapturedGraphs, ZeroGraphBackend
 from .config import Config, check_stage
 from .errors import ConfigError, ProcessGroupError, ShardingError, UnshardedParameterError, ZeroGraphError
 from .registry import next_key
+from .replicas import sync_replicas
 from .runtime import Runtime
 from .state import STATE_ATTR, ZeroGraphState, state_of
 from .sharding import (ParameterWatch, find_units, set_gathering, set_grad_mode, shard_module_,
@@ -54,6 +55,8 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
             part of a compiled model (its parameters are ``DTensor`` shards already).
         ProcessGroupError: the group does not match the launch (``WORLD_SIZE``), or this rank is not in it.
 
+    Collective: every rank of the group takes group rank 0's parameters and buffers (``replicas.py``).
+
     Calling the compiled model raises (each a ``ZeroGraphError``):
         ModelChangedError: a parameter was added or replaced, or a ``requires_grad`` flipped, after
             compile (freeze before compile instead).
@@ -72,6 +75,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     _check_not_sharded(model)
     device = _single_device(model)
     group = _resolve_group(process_group, device, config)
+    sync_replicas(model, group, device)  # every rank starts from rank 0's values, as with DDP (replicas.py)
     mesh = DeviceMesh.from_group(group, device.type)
     originals = {name: p for name, p in model.named_parameters()}
     units = find_units(model, config.unit_classes)

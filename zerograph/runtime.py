@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .buffer_pool import BufferPool
-from .errors import CollectiveError, ScheduleMismatchError
+from .errors import CollectiveError, ProcessGroupError, ScheduleMismatchError
 from . import registry
 from .sharding import ParamLayout, Unit
 from .vocab import (COLLECTIVE_KINDS, COLLECTIVES, GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, TAG, all_gather_single,
@@ -146,12 +146,25 @@ class Runtime:
 
     # -- step accounting -------------------------------------------------------------------
     def start_forward(self) -> None:
-        """A forward after a finished backward opens a new step."""
+        """A forward after a finished backward opens a new step (on a live process group)."""
+        self.check_group()
         if self.backward_ran:
             self.last, self.current, self.backward_ran = self.current, CommCounter(), False
 
     def finished_step(self) -> CommCounter:
         return self.current if self.backward_ran or self.last is None else self.last
+
+    def check_group(self) -> None:
+        """Raise ``ProcessGroupError`` when the model's process group was destroyed (e.g. by
+        ``dist.destroy_process_group()``): its graphs name the group and could no longer resolve it.
+        One dictionary lookup (``dist.get_rank``, which refuses an unregistered group)."""
+        try:
+            dist.get_rank(self.group)
+        except (ValueError, RuntimeError) as exc:
+            raise ProcessGroupError(
+                f"the model's process group ({self.group_name!r}) was destroyed (destroy_process_group?) or "
+                "never initialised here; a compiled model is bound to the group it was compiled with: compile "
+                f"a fresh model after initialising a new group. Cause: {type(exc).__name__}: {exc}") from exc
 
     # -- agreement across ranks before each graph runs ---------------------------------------
     def schedule(self, graph: fx.Graph, graph_kind: str) -> CommSchedule:
@@ -217,7 +230,21 @@ class Runtime:
                 "run the same collectives in each step: the same model (parameter shapes and dtypes) and "
                 "the same layers used in the same order; only activation shapes, such as sequence "
                 "lengths, may differ between ranks. Look for rank- or data-dependent control flow that "
-                "skips or repeats a layer on some ranks")
+                f"skips or repeats a layer on some ranks{self._early_end_hint(a, other, b)}")
+
+    @staticmethod
+    def _early_end_hint(a: tuple, other: int, b: tuple) -> str:
+        """When one schedule is the start of the other, the shorter rank's forward was cut there
+        (Dynamo ends a graph where Python code it cannot trace runs: a ``raise``, an early
+        ``return``): its own error, which it would raise right after, never got to run."""
+        if len(a) == len(b) or tuple(a[:len(b)]) != tuple(b[:len(a)]):
+            return ""
+        short = other if len(b) < len(a) else 0
+        return (f". Rank {short}'s graph stops early, where the other continues: its forward was cut there "
+                f"(Dynamo ends a graph before Python code it cannot trace, such as a raise or an early return), "
+                f"so if rank {short} raises an exception of its own right after these collectives, that "
+                "exception is the cause and this check stopped it from surfacing; move checks that can raise "
+                "on one rank only before the model call")
 
     def _entry_text(self, entries: tuple[ScheduleEntry, ...], i: int) -> str:
         if i >= len(entries):
@@ -242,7 +269,10 @@ class Runtime:
         try:
             return compiled(args)
         except RuntimeError as exc:
-            if isinstance(exc, CollectiveError) or not schedule.entries or not is_communication_failure(exc):
+            if isinstance(exc, CollectiveError) or not schedule.entries:
+                raise
+            self.check_group()  # a group destroyed between forward and backward: say so, not "Could not resolve"
+            if not is_communication_failure(exc):
                 raise
             what = f"a collective of {schedule.label}"
             raise CollectiveError(self.failure_message(what, schedule, exc, time.monotonic() - start)) from exc
@@ -295,7 +325,7 @@ class Runtime:
             return shard.clone()
         padded = _pad_rows(shard, layout.chunk_rows)
         gathered = shard.new_empty((self.world_size * layout.chunk_rows, *layout.shape[1:]))
-        all_gather_single(gathered, padded, group=self.group)
+        self._eager("all_gather", key, lambda: all_gather_single(gathered, padded, group=self.group))
         self.current.add("all_gather", gathered.numel(), gathered.element_size(), self.world_size)
         return gathered[: layout.shape[0]].clone()
 
@@ -313,14 +343,30 @@ class Runtime:
         grad = self.take_unsynced(grad, key) if grad_mode == GRAD_FLUSH else grad.to(layout.reduce_dtype)
         if not layout.sharded:
             out = grad.contiguous().clone()
-            dist.all_reduce(out, group=self.group)
+            self._eager("all_reduce", key, lambda: dist.all_reduce(out, group=self.group))
             self.current.add("all_reduce", out.numel(), out.element_size(), self.world_size)
             return out.div_(self.world_size).to(layout.dtype)
         padded = _pad_rows(grad, self.world_size * layout.chunk_rows)
         out = grad.new_empty((layout.chunk_rows, *layout.shape[1:]))
-        dist.reduce_scatter_tensor(out, padded, group=self.group)
+        self._eager("reduce_scatter", key, lambda: dist.reduce_scatter_tensor(out, padded, group=self.group))
         self.current.add("reduce_scatter", padded.numel(), padded.element_size(), self.world_size)
         return out[: layout.rank_rows[self.rank]].div_(self.world_size).to(layout.dtype, copy=True)
+
+    def _eager(self, kind: str, key: int, collective: Callable[[], Any]) -> None:
+        """Run one eager collective; a communication failure becomes a ``CollectiveError`` naming
+        it (as ``run_graph`` does for graphs), chaining gloo's or NCCL's error."""
+        start = time.monotonic()
+        try:
+            collective()
+        except RuntimeError as exc:
+            if not is_communication_failure(exc):
+                raise
+            self.check_group()
+            raise CollectiveError(
+                f"rank {self.rank}: the eager {kind} of {self.layouts[key].fqn!r} (run outside a graph: Dynamo fell "
+                f"back to eager for this frame) failed after {time.monotonic() - start:.1f} s. A peer rank probably "
+                "died, raised, or is stuck elsewhere: check the other ranks' logs. Eager collectives wait the "
+                f"process group's timeout. Cause: {type(exc).__name__}: {exc}") from exc
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
