@@ -1,22 +1,27 @@
-"""Run a function on several CPU ranks (gloo), each in its own spawned process.
+"""Run a function on several CPU ranks (gloo), each in its own spawned process; or, for checks
+that need only one rank's graphs, shards and accounting, as one rank of a fake world in this
+process (``fake_rank``: no process start, no gloo, any world size).
 
 A rank that raises makes ``spawn`` kill the others and raise with that rank's traceback; a run
 past ``timeout_s`` is killed too, so a hang fails the test instead of stalling the suite.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import zerograph
 
 
 def free_port() -> int:
@@ -92,3 +97,19 @@ def _errors(outdir: str, world_size: int) -> str:
             with open(path) as f:
                 parts.append(f"--- rank {r} ---\n{f.read()}")
     return "\n".join(parts)
+
+
+@contextlib.contextmanager
+def fake_rank(world_size: int, rank: int = 0) -> Iterator[dist.ProcessGroup]:
+    """``zerograph.fake_world`` for a test in the pytest process.
+
+    Earlier in-process tests leave behind the world-1 gloo group that ``zerograph.compile``
+    creates without a launcher; it is dropped first (a later test creates a new one), and
+    Dynamo's caches are reset so one process may compile many models of one class.
+    """
+    if dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
+    torch._dynamo.reset()
+    with zerograph.fake_world(world_size, rank) as group:
+        yield group
+    torch._dynamo.reset()

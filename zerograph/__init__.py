@@ -4,10 +4,11 @@ from .policies import ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, Sche
 from .errors import (CollectiveError, ConfigError, ModelChangedError, PassError, PoolCorruptionError, ProcessGroupError,
                      ScheduleMismatchError, ShardingError, UnshardedParameterError, ZeroGraphError)
 from .api import compile
+from .fake import FakeWorldError, fake_world
 
 __all__ = ["Config", "ActivationPolicy", "MemoryPolicy", "MixedPrecisionPolicy", "SchedulePolicy", "compile", "CollectiveError", "ConfigError", "ModelChangedError", "PassError", "PoolCorruptionError",
            "ProcessGroupError", "ScheduleMismatchError", "ShardingError", "UnshardedParameterError",
-           "ZeroGraphError"]
+           "ZeroGraphError", "fake_world", "FakeWorldError"]
 from . import checkpoint  # noqa: E402  (zerograph.checkpoint.save / load / full_state_dict)
 from .checkpoint import CheckpointError  # noqa: E402
 

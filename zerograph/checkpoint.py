@@ -113,6 +113,8 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.Path
         ProcessGroupError: the model's process group was destroyed.
     """
     group = _group_of(model)
+    from .fake import refuse_in_fake_world  # fake-world guard (zerograph/fake.py): values are meaningless
+    refuse_in_fake_world("zerograph.checkpoint.save", group)
     path = os.fspath(path)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     staging = path + _INCOMPLETE_SUFFIX

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from .buffer_pool import BufferPool
 from .errors import CollectiveError, ProcessGroupError, ScheduleMismatchError
 from . import registry
+from .fake import is_fake_world
 from .sharding import ParamLayout, Unit
 from .vocab import (COLLECTIVE_KINDS, COLLECTIVES, GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, TAG, all_gather_single,
                     full_buffer)
@@ -132,6 +133,7 @@ class Runtime:
         self.group_name = group.group_name
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.fake_world = is_fake_world(group)  # zerograph.fake_world: no peers, collectives move no data
         self.stage = stage
         self.layouts = {layout.key: layout for layout in layouts}
         self.units = units
@@ -178,7 +180,8 @@ class Runtime:
 
         Costs one all-gather of two int64 per rank (digest, collective count: 16 bytes) per graph
         call, one small latency-bound message; skipped at world size 1 and for graphs without
-        collectives (they cannot hang a peer). The wait is bounded by ``Config.timeout_s`` (and by
+        collectives (they cannot hang a peer) and in a fake world (``zerograph.fake_world``: no
+        peers, and the gathered digests would be uninitialised memory). The wait is bounded by ``Config.timeout_s`` (and by
         the process group's own timeout), so a peer that died or never calls the model makes this
         rank raise instead of hang. Source: the fingerprint check that
         ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (c10d's ``ProcessGroupWrapper``) runs before every
@@ -189,7 +192,7 @@ class Runtime:
                 first rank that differs from it disagree (kind, size, dtype, unit).
             CollectiveError: the exchange failed or timed out (a peer rank is gone or stuck).
         """
-        if self.world_size == 1 or not schedule.entries:
+        if self.world_size == 1 or not schedule.entries or self.fake_world:
             return
         mine = torch.tensor([schedule.digest, len(schedule.entries)], dtype=torch.int64, device=self.device)
         everyone = torch.empty(self.world_size * 2, dtype=torch.int64, device=self.device)  # (N * 2,)

@@ -50,6 +50,9 @@ class Stats:
             bounds (per graph). Offloaded activations are not counted here.
         offloaded_activation_bytes: bytes of saved activations the step's forward graphs handed
             to backward in host memory instead (``Config.activation_offload``), measured alike.
+        fake_world: the step ran as one rank of a fake world (``zerograph.fake_world``): bytes
+            and counts are this rank's real ones, but no collective moved data, so the values
+            the step computed were meaningless. ``str()`` says so on its first line.
     """
 
     stage: int
@@ -62,6 +65,13 @@ class Stats:
     transient_bytes: dict[str, int]
     saved_activation_bytes: int = 0
     offloaded_activation_bytes: int = 0
+    fake_world: bool = False
+
+    def __str__(self) -> str:
+        if not self.fake_world:
+            return repr(self)
+        return (f"[fake world: rank of {self.world_size} with no peers; collectives moved no data, "
+                f"bytes and counts are real, the values computed are not]\n{self!r}")
 
 
 def formula_bytes(stage: int, world_size: int, num_params: int, param_bytes: float, grad_bytes: float,
@@ -151,4 +161,4 @@ def stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> S
     saved = sum(state.captured.saved_activation_bytes.get(graph_id, 0) for graph_id in sorted(step.graphs))
     offloaded = sum(state.captured.offloaded_activation_bytes.get(graph_id, 0) for graph_id in sorted(step.graphs))
     return Stats(rt.stage, rt.world_size, num_params, dict(step.elements), dict(step.bytes), resident,
-                 formula, transient, saved, offloaded)
+                 formula, transient, saved, offloaded, fake_world=rt.fake_world)
