@@ -23,7 +23,8 @@ if not torch.cuda.is_available():
     print("no CUDA device: nothing to measure")
     sys.exit(0)
 
-dist.init_process_group("nccl", rank=0, world_size=1, init_method="tcp://127.0.0.1:29513", device_id=torch.device("cuda", 0))
+dist.init_process_group("nccl", rank=0, world_size=1, init_method="tcp://127.0.0.1:29513",
+                        device_id=torch.device("cuda", 0))
 torch.cuda.set_device(0)
 cfg = SIZES["gpt2-124m"]
 B, STEPS = 8, 4
@@ -40,26 +41,33 @@ def run(label, **config):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     losses, peaks, times = [], [], []
     for step in range(STEPS):
-        torch.cuda.synchronize(); base = torch.cuda.memory_allocated(); torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         out = model(*batch(step))
         loss = out[1] if isinstance(out, tuple) else out
-        loss.backward(); opt.step(); opt.zero_grad()
-        torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
         peaks.append(torch.cuda.max_memory_allocated() - base)
         losses.append(loss.item())
     s = zerograph.stats(model)
     print(f"{label:<22} loss {losses}  step peak above start MiB {[round(p/2**20,1) for p in peaks]}  "
           f"median step ms {statistics.median(times[1:])*1e3:.1f}  saved act MiB {s.saved_activation_bytes/2**20:.1f}  "
           f"offloaded MiB {s.offloaded_activation_bytes/2**20:.1f}", flush=True)
-    del model, opt; torch.cuda.empty_cache()
+    del model, opt
+    torch.cuda.empty_cache()
     return losses, s.saved_activation_bytes
 
 for label, kw in [("unconstrained", {})]:
     free_losses, free_saved = run(label, **kw)
 half = free_saved // 2
 for label, kw in [("half budget, recompute", dict(activation_budget_bytes=half)),
-                  ("half budget, offload", dict(activation_budget_bytes=half, activation_offload=True, activation_cost_model=SLOW))]:
+                  ("half budget, offload", dict(activation_budget_bytes=half, activation_offload=True,
+                                                activation_cost_model=SLOW))]:
     try:
         losses, _ = run(label, **kw)
         print("   max |loss - unconstrained| =", max(abs(a - b) for a, b in zip(losses, free_losses)))

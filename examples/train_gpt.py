@@ -119,8 +119,10 @@ def main() -> None:
                 print(f"step {step:4d} | loss {mean:.4f} | {tokens_per_step * (step - logged) / elapsed:8.0f} tok/s"
                       f" | comm {volume / psi:.3f}Ψ (paper {IDEAL_VOLUME[args.stage]}Ψ)", flush=True)
                 for r, res in enumerate(resident):
-                    line = "  ".join(f"{k} {gb(v)} (formula {gb(stats.formula_bytes[k])})" for k, v in res["resident"].items())
-                    line += f"  | in flight: gathered params {gb(res['transient']['params'])}, full grads {gb(res['transient']['grads'])}"
+                    line = "  ".join(f"{k} {gb(v)} (formula {gb(stats.formula_bytes[k])})"
+                                     for k, v in res["resident"].items())
+                    line += (f"  | in flight: gathered params {gb(res['transient']['params'])}, "
+                             f"full grads {gb(res['transient']['grads'])}")
                     print(f"           rank {r}: {line}", flush=True)
             t0, logged = time.perf_counter(), step
 
@@ -130,7 +132,8 @@ def main() -> None:
         val_loss = model(vx[rank * per_rank : (rank + 1) * per_rank], vy[rank * per_rank : (rank + 1) * per_rank])
         dist.all_reduce(val_loss)
     if rank == 0:
-        print(f"done: train loss {first_loss:.3f} -> {mean:.3f}, held-out loss {val_loss.item() / world:.3f}", flush=True)
+        print(f"done: train loss {first_loss:.3f} -> {mean:.3f}, held-out loss {val_loss.item() / world:.3f}",
+              flush=True)
     dist.destroy_process_group()
 
 

@@ -3,7 +3,8 @@ that need only one rank's graphs, shards and accounting, as one rank of a fake w
 process (``fake_rank``: no process start, no gloo, any world size).
 
 A rank that raises makes ``spawn`` kill the others and raise with that rank's traceback; a run
-past ``timeout_s`` is killed too, so a hang fails the test instead of stalling the suite.
+that hangs is killed too (see ``spawn`` for how a hang is told from a slow run on a loaded
+machine), so it fails the test instead of stalling the suite.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -53,30 +55,88 @@ class RankFailed(RuntimeError):
     pass
 
 
+class SpawnNotMarked(RuntimeError):
+    """A test spawned ranks without the ``distributed`` marker (it would run in ``make test-fast``)."""
+
+
+# set by tests/conftest.py around each test: whether the running test is marked `distributed`
+spawn_allowed: Callable[[], bool] = lambda: True  # noqa: E731
+
+WALL_FACTOR = 8  # wall-clock backstop: timeout_s * WALL_FACTOR seconds, whatever the load
+STALL_MARGIN_S = 60  # a run whose ranks use no CPU for pg_timeout_s + this long is hung
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` and its live descendants (Inductor's compile
+    workers) and reaped children; 0 for a process that is gone."""
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for q in procs:
+        try:
+            t = q.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_timeout_s: float = 60,
           teardown_barrier: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
 
     ``fn`` must be importable (a module-level function). ``teardown_barrier=False`` is for runs
-    where a rank leaves on purpose. Raises ``RankFailed`` with the first
-    failing rank's traceback, or on timeout.
+    where a rank leaves on purpose. Raises ``RankFailed`` with the first failing rank's traceback,
+    or when the run is taken for hung:
+
+    - a rank used more than ``timeout_s`` CPU seconds (with its child processes). CPU time, not
+      wall time: on a loaded machine a rank gets a fraction of a core, and a wall-clock limit
+      failed healthy runs when other jobs shared the 2 cores (issue 17);
+    - no rank used any CPU for ``pg_timeout_s + STALL_MARGIN_S`` seconds: every rank blocked
+      longer than any collective may wait (gloo blocks without spinning);
+    - a backstop of ``WALL_FACTOR * timeout_s`` wall seconds.
+
+    Raises ``SpawnNotMarked`` inside a pytest test that is not marked ``distributed``.
     """
+    if not spawn_allowed():
+        raise SpawnNotMarked(f"spawn({fn.__name__}) in a test not marked `distributed`: add "
+                             "@pytest.mark.distributed (or pytestmark) so `make test-fast` leaves it out")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, outdir, fn, args, pg_timeout_s, teardown_barrier))
+        procs = [ctx.Process(target=_worker,
+                             args=(r, world_size, port, outdir, fn, args, pg_timeout_s, teardown_barrier))
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout_s
+        started = last_progress = time.monotonic()
+        cpu_used = [0.0] * world_size
+        next_sample = started
         try:
             while any(p.is_alive() for p in procs):
                 failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if failed:
                     time.sleep(1.0)  # let the others write their own error first
                     raise RankFailed(_errors(outdir, world_size) or f"ranks {failed} died")
-                if time.monotonic() > deadline:
-                    raise RankFailed(f"timed out after {timeout_s} s\n{_errors(outdir, world_size)}")
+                now = time.monotonic()
+                if now >= next_sample:
+                    next_sample = now + 1.0
+                    sample = [cpu_seconds(p.pid) if p.is_alive() else used for p, used in zip(procs, cpu_used)]
+                    if sample != cpu_used:
+                        last_progress = now
+                    cpu_used = [max(a, b) for a, b in zip(sample, cpu_used)]
+                    hung = None
+                    if max(cpu_used) > timeout_s:
+                        hung = f"a rank used {max(cpu_used):.0f} CPU s (limit timeout_s={timeout_s:g})"
+                    elif now - last_progress > pg_timeout_s + STALL_MARGIN_S:
+                        hung = f"no rank used CPU for {now - last_progress:.0f} s"
+                    elif now - started > WALL_FACTOR * timeout_s:
+                        hung = f"{now - started:.0f} s wall (backstop {WALL_FACTOR} x timeout_s)"
+                    if hung:
+                        raise RankFailed(f"timed out: {hung}\n{_errors(outdir, world_size)}")
                 time.sleep(0.05)
             failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
             if failed:

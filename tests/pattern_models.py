@@ -21,9 +21,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import zerograph
+from zerograph.state import graphs_of, runtime_of_model
 
 from .models import rank_slice
-from zerograph.state import graphs_of, runtime_of_model
+from .training import train_steps
 
 D = 9  # hidden width: odd, so every (D, ...) parameter is padded at world size 2
 
@@ -264,22 +265,20 @@ def reference(name: str, steps: int = STEPS, batch_size: int = BATCH, lr: float 
 def _train(name: str, stage: int, rank: int, world_size: int, steps: int, batch_size: int, lr: float) -> dict:
     pattern = PATTERNS[name]
     model = zerograph.compile(build(name), stage=stage)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, norms, grad_none, grad_types = [], [], [], set()
-    for step in range(steps):
-        loss = pattern.loss(model, rank_slice(pattern.batch(step, batch_size), rank, world_size), step)
-        loss.backward()
+    norms, grad_none, grad_types, last = [], [], set(), {}
+
+    def after_backward(step: int, opt: torch.optim.Optimizer) -> None:
         grad_none.append(sorted(n for n, p in model.named_parameters() if p.grad is None))
         grad_types.update(type(p.grad).__name__ for p in model.parameters() if p.grad is not None)
         if pattern.clip is not None:
             norms.append(_full(torch.nn.utils.clip_grad_norm_(model.parameters(), pattern.clip)).item())
         if step == steps - 1:
-            stats = zerograph.stats(model, opt)  # before zero_grad frees the gradient shards
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world_size)
+            last["stats"] = zerograph.stats(model, opt)
+
+    opt, losses = train_steps(model, lambda step: pattern.loss(
+        model, rank_slice(pattern.batch(step, batch_size), rank, world_size), step), steps, lr,
+        after_backward=after_backward)
+    stats = last["stats"]
     runtime = runtime_of_model(model)
     return {
         "losses": losses,

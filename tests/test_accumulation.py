@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import zerograph
+from zerograph.state import runtime_of_model
 
 from .distributed import spawn
 from .models import build, global_batch, reference_training
 from .workers_precision import ACC_STEPS, MICRO, accumulation_reference, accumulation_runs, build_acc
-from zerograph.state import runtime_of_model
 
 STAGES = (1, 2, 3)
 WORLD_SIZE = 2

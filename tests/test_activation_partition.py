@@ -6,18 +6,29 @@ import operator
 
 import pytest
 import torch
+from torch._functorch._aot_autograd.utils import make_boxed_func
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._functorch._aot_autograd.utils import make_boxed_func
 
 import zerograph
+from zerograph.capture import _offloading, measured_bytes
 from zerograph.costmodel import CostModel
 from zerograph.dump import node_comments
-from zerograph.capture import _offloading, measured_bytes
-from zerograph.passes.activation_partition import (ACTIVATION, KEEP, OFFLOAD, PARTITION, RECOMPUTE,
-                                                   activation_partition, moved_roots, regions,
-                                                   is_seeded, offloaded_outputs, plan_activations,
-                                                   saved_activation_outputs, wants_offload)
+from zerograph.passes.activation_partition import (
+    ACTIVATION,
+    KEEP,
+    OFFLOAD,
+    PARTITION,
+    RECOMPUTE,
+    activation_partition,
+    is_seeded,
+    moved_roots,
+    offloaded_outputs,
+    plan_activations,
+    regions,
+    saved_activation_outputs,
+    wants_offload,
+)
 from zerograph.passes.context import PassContext
 from zerograph.policies import ActivationPolicy
 from zerograph.sharding import Unit
@@ -193,7 +204,8 @@ def test_config_validates_activation_options() -> None:
         with pytest.raises(zerograph.ConfigError, match=f"{field} must be"):
             zerograph.Config(**{field: bad}, activation_budget_bytes=0)
     for field, value in (("activation_offload", True), ("activation_cost_model", SLOW_COMPUTE)):
-        with pytest.raises(zerograph.ConfigError, match=f"{field} has no effect without Config.activation_budget_bytes"):
+        with pytest.raises(zerograph.ConfigError,
+                           match=f"{field} has no effect without Config.activation_budget_bytes"):
             zerograph.Config(**{field: value})  # a forgotten budget is an error, not a silent no-op
 
 

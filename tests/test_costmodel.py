@@ -16,11 +16,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import zerograph
 from zerograph.costmodel import COLLECTIVE_KINDS, COLLECTIVE_OPS, CostModel, calibrate, fit_alpha_beta, node_flops
+from zerograph.state import graphs_of
 from zerograph.timeline import Schedule, measure, predict, schedule_from_profile
 
 from .distributed import spawn
 from .models import build, global_batch, rank_slice
-from zerograph.state import graphs_of
 
 C10D = torch.ops._c10d_functional
 aten = torch.ops.aten

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from tests.subprocess_checks import assert_check_passed, start_checks, stop_checks
-
 from zerograph.kernels import adamw_step, adamw_step_reference, pack, pack_reference, unpack, unpack_reference
 
 SIZES = (1, 7, 1023, 4097)
@@ -86,7 +85,8 @@ def _assert_interpreted(kernel):
 
 
 def check_adamw() -> None:
-    from zerograph.kernels import _triton_kernels, adamw as adamw_mod
+    from zerograph.kernels import _triton_kernels
+    from zerograph.kernels import adamw as adamw_mod
 
     _assert_interpreted(_triton_kernels._adamw_kernel)
     reference = adamw_mod.adamw_step_reference
@@ -124,7 +124,8 @@ def check_adamw() -> None:
 
 
 def check_pack() -> None:
-    from zerograph.kernels import _triton_kernels, packing as pack_mod
+    from zerograph.kernels import _triton_kernels
+    from zerograph.kernels import packing as pack_mod
 
     _assert_interpreted(_triton_kernels._pack_kernel)
     reference = pack_mod.pack_reference
@@ -150,7 +151,8 @@ def check_pack() -> None:
 
 
 def check_unpack() -> None:
-    from zerograph.kernels import _triton_kernels, packing as pack_mod
+    from zerograph.kernels import _triton_kernels
+    from zerograph.kernels import packing as pack_mod
 
     _assert_interpreted(_triton_kernels._unpack_kernel)
     reference = pack_mod.unpack_reference

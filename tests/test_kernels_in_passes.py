@@ -283,10 +283,10 @@ def check_triton_matches_cpu() -> None:
     """The CUDA kernel's code path (the Triton pack kernel) on CPU tensors under the interpreter
     vs. the op's CPU kernel: bitwise, except fp32 -> bf16 within 1 ulp (the interpreter truncates
     that cast where compiled Triton rounds to nearest even, see tests/test_kernels.py)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
     from tests.test_kernels import assert_matches, cast_ulp
     from zerograph.kernels import _triton_kernels, ops, packing
-
-    from triton.runtime.interpreter import InterpretedFunction
 
     assert isinstance(_triton_kernels._pack_kernel, InterpretedFunction)
 
@@ -312,9 +312,9 @@ def check_triton_matches_cpu() -> None:
 def check_unpack_triton_matches_cpu() -> None:
     """``unpack_gathered``'s CUDA kernel code path (the Triton unpack kernel, one launch per
     parameter) on CPU tensors under the interpreter vs. the op's CPU kernel: bitwise (no cast)."""
-    from zerograph.kernels import _triton_kernels, ops, packing
-
     from triton.runtime.interpreter import InterpretedFunction
+
+    from zerograph.kernels import _triton_kernels, ops, packing
 
     assert isinstance(_triton_kernels._unpack_kernel, InterpretedFunction)
 

@@ -13,8 +13,15 @@ import pytest
 import torch
 
 from .distributed import spawn
-from .workers_patterns2 import (DYN_STEPS, EVAL_STAGES, cnn_reference, dynamic_lengths,
-                                dynamic_reference, eval_reference, run_parts)
+from .workers_patterns2 import (
+    DYN_STEPS,
+    EVAL_STAGES,
+    cnn_reference,
+    dynamic_lengths,
+    dynamic_reference,
+    eval_reference,
+    run_parts,
+)
 
 WORLD_SIZE = 2
 ATOL = RTOL = 1e-5

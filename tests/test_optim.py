@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from tests.subprocess_checks import assert_check_passed, start_checks, stop_checks
-
 from zerograph.optim import AdamW
 
 SHAPES = [(1,), (7,), (33, 17), (4, 5, 6), (1023,)]
@@ -156,9 +155,10 @@ def test_closure_and_validation():
 
 def check_triton() -> None:
     """Kernel path (Triton interpreter) vs torch.optim.AdamW, 10 steps."""
+    from triton.runtime.interpreter import InterpretedFunction
+
     import zerograph.kernels.adamw as adamw_mod
     from zerograph.kernels import _triton_kernels
-    from triton.runtime.interpreter import InterpretedFunction
 
     assert isinstance(_triton_kernels._adamw_kernel, InterpretedFunction)
 

@@ -22,13 +22,12 @@ import torch
 
 import zerograph
 from zerograph.errors import ConfigError
+from zerograph.state import graphs_of
 from zerograph.stats import formula_bytes
 
 from .distributed import spawn
 from .models import build, global_batch, reference_training
-from .workers_precision import (BATCH, LR, MIXED, STEPS, build_bn, bn_batch, mixed_reference, mlp_batch,
-                                precision_runs)
-from zerograph.state import graphs_of
+from .workers_precision import BATCH, LR, MIXED, STEPS, bn_batch, build_bn, mixed_reference, mlp_batch, precision_runs
 
 STAGES = (1, 2, 3)
 WORLD_SIZE = 2

@@ -15,13 +15,13 @@ import torch.fx as fx
 
 import zerograph
 from zerograph.passes._fx import find_collectives, is_alias_of_input
+from zerograph.state import graphs_of, runtime_of_model
 from zerograph.vocab import TAG
 
 from .distributed import spawn
 from .models import build, global_batch, rank_slice, reference_training
 from .test_parity import LR, STEPS, check_parity
 from .workers import train
-from zerograph.state import graphs_of, runtime_of_model
 
 
 def _depends_on(nodes: list[fx.Node], source: fx.Node) -> set[fx.Node]:

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import zerograph
+from zerograph.state import graphs_of
 
 from .models import build, global_batch, reference_training
-from zerograph.state import graphs_of
 
 
 @pytest.mark.parametrize("stage", [0, 3])

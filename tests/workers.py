@@ -2,33 +2,31 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 import zerograph
-from zerograph.vocab import TAG
 from zerograph.passes.liveness import PARAM_ROLES, timeline
+from zerograph.state import runtime_of_model, state_of
 from zerograph.vocab import COLLECTIVE_KINDS as COLLECTIVE_OPS
+from zerograph.vocab import TAG
 
 from .models import build, global_batch, rank_slice
-from zerograph.state import runtime_of_model, state_of
+from .training import train_steps
 
 
 def train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_size: int, lr: float,
           config: zerograph.Config | None = None) -> dict:
     model = zerograph.compile(build(name), stage=stage, config=config)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        loss = model(*rank_slice(global_batch(name, step, batch_size), rank, world_size))
-        loss.backward()
+    last: dict = {}
+
+    def keep_stats(step: int, opt: torch.optim.Optimizer) -> None:
         if step == steps - 1:
-            stats = zerograph.stats(model, opt)  # before zero_grad frees the gradient shards
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world_size)
+            last["stats"] = zerograph.stats(model, opt)
+
+    _, losses = train_steps(model, lambda step: model(*rank_slice(global_batch(name, step, batch_size), rank,
+                                                                  world_size)),
+                            steps, lr, after_backward=keep_stats)
+    stats = last["stats"]
     state = state_of(model)
     return {
         "losses": losses,
@@ -134,19 +132,16 @@ def pooled_training(rank: int, world_size: int, name: str, stage: int, steps: in
     from zerograph.buffer_pool import POOL_BUFFER
 
     model = zerograph.compile(build(name), stage=stage, config=config)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     pool = runtime_of_model(model).buffer_pool
-    losses, allocations, pool_bytes = [], [], []
-    for step in range(steps):
-        loss = model(*rank_slice(global_batch(name, step, batch_size), rank, world_size))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world_size)
+    allocations, pool_bytes = [], []
+
+    def read_pool(step: int, opt: torch.optim.Optimizer) -> None:
         allocations.append(pool.allocations)
         pool_bytes.append({"gathered": pool.nbytes("gathered"), "send": pool.nbytes("send")})
+
+    _, losses = train_steps(model, lambda step: model(*rank_slice(global_batch(name, step, batch_size), rank,
+                                                                  world_size)),
+                            steps, lr, after_step=read_pool)
     state = state_of(model)
     pooled = {}
     for i, record in enumerate(state.captured.graphs):

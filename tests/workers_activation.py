@@ -7,9 +7,10 @@ import torch.distributed as dist
 import zerograph
 from zerograph.costmodel import CostModel
 from zerograph.passes.activation_partition import ACTIVATION
+from zerograph.state import graphs_of
 
 from .models import build, global_batch, rank_slice
-from zerograph.state import graphs_of
+from .training import train_steps
 
 
 def _train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_size: int, lr: float,
@@ -18,20 +19,18 @@ def _train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_
     ranks, as across a tensor-parallel group), else on its slice of it."""
     model = zerograph.compile(build(name), stage=stage,
                               config=zerograph.Config(activation_budget_bytes=budget, **config))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, saved, offloaded = [], [], []
-    for step in range(steps):
+    saved, offloaded = [], []
+
+    def loss_of(step: int) -> torch.Tensor:
         batch = global_batch(name, step, batch_size)
-        loss = model(*(batch if replicated else rank_slice(batch, rank, world_size)))
-        loss.backward()
+        return model(*(batch if replicated else rank_slice(batch, rank, world_size)))
+
+    def read_stats(step: int, opt: torch.optim.Optimizer) -> None:
         stats = zerograph.stats(model)
         saved.append(stats.saved_activation_bytes)
         offloaded.append(stats.offloaded_activation_bytes)
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world_size)
+
+    _, losses = train_steps(model, loss_of, steps, lr, after_backward=read_stats)
     decisions = {}
     for record in graphs_of(model):
         for node in record["joint"].graph.nodes if "joint" in record else ():

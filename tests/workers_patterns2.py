@@ -23,10 +23,10 @@ from torch.func import functional_call
 
 import zerograph
 from zerograph.passes.liveness import timeline
+from zerograph.state import graphs_of, runtime_of_model
 
 from .models import build as build_named
 from .models import rank_slice
-from zerograph.state import graphs_of, runtime_of_model
 
 
 def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

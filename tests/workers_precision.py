@@ -20,18 +20,18 @@ import traceback
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.func import functional_call
 
 import zerograph
 from zerograph.ops import ACCUMULATE_UNSYNCED, TAKE_UNSYNCED
+from zerograph.state import graphs_of, runtime_of_model
 from zerograph.vocab import COLLECTIVE_KINDS, TAG
 
 from .models import build as build_named
 from .models import global_batch, rank_slice
-from zerograph.state import graphs_of, runtime_of_model
+from .training import train_steps
 
 MIXED = zerograph.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 STEPS, LR, BATCH = 3, 1e-3, 4  # as the parity tests: 3 AdamW steps on a global batch of 4
@@ -43,12 +43,6 @@ def _guarded(fn: Callable[..., dict], *args: object) -> dict | str:
         return fn(*args)
     except Exception:
         return traceback.format_exc()
-
-
-def _mean_over_ranks(loss: torch.Tensor) -> float:
-    total = loss.detach().float().clone()
-    dist.all_reduce(total)
-    return total.item() / dist.get_world_size()
 
 
 def collectives(gm: fx.GraphModule) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -81,23 +75,26 @@ def _optimizer_state_dtypes(opt: torch.optim.Optimizer) -> list[str]:
 
 def train_gpt(rank: int, world_size: int, stage: int, config: zerograph.Config) -> dict:
     model = zerograph.compile(build_named("gpt"), stage=stage, config=config)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        loss = model(*rank_slice(global_batch("gpt", step, BATCH), rank, world_size))
-        loss.backward()
+    seen: dict = {}
+
+    def read_grads(step: int, opt: torch.optim.Optimizer) -> None:
         if step == 0:
-            first_grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+            seen["first_grads"] = {n: _full(p.grad) for n, p in model.named_parameters()}
         if step == STEPS - 1:
-            stats = zerograph.stats(model, opt)  # before zero_grad frees the gradient shards
-            grad_dtypes = _dtypes(p.grad for p in model.parameters())
-        opt.step()
-        opt.zero_grad()
-        losses.append(_mean_over_ranks(loss))
+            seen["stats"] = zerograph.stats(model, opt)
+            seen["grad_dtypes"] = _dtypes(p.grad for p in model.parameters())
+
+    def loss_of(step: int) -> torch.Tensor:
+        loss = model(*rank_slice(global_batch("gpt", step, BATCH), rank, world_size))
+        seen["loss_dtype"] = str(loss.dtype).removeprefix("torch.")
+        return loss
+
+    opt, losses = train_steps(model, loss_of, STEPS, LR, after_backward=read_grads)
+    first_grads, stats, grad_dtypes = seen["first_grads"], seen["stats"], seen["grad_dtypes"]
     record = graphs_of(model)[0]
     return {
         "losses": losses,
-        "loss_dtype": str(loss.dtype).removeprefix("torch."),
+        "loss_dtype": seen["loss_dtype"],
         "first_grads": first_grads,
         "params": {n: _full(p) for n, p in model.named_parameters()},
         "param_dtypes": _dtypes(model.parameters()),
@@ -182,17 +179,18 @@ def train_mixed(rank: int, world_size: int, name: str, stage: int) -> dict:
     through the runtime's fallback), mixed precision, ``x`` passed in bf16."""
     build, batch = (build_bn, bn_batch) if name == "bn" else (lambda: build_named(name), mlp_batch)
     model = zerograph.compile(build(), stage=stage, config=MIXED)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
+    seen: dict = {}
+
+    def loss_of(step: int) -> torch.Tensor:
         x, y = rank_slice(batch(step), rank, world_size)
-        loss = model(x.to(torch.bfloat16), y)
-        loss.backward()
+        return model(x.to(torch.bfloat16), y)
+
+    def read_grads(step: int, opt: torch.optim.Optimizer) -> None:
         if step == STEPS - 1:
-            grad_dtypes = _dtypes(p.grad for p in model.parameters())
-        opt.step()
-        opt.zero_grad()
-        losses.append(_mean_over_ranks(loss))
+            seen["grad_dtypes"] = _dtypes(p.grad for p in model.parameters())
+
+    _, losses = train_steps(model, loss_of, STEPS, LR, after_backward=read_grads)
+    grad_dtypes = seen["grad_dtypes"]
     return {
         "losses": losses,
         "params": {n: _full(p) for n, p in model.named_parameters()},

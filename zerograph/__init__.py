@@ -20,6 +20,8 @@ from .plan import Plan, plan
 
 __all__ += ["Plan", "plan"]
 from . import kernels, optim  # noqa: E402  (kernels import triton lazily, on first Triton call)
+
+__all__ += ["kernels", "optim"]
 from .costmodel import CostModel, calibrate
 from .timeline import Event, Schedule, measure, predict
 
