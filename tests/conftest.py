@@ -18,21 +18,54 @@ import torch  # noqa: E402
 
 from tests import distributed  # noqa: E402
 
+pytest_plugins = ["tests.cpu_durations"]  # --cpu-durations=N: CPU seconds per test, whatever the load
+
 SPAWNING_FIXTURES = {"training_run"}
+
+# The runs the tests ask ``training_run`` for, grouped so that one spawn trains a whole group (a
+# process start and a first compile cost more than a tiny model's run): the first request of a
+# run trains its group. Runs not listed train alone.
+TRAINING_GROUPS = (
+    tuple(("gpt", stage) for stage in range(4)),
+    (*(("mlp", stage) for stage in range(4)), ("mlp_scalar", 3), ("mlp_break", 0), ("mlp_break", 3)),
+)
 
 
 @functools.lru_cache(maxsize=None)
-def _training_run(name: str, stage: int, world_size: int, batch_size: int) -> tuple:
-    from tests.workers import train
+def _training_group(runs: tuple[tuple[str, int], ...], world_size: int, batch_size: int) -> dict:
+    from tests.workers import train_runs
 
-    return tuple(distributed.spawn(train, world_size, name, stage, 3, batch_size, 1e-3))
+    per_rank = distributed.spawn(train_runs, world_size, runs, 3, batch_size, 1e-3, timeout_s=600)
+    return {run: tuple(rank[run] for rank in per_rank) for run in runs}
+
+
+def _training_run(name: str, stage: int, world_size: int, batch_size: int) -> tuple:
+    run = (name, stage)
+    group = next((g for g in TRAINING_GROUPS if run in g), (run,)) if (world_size, batch_size) == (2, 4) else (run,)
+    return _training_group(group, world_size, batch_size)[run]
 
 
 @pytest.fixture(scope="session")
 def training_run():
     """``training_run(name, stage, world_size=2, batch_size=4)`` -> per-rank results of 3 AdamW
-    steps at lr 1e-3, run once per session and shared by the parity and structure tests."""
+    steps at lr 1e-3 (``tests.workers.train``), run once per session and shared by the tests."""
     return lambda name, stage, world_size=2, batch_size=4: _training_run(name, stage, world_size, batch_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_rank_run(name: str, stage: int, world_size: int) -> dict:
+    from tests.workers import train
+
+    return distributed.run_as_rank(train, world_size, name, stage, 3, 2 * world_size, 1e-3)
+
+
+@pytest.fixture(scope="session")
+def one_rank():
+    """``one_rank(name, stage, world_size=2)`` -> rank 0's result of ``training_run``'s 3 steps,
+    run in this process as rank 0 of a fake world (``zerograph.fake_world``): its graphs, shards,
+    collectives and bytes are those of rank 0 of a real world; its losses and parameters are
+    meaningless. For checks of structure and accounting; once per session."""
+    return lambda name, stage, world_size=2: _one_rank_run(name, stage, world_size)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

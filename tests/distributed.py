@@ -173,3 +173,11 @@ def fake_rank(world_size: int, rank: int = 0) -> Iterator[dist.ProcessGroup]:
     with zerograph.fake_world(world_size, rank) as group:
         yield group
     torch._dynamo.reset()
+
+
+def run_as_rank(fn: Callable, world_size: int, *args: Any, rank: int = 0) -> Any:
+    """``fn(rank, world_size, *args)`` (a ``spawn`` worker) as rank ``rank`` of a fake world of
+    ``world_size`` in this process: its graphs, shards and accounting are that rank's; every value
+    that went through a collective is meaningless (``zerograph.fake_world``)."""
+    with fake_rank(world_size, rank):
+        return fn(rank, world_size, *args)

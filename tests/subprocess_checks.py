@@ -8,8 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
+
+from tests.distributed import WALL_FACTOR, cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,5 +37,20 @@ def stop_checks(procs: dict[str, subprocess.Popen]) -> None:
 
 
 def assert_check_passed(proc: subprocess.Popen, name: str, timeout_s: float = 300) -> None:
-    output, _ = proc.communicate(timeout=timeout_s)
+    """Wait for the check ``name`` and assert it passed. ``timeout_s`` bounds its CPU seconds, not
+    its wall time (the checks start all at once and share 2 cores, with whatever else runs; see
+    ``tests.distributed.spawn``), with ``WALL_FACTOR`` times it as a wall-clock backstop."""
+    start, chunks = time.monotonic(), []
+    while True:
+        try:
+            output, _ = proc.communicate(timeout=1.0)
+            break
+        except subprocess.TimeoutExpired:
+            used, waited = cpu_seconds(proc.pid), time.monotonic() - start
+            if used > timeout_s or waited > WALL_FACTOR * timeout_s:
+                proc.kill()
+                output, _ = proc.communicate()
+                chunks.append(f"\n[killed: {used:.0f} CPU s, {waited:.0f} s wall; timeout_s={timeout_s:g}]")
+                break
+    output += "".join(chunks)
     assert proc.returncode == 0 and f"ok {name}" in output, output[-6000:]

@@ -53,6 +53,7 @@ def micro_batches(result: dict, step: int) -> list[dict]:
     return result["comm"][step * MICRO : (step + 1) * MICRO]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-stage{c[1]}-{'sync' if c[2] else 'no_sync'}")
 def test_matches_full_batch_reference(runs, case: tuple) -> None:
     reference = reference_of(case[0])
@@ -67,6 +68,7 @@ def test_matches_full_batch_reference(runs, case: tuple) -> None:
     assert not torch.equal(reference["params"][0]["layers.0.weight"], initial)  # the test is not vacuous
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_sync_every_micro_batch_reduces_every_micro_batch(runs, stage: int) -> None:
     for result in run_of(runs, ("accum", stage, True)):
@@ -77,6 +79,7 @@ def test_sync_every_micro_batch_reduces_every_micro_batch(runs, stage: int) -> N
         assert result["graphs"] == 1
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_no_sync_reduces_once_per_step(runs, stage: int) -> None:
     """Micro-batches 1-3 run no reduction (forward still gathers); each rank holds the full fp32
@@ -94,6 +97,7 @@ def test_no_sync_reduces_once_per_step(runs, stage: int) -> None:
             assert held == [result["trainable_bytes"]] * (MICRO - 1) + [0]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_no_sync_compiles_an_accumulating_and_a_flushing_backward(runs, stage: int) -> None:
     """Two graphs, chosen by a Dynamo guard on the mode: the accumulating backward hands every
@@ -110,6 +114,7 @@ def test_no_sync_compiles_an_accumulating_and_a_flushing_backward(runs, stage: i
         assert flush["collectives"] == synced
 
 
+@pytest.mark.distributed
 def test_graph_break_eager_frames_accumulate_too(runs) -> None:
     """The eager frame's reductions (the last Linear) are skipped and flushed like the graphs'."""
     for result in run_of(runs, ("mlp_break", 3, False)):

@@ -36,7 +36,7 @@ from zerograph.sharding import Unit
 from .distributed import spawn
 from .models import DEEP_GPT, build, global_batch, reference_training
 from .test_parity import LR, check_parity
-from .workers_activation import SLOW_COMPUTE, budget_runs, moved_runs
+from .workers_activation import SLOW_COMPUTE, activation_runs
 
 STEPS = 2
 UNITS = (Unit(0, "", ()),) + tuple(Unit(i + 1, f"blocks.{i}", ()) for i in range(DEEP_GPT.n_layer))
@@ -85,8 +85,13 @@ def compile_single(budget: int | None, offload: bool = False) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
+def spawned() -> tuple:
+    """Per rank: ``tests.workers_activation.activation_runs`` (budget and moved runs, one spawn)."""
+    return tuple(spawn(activation_runs, 2, "gpt", STEPS, 4, LR))
+
+
 def world_size_2() -> tuple:
-    return tuple(spawn(budget_runs, 2, "gpt", (2, 3), STEPS, 4, LR))
+    return tuple(rank["budget"] for rank in spawned())
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,6 +148,7 @@ def test_config_validates_budget() -> None:
             zerograph.Config(activation_budget_bytes=bad)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [2, 3])
 def test_half_budget_at_world_size_2_matches_unconstrained_and_eager(stage: int) -> None:
     """The issue's measurement: world size 2, the tiny GPT; budget = half of the measured
@@ -225,11 +231,11 @@ def test_a_storage_a_recomputed_unit_reads_is_never_partitioned() -> None:
     assert norms and not norms & found[1].offloadable
 
 
-@functools.lru_cache(maxsize=None)
 def moved_world_size_2() -> tuple:
-    return tuple(spawn(moved_runs, 2, "gpt", 3, STEPS, 4, LR))
+    return tuple(rank["moved"] for rank in spawned())
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("how", ["partition", "offload"])
 def test_partition_and_offload_at_world_size_2(how: str) -> None:
     """Stage 3, world size 2, every rank fed the whole batch (its activations replicated across

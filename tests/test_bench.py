@@ -37,6 +37,7 @@ def tiny_grid(tmp_path_factory) -> tuple[dict, str]:
         return json.load(f), png_path
 
 
+@pytest.mark.distributed
 def test_every_system_is_timed(tiny_grid):
     result, _ = tiny_grid
     assert list(result["systems"]) == SYSTEMS
@@ -70,6 +71,7 @@ def test_every_system_is_timed(tiny_grid):
     assert "at the highest allocation point" in bench.format_report(result)
 
 
+@pytest.mark.distributed
 def test_step1_losses_are_equal_across_systems(tiny_grid):
     result, _ = tiny_grid
     first = [s["losses"][0] for s in result["systems"].values()]
@@ -80,6 +82,7 @@ def test_step1_losses_are_equal_across_systems(tiny_grid):
     assert all(len(s["losses"]) == 3 for s in result["systems"].values())  # warm-up + timed steps
 
 
+@pytest.mark.distributed
 def test_bytes_moved_are_the_papers_2psi_and_3psi(tiny_grid):
     """Ratio to Ψ within [ideal, ideal * padded Ψ / Ψ]: sharded collectives move padded shards."""
     result, _ = tiny_grid
@@ -104,6 +107,7 @@ def test_bytes_moved_are_the_papers_2psi_and_3psi(tiny_grid):
     assert fsdp2["comm_elements"]["all_reduce"] == 0
 
 
+@pytest.mark.distributed
 def test_json_describes_the_machine(tiny_grid):
     result, _ = tiny_grid
     machine = result["machine"]
@@ -116,6 +120,7 @@ def test_json_describes_the_machine(tiny_grid):
     assert result["command"].startswith("zerograph bench ") and "--systems" in result["command"]
 
 
+@pytest.mark.distributed
 def test_png_is_written(tiny_grid):
     from matplotlib.image import imread
 
@@ -126,6 +131,7 @@ def test_png_is_written(tiny_grid):
     assert height > 100 and width > 100
 
 
+@pytest.mark.distributed
 def test_simulation_projects_every_zerograph_system(tiny_grid):
     result, _ = tiny_grid
     clusters = result["simulate"]["clusters"]

@@ -45,6 +45,7 @@ def runs() -> tuple:
     return tuple(spawn(pooled_trainings, 2, MODEL, 3, STEPS, 4, LR, CONFIGS, (True,), timeout_s=600))
 
 
+@pytest.mark.distributed
 def test_no_comm_buffer_is_allocated_after_the_first_step() -> None:
     for rank_runs in runs():
         for run in rank_runs[:2]:
@@ -54,6 +55,7 @@ def test_no_comm_buffer_is_allocated_after_the_first_step() -> None:
         assert rank_runs[2]["allocations"] == [0] * STEPS  # the pass disabled: nothing pooled
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("config_index, depth", [(0, 1), (1, 2)])
 def test_gathered_outputs_take_depth_plus_one_slots(config_index: int, depth: int) -> None:
     run = runs()[0][config_index]
@@ -70,6 +72,7 @@ def test_gathered_outputs_take_depth_plus_one_slots(config_index: int, depth: in
     assert run["pool_bytes"][-1]["gathered"] <= (depth + 1) * max(unit_bytes[1:])
 
 
+@pytest.mark.distributed
 def test_pooled_training_is_bitwise_the_unpooled_one_and_matches_eager() -> None:
     """Run 0 ran in the pool's debug mode: it raised nothing (no slot written after release) and,
     bitwise equal to the unpooled run, no tensor read poison (none outlived its graph in a slot)."""

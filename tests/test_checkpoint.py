@@ -18,6 +18,8 @@ from .distributed import spawn
 from .workers_patterns2 import (CKPT_SAVE_AFTER, CKPT_STEPS, build_checkpoint_net, checkpoint_batch,
                                 checkpoint_jobs, checkpoint_reference)
 
+pytestmark = pytest.mark.distributed  # every test reads the spawned jobs
+
 SAVE_WORLD = 4
 RESUMES = ((3, 2), (2, 3))  # (world size, stage) of the resumed jobs
 RESUME_TOL = 1e-6  # the next step's loss, resumed vs uninterrupted

@@ -167,6 +167,9 @@ def test_fit_recovers_a_line_and_keeps_alpha_non_negative():
     assert alpha == pytest.approx(3e-5, rel=1e-6) and beta == pytest.approx(2e-10, rel=1e-6)
     alpha, beta = fit_alpha_beta(sizes, [-1e-7 + 2e-10 * s for s in sizes])  # a line below the origin
     assert alpha == 0.0 and beta > 0
+    # timings that fall with size (noise on a loaded machine): no negative bandwidth, the mean as alpha
+    falling = [4e-4 - 1e-11 * s for s in sizes]
+    assert fit_alpha_beta(sizes, falling) == (pytest.approx(sum(falling) / len(falling)), 0.0)
 
 
 def test_calibrate_without_group_measures_compute_and_frees_collectives():
@@ -246,6 +249,7 @@ def two_rank_run() -> list[dict]:
     return spawn(calibrate_measure_predict, WORLD, timeout_s=180)
 
 
+@pytest.mark.distributed
 def test_calibration_is_rank_agreed_and_sane(two_rank_run):
     costs = [r["cost"] for r in two_rank_run]
     assert costs[0] == costs[1]
@@ -254,9 +258,13 @@ def test_calibration_is_rank_agreed_and_sane(two_rank_run):
     assert cost.flops_per_s > 0 and cost.bytes_per_s > 0 and cost.op_overhead_s > 0
     for kind in COLLECTIVE_KINDS:
         alpha, beta = cost.collectives[kind]
-        assert alpha >= 0 and beta > 0
+        # fit_alpha_beta's contract; beta is 0 where the timings fell with size, which noise does
+        # on a loaded machine (this asserted beta > 0 and failed when other jobs shared the cores)
+        assert alpha >= 0 and beta >= 0
+        assert cost.collective_time(kind, 1 << 20) > 0  # no collective is free
 
 
+@pytest.mark.distributed
 def test_measured_stage3_step_has_both_tracks(two_rank_run):
     for run in two_rank_run:
         measured: Schedule = run["measured"]
@@ -269,6 +277,7 @@ def test_measured_stage3_step_has_both_tracks(two_rank_run):
         assert measured.step_s >= measured.compute_s
 
 
+@pytest.mark.distributed
 def test_predicted_stage3_step_has_the_graphs_collectives(two_rank_run):
     for run in two_rank_run:
         predicted: Schedule = run["predicted"]

@@ -98,6 +98,7 @@ def _final_python(graph_dir: str) -> str:
         return f.read()
 
 
+@pytest.mark.distributed
 def test_dumping_off_runs_no_dump_code_and_writes_nothing(dumped):
     _, results = dumped
     for r in results:
@@ -105,6 +106,7 @@ def test_dumping_off_runs_no_dump_code_and_writes_nothing(dumped):
         assert r["off_files"] == []
 
 
+@pytest.mark.distributed
 def test_every_file_is_written_and_parses(dumped):
     root, results = dumped
     manifest = _load(root, "manifest.json")  # one run: the ranks agreed on its id
@@ -139,6 +141,7 @@ def test_every_file_is_written_and_parses(dumped):
             json.load(f)
 
 
+@pytest.mark.distributed
 def test_inserted_nodes_are_commented_and_pass_changes_counted(dumped):
     root, results = dumped
     graphs = _graph_dirs(root)
@@ -197,6 +200,7 @@ def test_svg_only_where_graphviz_dot_exists(tmp_path, monkeypatch):
     assert len(graph.nodes) == (tmp_path / "graph.dot").read_text().count("label=")
 
 
+@pytest.mark.distributed
 def test_memory_timeline_matches_liveness_and_shards(dumped):
     root, results = dumped
     for rank, r in enumerate(results):
@@ -215,6 +219,7 @@ def test_memory_timeline_matches_liveness_and_shards(dumped):
         assert max(_load(graphs["graph0_backward"], "memory.json")["live_bytes"]["gradients"]) > 0
 
 
+@pytest.mark.distributed
 def test_dot_parses_with_unit_clusters_and_trace_has_both_tracks(dumped):
     import pydot
 
@@ -248,6 +253,7 @@ def _trace_tracks(trace: list[dict]) -> dict[str, list[dict]]:
     return by_track
 
 
+@pytest.mark.distributed
 def test_summary_totals_equal_stats(dumped):
     root, results = dumped
     for rank, r in enumerate(results):
@@ -276,6 +282,7 @@ def test_summary_totals_equal_stats(dumped):
             assert all(e["position"] is not None for e in unit["released"])
 
 
+@pytest.mark.distributed
 def test_cli_inspect_prints_passes_and_diffs(dumped, capsys, tmp_path):
     root, _ = dumped
     assert cli.main(["inspect", root]) == 0

@@ -70,11 +70,13 @@ def test_compile_twice() -> None:
         zerograph.compile(model, stage=1)
 
 
+@pytest.mark.distributed
 def test_world_size_not_matching_the_launch() -> None:
     messages = spawn(world_size_mismatch, 2)
     assert all("WORLD_SIZE=3" in m for m in messages), messages
 
 
+@pytest.mark.distributed
 def test_a_rank_that_leaves_makes_the_others_fail() -> None:
     """Gloo reports the closed peer at once; the process-group timeout (15 s here) bounds the rest."""
     message, left = spawn(one_rank_quits, 2, pg_timeout_s=15, timeout_s=120, teardown_barrier=False)

@@ -44,6 +44,7 @@ def _mismatch(result: dict, case: str) -> str:
 
 # -- diverged ranks ---------------------------------------------------------------------------------
 
+@pytest.mark.distributed
 def test_per_rank_sequence_lengths_are_not_a_mismatch() -> None:
     for rank, result in enumerate(_schedule_run()):
         assert result["legal"] is None, result["legal"]
@@ -51,6 +52,7 @@ def test_per_rank_sequence_lengths_are_not_a_mismatch() -> None:
     assert [r["seq_len"] for r in _schedule_run()] == [16, 8]
 
 
+@pytest.mark.distributed
 def test_control_flow_divergence_raises_on_every_rank() -> None:
     messages = [_mismatch(result, "control_flow") for result in _schedule_run()]
     for rank, message in enumerate(messages):
@@ -66,6 +68,7 @@ def test_control_flow_divergence_raises_on_every_rank() -> None:
     assert [result["after_mismatch"] for result in _schedule_run()] == [None, None]
 
 
+@pytest.mark.distributed
 def test_divergence_at_stage_0_is_caught_before_the_backward_all_reduces() -> None:
     for result in _schedule_run():
         message = _mismatch(result, "stage0_backward")
@@ -105,6 +108,7 @@ def silent_run(tmp_path_factory) -> tuple:
     return _silent_run(str(tmp_path_factory.mktemp("flags")))
 
 
+@pytest.mark.distributed
 def test_a_silent_rank_makes_the_others_raise_within_the_group_timeout(silent_run) -> None:
     """Rank 1 fails in Python before its forward and stays alive: the process group's timeout
     (3 s) ends rank 0's wait, although Config.timeout_s is the default 300 s."""
@@ -120,6 +124,7 @@ def test_a_silent_rank_makes_the_others_raise_within_the_group_timeout(silent_ru
     assert 2 <= _waited_s(message) < 60, message
 
 
+@pytest.mark.distributed
 def test_a_silent_rank_makes_the_others_raise_within_config_timeout(silent_run) -> None:
     """The same on a group with a 60 s timeout: Config(timeout_s=2) bounds the wait."""
     busy, silent = silent_run
@@ -131,6 +136,7 @@ def test_a_silent_rank_makes_the_others_raise_within_config_timeout(silent_run) 
     assert error["elapsed_s"] < 45
 
 
+@pytest.mark.distributed
 def test_a_rank_dying_between_forward_and_backward(tmp_path) -> None:
     """Rank 1 calls ``os._exit`` after its forward; rank 0's ``backward()`` raises a
     ``CollectiveError`` (through autograd, type intact) instead of waiting for it."""
@@ -187,6 +193,7 @@ def test_graph_errors_are_translated_only_when_communication_failed() -> None:
     ("submodule_added", "ModelChangedError",
      ["submodule 'head' with parameters zerograph did not shard (weight, bias) was added"]),
 ])
+@pytest.mark.distributed
 def test_unsupported_use_raises_a_clear_error_on_every_rank(case: str, error: str, fragments: list[str]) -> None:
     for result in _unsupported_run():
         seen = result[case]
@@ -195,6 +202,7 @@ def test_unsupported_use_raises_a_clear_error_on_every_rank(case: str, error: st
             assert fragment in seen["message"], (fragment, seen["message"])
 
 
+@pytest.mark.distributed
 def test_unfreezing_again_and_freezing_before_compile_stay_legal() -> None:
     for result in _unsupported_run():
         assert result["unfrozen_again"] is None  # the refused forward ran no collective

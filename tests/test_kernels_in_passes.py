@@ -338,6 +338,7 @@ def check_unpack_triton_matches_cpu() -> None:
 CHECKS = {"triton_matches_cpu": check_triton_matches_cpu, "unpack_triton_matches_cpu": check_unpack_triton_matches_cpu}
 
 
+@pytest.mark.slow
 def test_triton_kernel_matches_cpu_kernel():
     procs = start_checks("tests.test_kernels_in_passes", CHECKS, interpreted=CHECKS)
     try:
@@ -347,7 +348,7 @@ def test_triton_kernel_matches_cpu_kernel():
         stop_checks(procs)
 
 
-# -------------------------------------------------------------- graph structure, stage 3, 2 ranks
+# ----------------------------- graph structure, stage 3: ranks 0 and 1 of a fake world of 2, in process
 
 # the copy-in of a multi-parameter bucket: pack_shards, or its out= form once buffer_reuse pools the
 # send buffer (the same kernel writing into a pooled buffer)
@@ -402,7 +403,7 @@ def copy_outs(graph, layouts) -> dict:
 
 
 def graph_facts(rank: int, world_size: int) -> dict:
-    """Both units choices on each rank (tests.distributed.spawn): the blocks (every bucket of
+    """Both units choices on each rank (``tests.distributed.run_as_rank``): the blocks (every bucket of
     several parameters) and the embeddings (``wte``, tied to ``lm_head``, and ``wpe``: one
     parameter each; the blocks join the root's bucket)."""
     from torch import nn
@@ -434,9 +435,9 @@ def saved_unpacked(rank: int, world_size: int) -> tuple[int, list[str]]:
 
 @pytest.fixture(scope="module")
 def gpt_facts():
-    from tests.distributed import spawn
+    from tests.distributed import run_as_rank
 
-    return spawn(graph_facts, 2)
+    return [run_as_rank(graph_facts, 2, rank=rank) for rank in range(2)]
 
 
 @pytest.mark.parametrize("units", ["blocks", "embeddings"])

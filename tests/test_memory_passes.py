@@ -11,7 +11,7 @@ from zerograph.passes.selective_unshard import choose_kept
 from .distributed import spawn
 from .models import reference_training
 from .test_parity import LR, STEPS, check_parity
-from .workers import train
+from .workers import train_configs
 
 BLOCK_BYTES = 4 * 3280  # one block of the tiny GPT, fp32, full (at 2 ranks nothing is padded)
 
@@ -23,12 +23,21 @@ def test_choose_kept_takes_smallest_first_within_budget() -> None:
     assert choose_kept([300, 100, 200], 99) == []
 
 
+CONFIGS = (zerograph.Config(unshard_budget_bytes=BLOCK_BYTES), zerograph.Config(reshard_root_after_forward=False))
+
+
 @functools.lru_cache(maxsize=None)
+def runs() -> tuple:
+    """Per config of ``CONFIGS``, per rank: ``tests.workers.train``'s result (one spawn for both)."""
+    per_rank = spawn(train_configs, 2, "gpt", 3, STEPS, 4, LR, CONFIGS)
+    return tuple(tuple(rank[i] for rank in per_rank) for i in range(len(CONFIGS)))
+
+
 def kept_run() -> tuple:
-    config = zerograph.Config(unshard_budget_bytes=BLOCK_BYTES)
-    return tuple(spawn(train, 2, "gpt", 3, STEPS, 4, LR, config))
+    return runs()[0]
 
 
+@pytest.mark.distributed
 def test_selective_unshard_skips_one_regather_and_matches_eager() -> None:
     results = kept_run()
     for result in results:
@@ -44,12 +53,11 @@ def test_selective_unshard_skips_one_regather_and_matches_eager() -> None:
 
 
 
-@functools.lru_cache(maxsize=None)
 def root_kept_run() -> tuple:
-    config = zerograph.Config(reshard_root_after_forward=False)
-    return tuple(spawn(train, 2, "gpt", 3, STEPS, 4, LR, config))
+    return runs()[1]
 
 
+@pytest.mark.distributed
 def test_root_kept_from_forward_to_backward_as_fsdp2_does() -> None:
     """``reshard_root_after_forward=False``: backward gathers the two blocks but not the root
     (embeddings, final norm, tied LM head), whose gathered parameters forward saves instead; the

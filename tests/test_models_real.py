@@ -23,6 +23,8 @@ from .workers_patterns2 import (
     run_parts,
 )
 
+pytestmark = pytest.mark.distributed  # every test reads the one spawn
+
 WORLD_SIZE = 2
 ATOL = RTOL = 1e-5
 

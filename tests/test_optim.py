@@ -234,6 +234,7 @@ def check_runs():
     stop_checks(procs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_subprocess_check(check_runs, name):
     assert_check_passed(check_runs[name], name)

@@ -64,6 +64,7 @@ def test_graph_break_eager_frame_sees_full_parameters(training_run, stage: int) 
     assert sum(eager_volume.values()) > 0
 
 
+@pytest.mark.distributed
 def test_inductor_lowering_matches_single_process() -> None:
     """The same passes lowered by Inductor (C++ kernels on CPU) train the same numbers."""
     import zerograph

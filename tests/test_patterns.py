@@ -62,6 +62,7 @@ def reference_of(name: str) -> dict:
 
 # -- every pattern -----------------------------------------------------------------------------------
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("name", list(PATTERNS))
 def test_matches_single_process(runs, name: str, stage: int) -> None:
@@ -95,6 +96,7 @@ def test_training_moves_the_parameters() -> None:
 
 # -- 1. shared parameters --------------------------------------------------------------------------
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("name", ["tied_ends", "shared_submodule"])
 def test_shared_parameter_is_one_shard_reduced_once(runs, name: str, stage: int) -> None:
@@ -116,6 +118,7 @@ def _frozen_and_trainable(name: str) -> tuple[dict, dict]:
     return frozen, trainable
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("name", ["lora"])
 def test_frozen_parameters_are_never_reduced(runs, name: str, stage: int) -> None:
@@ -140,6 +143,7 @@ def test_frozen_parameters_are_never_reduced(runs, name: str, stage: int) -> Non
 
 # -- 3. unused parameters ----------------------------------------------------------------------------
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("name", ["alternating_encoders"])
 def test_unused_encoder_gets_no_gradient(runs, name: str, stage: int) -> None:
@@ -157,6 +161,7 @@ def test_unused_encoder_gets_no_gradient(runs, name: str, stage: int) -> None:
 
 # -- 4. several forwards, one backward; a layer applied several times ---------------------------------
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("name", ["layer_loop"])
 def test_layer_used_three_times_is_reduced_once(runs, name: str, stage: int) -> None:
@@ -167,6 +172,7 @@ def test_layer_used_three_times_is_reduced_once(runs, name: str, stage: int) -> 
 
 # -- 5. gradient clipping ----------------------------------------------------------------------------
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("name", ["clip"])
 def test_clip_grad_norm_is_the_global_norm(runs, name: str, stage: int) -> None:

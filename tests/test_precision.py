@@ -61,6 +61,7 @@ def fp32_reference() -> dict:
 
 # -- the GPT against fp32 ---------------------------------------------------------------------------
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_gpt_losses_within_bf16_tolerance_of_fp32(runs, fp32_reference, stage: int) -> None:
     fp32 = run_of(runs, "gpt_fp32", stage)[0]
@@ -71,6 +72,7 @@ def test_gpt_losses_within_bf16_tolerance_of_fp32(runs, fp32_reference, stage: i
         assert result["losses"] != pytest.approx(fp32["losses"], rel=1e-5, abs=1e-5)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_gpt_gradients_within_bf16_tolerance_of_fp32(runs, fp32_reference, stage: int) -> None:
     """First step (equal parameters): each parameter's averaged gradient, in norm."""
@@ -81,6 +83,7 @@ def test_gpt_gradients_within_bf16_tolerance_of_fp32(runs, fp32_reference, stage
             assert error < GRAD_RTOL, (name, error.item())
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_master_weights_gradients_and_optimizer_states_stay_fp32(runs, stage: int) -> None:
     for result in run_of(runs, "gpt", stage):
@@ -89,6 +92,7 @@ def test_master_weights_gradients_and_optimizer_states_stay_fp32(runs, stage: in
         assert result["optimizer_state_dtypes"] == ["float32"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_all_gathers_move_half_the_bytes_of_fp32(runs, stage: int) -> None:
     """Same elements as the fp32 run, gathered in bf16: half the bytes; reductions in fp32: the same."""
@@ -100,6 +104,7 @@ def test_all_gathers_move_half_the_bytes_of_fp32(runs, stage: int) -> None:
     assert mixed.comm_bytes["reduce_scatter"] == fp32.comm_bytes["reduce_scatter"] > 0
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_graphs_gather_in_bf16_and_reduce_in_fp32(runs, stage: int) -> None:
     """The captured graphs themselves: every all-gather's output is bf16 (stage 3's backward
@@ -131,6 +136,7 @@ def check_against_emulation(results: list[dict], reference: dict) -> None:
             torch.testing.assert_close(buffer, value, rtol=RTOL, atol=ATOL, msg=name)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_batch_norm_keeps_fp32_buffers_and_matches_the_emulation(runs, stage: int) -> None:
     results = run_of(runs, "bn", stage)
@@ -148,6 +154,7 @@ def test_batch_norm_keeps_fp32_buffers_and_matches_the_emulation(runs, stage: in
         assert dtype == ("float32" if units[unit_ids[0]] == "layers.1" else "bfloat16"), (kind, unit_ids)
 
 
+@pytest.mark.distributed
 def test_graph_break_eager_frames_gather_in_bf16(runs) -> None:
     """The last Linear runs in an eager frame: the runtime's fallback casts, gathers, and
     reduces in fp32 the way the graphs do, so the run equals the emulation."""

@@ -1,4 +1,5 @@
-"""What the passes put where, read off the compiled graphs of the tiny GPT (2 blocks + root unit)."""
+"""What the passes put where, read off the compiled graphs of the tiny GPT (2 blocks + root unit),
+as rank 0 of a fake world of 2 in this process (the ``one_rank`` fixture)."""
 from __future__ import annotations
 
 from .models import build
@@ -8,8 +9,8 @@ def units_with_params(result: dict) -> int:
     return sum(1 for _, size in result["units"] if size)
 
 
-def test_stage3_forward_gathers_each_unit_once_before_its_compute(training_run) -> None:
-    result = training_run("gpt", 3)[0]
+def test_stage3_forward_gathers_each_unit_once_before_its_compute(one_rank) -> None:
+    result = one_rank("gpt", 3)
     (graph,) = result["graphs"]
     gathers = graph["forward"]["gathers"]
     assert sorted(g["unit"] for g in gathers) == list(range(units_with_params(result)))
@@ -17,44 +18,44 @@ def test_stage3_forward_gathers_each_unit_once_before_its_compute(training_run) 
         assert gather["first_compute"] is not None and gather["pos"] < gather["first_compute"], gather
 
 
-def test_stage3_forward_releases_gathered_parameters(training_run) -> None:
+def test_stage3_forward_releases_gathered_parameters(one_rank) -> None:
     """No gathered parameter (nor a view of one) is saved for backward or alive at the end."""
-    forward = training_run("gpt", 3)[0]["graphs"][0]["forward"]
+    forward = one_rank("gpt", 3)["graphs"][0]["forward"]
     assert forward["saved_gathered"] == []
     assert forward["gathered_live_at_end"] == 0
 
 
-def test_stage3_backward_regathers_and_reduces_per_unit(training_run) -> None:
-    result = training_run("gpt", 3)[0]
+def test_stage3_backward_regathers_and_reduces_per_unit(one_rank) -> None:
+    result = one_rank("gpt", 3)
     backward = result["graphs"][0]["backward"]
     n_units = units_with_params(result)
     assert backward["collectives"].count("all_gather") == n_units  # gathered again, not saved
     assert backward["collectives"].count("reduce_scatter") == n_units
 
 
-def test_stage2_reduces_as_produced_stage1_after_backward(training_run) -> None:
-    stage1 = training_run("gpt", 1)[0]["graphs"][0]["backward"]
-    stage2 = training_run("gpt", 2)[0]["graphs"][0]["backward"]
+def test_stage2_reduces_as_produced_stage1_after_backward(one_rank) -> None:
+    stage1 = one_rank("gpt", 1)["graphs"][0]["backward"]
+    stage2 = one_rank("gpt", 2)["graphs"][0]["backward"]
     assert min(stage1["collective_pos"]) > stage1["last_compute"]
     assert min(stage2["collective_pos"]) < stage2["last_compute"]
 
 
-def test_stages_1_2_gather_once(training_run) -> None:
+def test_stages_1_2_gather_once(one_rank) -> None:
     for stage in (1, 2):
-        graph = training_run("gpt", stage)[0]["graphs"][0]
+        graph = one_rank("gpt", stage)["graphs"][0]
         assert "all_gather" not in graph["backward"]["collectives"]
         assert len(graph["forward"]["saved_gathered"]) > 0  # gathered params are kept for backward
 
 
-def test_tied_weight_is_one_shard_reduced_once(training_run) -> None:
-    result = training_run("gpt", 3)[0]
+def test_tied_weight_is_one_shard_reduced_once(one_rank) -> None:
+    result = one_rank("gpt", 3)
     names = list(result["params"])
     assert "wte.weight" in names and "lm_head.weight" not in names  # one parameter object
     assert len(result["param_ids"]) == len(set(result["param_ids"])) == len(list(build("gpt").parameters()))
     assert result["stats"].comm_elements["reduce_scatter"] == sum(size for _, size in result["units"])
 
 
-def test_graph_inputs_map_to_parameters(training_run) -> None:
-    result = training_run("gpt", 3)[0]
+def test_graph_inputs_map_to_parameters(one_rank) -> None:
+    result = one_rank("gpt", 3)
     (inputs,) = result["input_params"]
     assert set(filter(None, inputs)) >= set(result["params"])

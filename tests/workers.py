@@ -39,6 +39,27 @@ def train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_s
     }
 
 
+def train_runs(rank: int, world_size: int, runs: tuple[tuple[str, int], ...], steps: int, batch_size: int,
+               lr: float) -> dict:
+    """``train`` for each ``(name, stage)`` in turn in this process group: ``{(name, stage): result}``.
+    One spawn for several runs saves a process start and a first compile per run."""
+    out = {}
+    for name, stage in runs:
+        torch._dynamo.reset()  # a fresh model per run: Dynamo keeps at most 8 graphs per code object
+        out[name, stage] = train(rank, world_size, name, stage, steps, batch_size, lr)
+    return out
+
+
+def train_configs(rank: int, world_size: int, name: str, stage: int, steps: int, batch_size: int, lr: float,
+                  configs: tuple[zerograph.Config, ...]) -> list[dict]:
+    """``train`` under each config in turn in this process group (one spawn for all)."""
+    out = []
+    for config in configs:
+        torch._dynamo.reset()
+        out.append(train(rank, world_size, name, stage, steps, batch_size, lr, config))
+    return out
+
+
 def graph_facts(record: dict[str, fx.GraphModule]) -> dict:
     """What the structure tests check, as plain data (graphs do not cross processes)."""
     facts = {}

@@ -72,3 +72,11 @@ def moved_runs(rank: int, world_size: int, name: str, stage: int, steps: int, ba
                                 activation_group=dist.group.WORLD, **common),
             "offload": _train(rank, world_size, name, stage, steps, batch_size, lr, budgets["offload"],
                               activation_offload=True, **common)}
+
+
+def activation_runs(rank: int, world_size: int, name: str, steps: int, batch_size: int, lr: float) -> dict:
+    """``budget_runs`` at stages 2 and 3, then ``moved_runs`` at stage 3, in one process group (one
+    spawn for both: a process start and a first compile cost more than these runs)."""
+    budget = budget_runs(rank, world_size, name, (2, 3), steps, batch_size, lr)
+    torch._dynamo.reset()  # Dynamo keeps at most 8 graphs per code object
+    return {"budget": budget, "moved": moved_runs(rank, world_size, name, 3, steps, batch_size, lr)}

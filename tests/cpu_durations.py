@@ -1,0 +1,61 @@
+"""pytest plugin: ``--cpu-durations=N`` lists the N tests that cost the most CPU, and the suite's total.
+
+Wall-clock durations (``--durations``) say little on a machine other jobs share: the same suite took
+7-10 minutes on the idle 2 cores and about 26 minutes while they were shared. CPU seconds do not
+depend on the load. Per test (setup, call and teardown, so the module fixtures that spawn ranks are
+charged to the test that first needs them): CPU seconds of this process, and of its child
+processes that ended meanwhile (spawned ranks, subprocess checks); and an estimate of its wall time
+on an idle 2-core machine, ``self + children / 2`` (the ranks of a spawn run side by side).
+
+Loaded by tests/conftest.py; outside this repository: ``-p tests.cpu_durations``.
+"""
+from __future__ import annotations
+
+import resource
+import time
+
+import pytest
+
+CORES = 2  # this project's machines: the children of one test share 2 cores
+
+_KEY = pytest.StashKey[dict]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-durations", type=int, default=None, metavar="N",
+                     help="list the N tests of most CPU seconds (0: all), and the suite's CPU total")
+
+
+def _cpu() -> tuple[float, float]:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if item.config.getoption("--cpu-durations") is None:
+        yield
+        return
+    wall, (own, children) = time.monotonic(), _cpu()
+    yield
+    own_after, children_after = _cpu()
+    item.config.stash.setdefault(_KEY, {})[item.nodeid] = (
+        own_after - own, children_after - children, time.monotonic() - wall)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    count = config.getoption("--cpu-durations")
+    if count is None:
+        return
+    rows = config.stash.get(_KEY, {})
+    def estimate(row: tuple[float, float, float]) -> float:
+        return row[0] + row[1] / CORES
+    ordered = sorted(rows.items(), key=lambda kv: estimate(kv[1]), reverse=True)
+    write = terminalreporter.write_line
+    terminalreporter.section(f"cpu durations (idle {CORES}-core estimate = self + children / {CORES})")
+    for nodeid, row in ordered[:count or None]:
+        write(f"{estimate(row):7.1f}s idle-est {row[0]:7.1f}s self {row[1]:7.1f}s children "
+              f"{row[2]:7.1f}s wall  {nodeid}")
+    own, children, wall = (sum(r[i] for r in rows.values()) for i in range(3))
+    write(f"TOTAL {len(rows)} tests: idle-est {own + children / CORES:.0f} s, self {own:.0f} s, children "
+          f"{children:.0f} s (CPU {own + children:.0f} s), wall {wall:.0f} s")
