@@ -66,6 +66,7 @@ def test_resident_bytes_follow_the_stage_formula(one_rank, stage: int) -> None:
     assert stats.formula_bytes["optimizer_states"] == (8 * psi if stage == 0 else 8 * psi / n)
 
 
+@pytest.mark.slow
 def test_stages_order_their_memory(one_rank) -> None:
     """Each stage holds strictly less than the one before (the point of ZeRO). On a model of 8
     blocks: the units in flight (up to ``prefetch_depth + 1``) are small beside Ψ, as in real

@@ -119,6 +119,7 @@ def test_plan_keeps_within_budget_and_never_recomputes_the_root() -> None:
     assert timed.recomputed == plan.recomputed  # like blocks: the same choice under any rates
 
 
+@pytest.mark.slow
 def test_pass_tags_units_like_checkpoint_and_keeps_numbers() -> None:
     free = single(None)
     budget = free["saved_bytes"] // 2
@@ -167,6 +168,7 @@ def test_half_budget_at_world_size_2_matches_unconstrained_and_eager(stage: int)
         assert free["decisions"] == {}
 
 
+@pytest.mark.slow
 def test_offload_moves_saved_activations_to_host_and_keeps_numbers() -> None:
     """Offload (priced so that it beats recompute): the forward hands the offloaded activations to
     backward through PyTorch's offloading (``device_put`` to the CPU on this machine), the

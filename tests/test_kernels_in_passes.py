@@ -440,6 +440,7 @@ def gpt_facts():
     return [run_as_rank(graph_facts, 2, rank=rank) for rank in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("units", ["blocks", "embeddings"])
 @pytest.mark.parametrize("kind", ["forward", "backward"])
 def test_one_pack_node_per_multi_parameter_bucket(gpt_facts, kind, units):
@@ -456,6 +457,7 @@ def test_one_pack_node_per_multi_parameter_bucket(gpt_facts, kind, units):
     assert gpt_facts[0] == gpt_facts[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("units", ["blocks", "embeddings"])
 @pytest.mark.parametrize("kind", ["forward", "backward"])
 def test_one_unpack_node_per_multi_parameter_all_gather(gpt_facts, kind, units):
@@ -475,6 +477,7 @@ def test_one_unpack_node_per_multi_parameter_all_gather(gpt_facts, kind, units):
         assert not copy_out["saves_unpacked"]
 
 
+@pytest.mark.slow
 def test_stage1_saves_each_unpacked_buffer_once(gpt_facts):
     """Stages 1-2 keep the gathered parameters for backward: the partitioner saves each unpacked
     buffer itself, once, and backward recomputes the parameters' views of it (so the memory

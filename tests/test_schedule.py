@@ -24,6 +24,9 @@ from .models import build, global_batch, rank_slice, reference_training
 from .test_parity import LR, STEPS, check_parity
 from .workers import train
 
+# nine compiles in this process (about 40 s of CPU) before the first check: outside `make test-fast`
+pytestmark = pytest.mark.slow
+
 
 def _depends_on(nodes: list[fx.Node], source: fx.Node) -> set[fx.Node]:
     reached = {source}
