@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 import zerograph
 from zerograph.models.gpt import GPT, SIZES
-from zerograph.passes._fx import COLLECTIVE_KINDS
 from zerograph.state import graphs_of, runtime_of_model
+from zerograph.vocab import COLLECTIVE_KINDS
 
 from .distributed import fake_rank
 

@@ -138,6 +138,7 @@ def _import_first(module: str) -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", sorted(m for m in module_files() if m != "zerograph.__main__"))
 def test_every_module_imports_first(module: str, fresh_importer) -> None:
     assert fresh_importer.submit(_import_first, module).result(timeout=120) is None
