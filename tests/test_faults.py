@@ -243,6 +243,7 @@ def replica_run(tmp_path_factory) -> tuple[list[dict], dict]:
     return results, torch.load(root / "dead_peer.pt", weights_only=False)
 
 
+@pytest.mark.distributed
 def test_replicas_seeded_differently_start_from_rank_0(replica_run) -> None:
     """Issue 22 item 5: each rank seeded ``torch.manual_seed(rank)``; at every stage every rank's
     full parameters and buffer are those rank 0 built (DDP's and FSDP1's broadcast at construction)."""
@@ -260,6 +261,7 @@ def test_replicas_seeded_differently_start_from_rank_0(replica_run) -> None:
                 assert torch.equal(got[name], value), (stage, rank, name)
 
 
+@pytest.mark.distributed
 def test_different_models_are_refused_at_compile() -> None:
     for rank, result in enumerate(_schedule_run()):
         error = result["shapes"]
@@ -270,6 +272,7 @@ def test_different_models_are_refused_at_compile() -> None:
         assert f"(this is rank {rank})" in error["message"]
 
 
+@pytest.mark.distributed
 def test_save_refuses_ranks_that_disagree_on_the_path_or_share_no_file_system(replica_run) -> None:
     """Issue 22 item 2: different paths, then the same relative path in different directories (no
     shared file system), with and without a staging directory on rank 1's disk: every rank raises
@@ -293,6 +296,7 @@ def test_save_refuses_ranks_that_disagree_on_the_path_or_share_no_file_system(re
         assert "__1_0.distcp" in corrupt["message"]
 
 
+@pytest.mark.distributed
 def test_a_peer_dying_during_save_is_a_collective_error(replica_run) -> None:
     """The class "every failure names its cause": rank 1 exits while writing its shards; rank 0's
     save raises ``CollectiveError`` (gloo's error chained), not gloo's raw ``RuntimeError``."""
