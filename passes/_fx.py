@@ -16,7 +16,6 @@ from zerograph.ops import REDUCE_GRAD
 from zerograph.vocab import COLLECTIVE_KINDS, TAG, full_buffer
 
 
-
 def group_markers(markers: Sequence[fx.Node], ctx: Any) -> list[list[fx.Node]]:
     """Markers grouped into one collective each: by (bucket, dtype, sharded), in the order the
     groups first appear. A marker without a ``bucketing`` decision is a bucket of its own key.

@@ -77,10 +77,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 from zerograph.costmodel import CostModel, is_view, node_bytes, node_flops, tensor_bytes
 from zerograph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
 from zerograph.sharding import Unit
-
 from zerograph.vocab import TAG
-from .contract import contract
+
 from .context import PassContext, PassResult
+from .contract import contract
 from .liveness import storage_root
 
 log = logging.getLogger(__name__)

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch.fx as fx
 
 from zerograph.ops import REDUCE_GRAD, UNSHARD
-
 from zerograph.vocab import TAG
-from .contract import contract
+
 from .context import PassContext, PassResult
+from .contract import contract
 
 
 def unit_order(markers: list[fx.Node], ctx: PassContext) -> list[int]:

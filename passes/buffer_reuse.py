@@ -42,11 +42,11 @@ import torch.fx as fx
 from zerograph.buffer_pool import PACK_SHARDS_OUT, POOL_BUFFER
 from zerograph.kernels.ops import PACK_SHARDS
 from zerograph.sharding import ROOT_INDEX
+from zerograph.vocab import COLLECTIVE_KINDS, TAG
 
 from ._fx import position
-from zerograph.vocab import COLLECTIVE_KINDS, TAG
-from .contract import contract
 from .context import PassContext, PassResult
+from .contract import contract
 from .liveness import storage_root
 
 funcol = torch.ops._c10d_functional

@@ -37,11 +37,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED
 from zerograph.ops import UNSHARD
 from zerograph.sharding import ParamLayout
+from zerograph.vocab import TAG
 
 from ._fx import bucket_tag, group_markers, hoist_before, is_alias_of_input, position, splice
-from zerograph.vocab import TAG
-from .contract import contract
 from .context import PassContext, PassResult
+from .contract import contract
 
 funcol = torch.ops._c10d_functional
 

@@ -4,7 +4,8 @@ Pre: a backward graph holding ``reduce_grad(full_grad, key)`` markers, with ``bu
 ids (without it, each parameter is a bucket).
 Post: no marker is left; every trainable parameter's gradient is reduced exactly once. For each
 (bucket, dtype): copy-in (pad each full gradient to ``N * chunk_rows`` rows, lay the rank chunks side
-by side; one ``zerograph::pack_shards`` node for a bucket of several parameters) -> ``reduce_scatter_tensor`` (stages 1-3) or ``all_reduce`` (stage 0 and 0-d parameters,
+by side; one ``zerograph::pack_shards`` node for a bucket of several parameters) -> ``reduce_scatter_tensor`` (stages
+1-3) or ``all_reduce`` (stage 0 and 0-d parameters,
 buckets of whole gradients) -> ``wait_tensor`` -> divide by N (ranks' gradients are averaged, as DDP does) ->
 copy-out of each shard's rows. A parameter used several times (tied weights) has several markers;
 their gradients are summed first and reduced once.
@@ -45,8 +46,8 @@ from zerograph.sharding import ParamLayout
 from zerograph.vocab import GRAD_ACCUMULATE, GRAD_FLUSH
 
 from ._fx import bucket_tag, group_markers, position, sink_below_inputs, splice
-from .contract import contract
 from .context import PassContext, PassResult
+from .contract import contract
 
 funcol = torch.ops._c10d_functional
 

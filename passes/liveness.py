@@ -18,8 +18,9 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from ._fx import is_alias_of_input
 from zerograph.vocab import TAG, WAIT
+
+from ._fx import is_alias_of_input
 
 PARAM_ROLES = ("gather",)
 GRAD_ROLES = ("full_grad", "reduce")

@@ -16,12 +16,12 @@ import torch.fx as fx
 
 from zerograph.errors import ConfigError, PassError
 from zerograph.ops import REDUCE_GRAD, UNSHARD
+from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer
 
 from ._fx import count_targets, is_alias_of_input
-from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer
 from .activation_partition import activation_partition
-from .buffer_reuse import buffer_reuse
 from .bucketing import bucketing
+from .buffer_reuse import buffer_reuse
 from .context import PassContext, PassResult
 from .contract import pipeline_problem
 from .insert_allgather import insert_allgather

@@ -25,10 +25,11 @@ import logging
 
 import torch.fx as fx
 
-from ._fx import Collective, find_collectives, hoist_before, is_alias_of_input, move_before, position
 from zerograph.vocab import COLLECTIVE_KINDS, TAG
-from .contract import contract
+
+from ._fx import Collective, find_collectives, hoist_before, is_alias_of_input, move_before, position
 from .context import PassContext, PassResult
+from .contract import contract
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ._fx import Collective, find_collectives, position, sink_to_first_use
-from .contract import contract
 from .context import PassContext, PassResult
+from .contract import contract
 
 
 def reduction_limits(reductions: list[Collective], ctx: PassContext) -> list[fx.Node | None]:
@@ -37,7 +37,8 @@ def reduction_limits(reductions: list[Collective], ctx: PassContext) -> list[fx.
         for m in range(j + 1, len(reductions)):
             inflight = reductions[j : m + 1]
             too_many = len(inflight) > max(1, ctx.schedule.prefetch_depth)
-            too_big = ctx.schedule.max_inflight_bytes is not None and sum(r.full_bytes for r in inflight) > ctx.schedule.max_inflight_bytes
+            cap = ctx.schedule.max_inflight_bytes
+            too_big = cap is not None and sum(r.full_bytes for r in inflight) > cap
             if too_many or too_big:
                 limit = reductions[m].issue[0]
                 break

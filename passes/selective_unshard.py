@@ -24,11 +24,11 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerograph.sharding import ROOT_INDEX
+from zerograph.vocab import TAG
 
 from ._fx import find_collectives, is_alias_of_input
-from zerograph.vocab import TAG
-from .contract import contract
 from .context import PassContext, PassResult
+from .contract import contract
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ def choose_kept(sizes: list[int], budget: int) -> list[int]:
 
 @contract(requires=("gathers",))
 def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    if ctx.stage != 3 or ctx.graph_kind != "joint" or (ctx.memory.reshard_root_after_forward and not ctx.memory.unshard_budget_bytes):
+    nothing_kept = ctx.memory.reshard_root_after_forward and not ctx.memory.unshard_budget_bytes
+    if ctx.stage != 3 or ctx.graph_kind != "joint" or nothing_kept:
         return PassResult(gm, False)
     gathers = [c for c in find_collectives(gm.graph) if c.role == "gather"]
     root = set() if ctx.memory.reshard_root_after_forward else {i for i, g in enumerate(gathers) if g.units == [ROOT_INDEX]}

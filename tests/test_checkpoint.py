@@ -15,8 +15,14 @@ import pytest
 import torch
 
 from .distributed import spawn
-from .workers_patterns2 import (CKPT_SAVE_AFTER, CKPT_STEPS, build_checkpoint_net, checkpoint_batch,
-                                checkpoint_jobs, checkpoint_reference)
+from .workers_patterns2 import (
+    CKPT_SAVE_AFTER,
+    CKPT_STEPS,
+    build_checkpoint_net,
+    checkpoint_batch,
+    checkpoint_jobs,
+    checkpoint_reference,
+)
 
 pytestmark = pytest.mark.distributed  # every test reads the spawned jobs
 

@@ -19,10 +19,10 @@ import zerograph
 from zerograph import cli
 from zerograph.dump import MEMORY_CATEGORIES, describe_changes, write_rendering
 from zerograph.sharding import ROOT_UNIT, Unit
+from zerograph.state import config_of, runtime_of_model
 
 from .distributed import spawn
 from .models import build, global_batch, rank_slice
-from zerograph.state import config_of, runtime_of_model
 
 # a statement of the dumped Python that runs an all-gather / the unshard marker
 ALL_GATHER_LINE = re.compile(r'^\s+\w+(: "[^"]*")? = torch\.ops\._c10d_functional\.all_gather_into_tensor(_out)?\.default\(',

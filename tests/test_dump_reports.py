@@ -17,10 +17,10 @@ import subprocess
 import sys
 
 import pytest
-from zerograph.passes.manager import pipeline
 
 import zerograph
 from zerograph import cli
+from zerograph.passes.manager import pipeline
 
 from .models import build, global_batch
 

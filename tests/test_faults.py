@@ -15,11 +15,16 @@ import torch
 import zerograph
 from zerograph.errors import CollectiveError, ModelChangedError
 from zerograph.runtime import CommSchedule, ScheduleEntry, is_communication_failure
+from zerograph.state import runtime_of_model, state_of
 
 from .distributed import RankFailed, spawn
-from .workers_faults import (dies_between_forward_and_backward, one_rank_goes_silent, replica_and_checkpoint_faults,
-                             schedule_checks, unsupported_uses)
-from zerograph.state import runtime_of_model, state_of
+from .workers_faults import (
+    dies_between_forward_and_backward,
+    one_rank_goes_silent,
+    replica_and_checkpoint_faults,
+    schedule_checks,
+    unsupported_uses,
+)
 
 WORLD = 2
 ADVICE = "only activation shapes, such as sequence lengths, may differ"

@@ -1,12 +1,23 @@
 """zerograph: ZeRO (arXiv 1910.02054) as compiler passes over PyTorch's captured training graphs."""
-from .config import Config
-from .policies import ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, SchedulePolicy
-from .errors import (CollectiveError, ConfigError, ModelChangedError, PassError, PoolCorruptionError, ProcessGroupError,
-                     ScheduleMismatchError, ShardingError, UnshardedParameterError, ZeroGraphError)
 from .api import compile
+from .config import Config
+from .errors import (
+    CollectiveError,
+    ConfigError,
+    ModelChangedError,
+    PassError,
+    PoolCorruptionError,
+    ProcessGroupError,
+    ScheduleMismatchError,
+    ShardingError,
+    UnshardedParameterError,
+    ZeroGraphError,
+)
 from .fake import FakeWorldError, fake_world
+from .policies import ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, SchedulePolicy
 
-__all__ = ["Config", "ActivationPolicy", "MemoryPolicy", "MixedPrecisionPolicy", "SchedulePolicy", "compile", "CollectiveError", "ConfigError", "ModelChangedError", "PassError", "PoolCorruptionError",
+__all__ = ["Config", "ActivationPolicy", "MemoryPolicy", "MixedPrecisionPolicy", "SchedulePolicy", "compile",
+           "CollectiveError", "ConfigError", "ModelChangedError", "PassError", "PoolCorruptionError",
            "ProcessGroupError", "ScheduleMismatchError", "ShardingError", "UnshardedParameterError",
            "ZeroGraphError", "fake_world", "FakeWorldError"]
 from . import checkpoint  # noqa: E402  (zerograph.checkpoint.save / load / full_state_dict)

@@ -22,9 +22,8 @@ from .errors import ConfigError, ProcessGroupError, ShardingError, UnshardedPara
 from .registry import next_key
 from .replicas import sync_replicas
 from .runtime import Runtime
+from .sharding import ParameterWatch, find_units, set_gathering, set_grad_mode, shard_module_, sharded_parameter
 from .state import STATE_ATTR, ZeroGraphState, state_of
-from .sharding import (ParameterWatch, find_units, set_gathering, set_grad_mode, shard_module_,
-                       sharded_parameter)
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ and rewrites the graph to take the buffer from the pool:
     out = _c10d_functional.all_gather_into_tensor_out(send, N, group, out=buf)
     zerograph::pack_shards_out(shards, chunk_rows, N, out=buf)            # pack_shards into buf
 
-A slot (a role, "gathered" or "send", and a number) is one flat byte buffer per device, allocated the first time a graph asks for it and
+A slot (a role, "gathered" or "send", and a number) is one flat byte buffer per device, allocated the first time a
+graph asks for it and
 grown (reallocated) only when a graph compiled later asks for more bytes; every graph of a model
 shares the model's pool, which is safe because no pooled buffer outlives the graph call that
 filled it (``buffer_reuse`` pools only buffers that die inside their graph, and every collective

@@ -26,8 +26,7 @@ from torch.fx.graph import _BoxedCodeGen
 from zerograph.passes.activation_partition import offloaded_outputs, saved_activation_outputs, wants_offload
 from zerograph.passes.context import PassContext
 from zerograph.passes.liveness import Timeline, timeline
-from zerograph.passes.manager import (check_no_saved_gathers, collective_volume, pipeline, run_pipeline,
-                                      structured_trace_on)
+from zerograph.passes.manager import check_no_saved_gathers, collective_volume, pipeline, run_pipeline, structured_trace_on
 
 from .config import Config
 from .runtime import Runtime

@@ -473,7 +473,9 @@ def _fit_problem(state: dict, path: str, marker: dict, optimizer: torch.optim.Op
     if "optimizer" in state and saved_class is not None and saved_class != mine:
         return (f"the checkpoint at {path!r} does not fit this model and optimizer: optimizer class {saved_class} "
                 f"was saved, this one is {mine}\n(load(..., strict=False) loads it anyway)")
-    tensors_first = lambda key: (".param_groups." in key, key)  # hyperparameters matter less
+    def tensors_first(key: str) -> tuple[bool, str]:  # hyperparameters matter less
+        return ".param_groups." in key, key
+
     missing = sorted(template.keys() - saved.keys(), key=tensors_first)
     unexpected = sorted(saved.keys() - template.keys(), key=tensors_first)
     if not missing and not unexpected:

@@ -22,8 +22,7 @@ from torch import nn
 from .costmodel import CostModel
 from .errors import ConfigError
 from .passes.manager import check_disabled_passes
-from .policies import (ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, SchedulePolicy,
-                       check_module_classes)
+from .policies import ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, SchedulePolicy, check_module_classes
 
 STAGES = (0, 1, 2, 3)
 LOWERINGS = ("auto", "eager", "inductor")

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
+
 try:
     from torch.fx.experimental.symbolic_shapes import optimization_hint
 except ImportError:  # torch < 2.13 names it hint_int

@@ -4,7 +4,8 @@ The runtime never rewrites graphs. It owns what the compiled graphs need at run 
 group they name, the layouts the markers' fake implementations read, the eager fallback used when a
 frame runs outside a graph (a graph break), the full-size gradient buffers of gradient accumulation
 without sync (``requires_gradient_sync`` off), the pool of reused comm buffers, the per-step
-communication counters, and the checks that turn rank divergence and dead peers into errors instead of hangs: before each graph call the
+communication counters, and the checks that turn rank divergence and dead peers into errors instead of hangs: before
+each graph call the
 ranks compare a digest of the graph's communication schedule (``Runtime.check_schedule``), and a
 communication failure inside a graph becomes a ``CollectiveError`` naming it (``Runtime.run_graph``).
 """
@@ -22,13 +23,13 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
 
+from . import registry
 from .buffer_pool import BufferPool
 from .errors import CollectiveError, ProcessGroupError, ScheduleMismatchError
-from . import registry
 from .fake import is_fake_world
 from .sharding import ParamLayout, Unit
-from .vocab import (COLLECTIVE_KINDS, COLLECTIVES, GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, TAG, all_gather_single,
-                    full_buffer)
+from .vocab import COLLECTIVE_KINDS, COLLECTIVES, GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, TAG, all_gather_single, full_buffer
+
 
 @dataclasses.dataclass
 class CommCounter:

@@ -392,8 +392,7 @@ def _install_registration_hooks() -> None:
     global _HOOKS_INSTALLED
     if _HOOKS_INSTALLED:
         return
-    from torch.nn.modules.module import (register_module_module_registration_hook,
-                                         register_module_parameter_registration_hook)
+    from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
 
     register_module_parameter_registration_hook(_on_parameter_registered)
     register_module_module_registration_hook(_on_module_registered)

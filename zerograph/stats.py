@@ -10,9 +10,9 @@ from torch.distributed.tensor import DTensor
 
 from zerograph.passes.liveness import GRAD_ROLES, PARAM_ROLES
 
-from .state import state_of
 from .runtime import Runtime
 from .sharding import ParamLayout
+from .state import state_of
 
 
 @dataclasses.dataclass(frozen=True)

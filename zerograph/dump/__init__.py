@@ -57,7 +57,8 @@ _LAZY = {
 }
 
 # the names of _LAZY (a test checks they agree)
-__all__ = ["GraphDump", "MEMORY_CATEGORIES", "PassTrace", "open_pass_log", "begin_dump", "build_report", "calibrate_once", "collectives",
+__all__ = ["GraphDump", "MEMORY_CATEGORIES", "PassTrace", "open_pass_log", "begin_dump", "build_report",
+           "calibrate_once", "collectives",
            "describe_changes", "dot_graph", "explain", "finish_graph", "held_inputs", "last_reads",
            "memory_timeline", "module_unit", "node_comments", "nodes_moved", "op_counts", "op_name",
            "plot_memory", "rank_manifest", "read_dump", "readable_python", "releases", "summary_markdown",

@@ -15,9 +15,9 @@ import torch
 import torch.fx as fx
 
 from zerograph.passes._fx import find_collectives
-from zerograph.vocab import TAG, full_buffer
 from zerograph.passes.activation_partition import ACTIVATION
 from zerograph.passes.liveness import reads, storage_root
+from zerograph.vocab import TAG, full_buffer
 
 from ..sharding import Unit
 

@@ -15,8 +15,7 @@ interpreter, which must be set before the first Triton dispatch in the process),
 """
 from ._common import interpreter_requested
 from .adamw import adamw_step, adamw_step_reference
-from .ops import (PACK_SHARDS, UNPACK_GATHERED, pack_shards, pack_shards_numel, unpack_gathered,
-                  unpack_gathered_numel)
+from .ops import PACK_SHARDS, UNPACK_GATHERED, pack_shards, pack_shards_numel, unpack_gathered, unpack_gathered_numel
 from .packing import default_chunk_rows, pack, pack_reference, unpack, unpack_reference
 
 __all__ = ["PACK_SHARDS", "UNPACK_GATHERED", "adamw_step", "adamw_step_reference", "default_chunk_rows",

@@ -1,0 +1,144 @@
+"""The ZeRO paper's Table 1, measured: one real rank of a large world, on this machine.
+
+Builds a GPT of about ``--params`` parameters on the meta device, compiles it at each ``--stages``
+as rank 0 of ``--world-size`` ranks on PyTorch's fake process group (``zerograph.fake_world``:
+collectives move no data, so the step's numbers are meaningless, but every tensor this rank holds
+is real and of its real size), initialises this rank's shards, and runs one training step with
+the mixed-precision setup of the paper's K = 12 accounting: compute and gradients reduced in bf16,
+fp32 master shards, AdamW's fp32 moments. It prints, per stage, the model-state bytes this rank
+holds after the step (the storages of its parameter shards, their ``.grad`` and the optimizer's
+state, measured) beside ``zerograph.plan``'s formula and the paper's figure, plus the step's peak
+RSS growth (which adds activations, the gathered units in flight and the allocator's slack).
+
+Usage (about 5 minutes on 2 CPU cores for the default 7.5B at N = 64, stage 3):
+    python examples/paper_table1.py --params 7.5e9 --world-size 64 --stages 3 --tokens 256
+
+Source: Rajbhandari et al., "ZeRO", arXiv 1910.02054, Table 1 (7.5B parameters, N = 64:
+120 / 31.4 / 16.6 / 1.88 GB for DP / P_os / P_os+g / P_os+g+p) and section 5's formulas.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import time
+
+import torch
+
+import zerograph
+from zerograph.models.gpt import GPT, GPTConfig
+
+PAPER_7_5B_N64_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.88}  # Table 1, K = 12, Ψ = 7.5B, N = 64
+GB = 1e9  # the paper's GB
+
+
+def gpt_of_size(params: float, width: int, vocab: int, seq: int) -> GPTConfig:
+    """A GPT config whose parameter count is closest to ``params`` at the given width: each block
+    holds 12 d^2 + 13 d parameters (q, k, v, projection, a 4x MLP, two LayerNorms, biases)."""
+    per_block = 12 * width * width + 13 * width
+    embeddings = (vocab + seq) * width + 2 * width
+    layers = max(1, round((params - embeddings) / per_block))
+    return GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=max(1, width // 128), n_embd=width)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors`` (DTensors: their local shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def measure(cfg: GPTConfig, stage: int, world_size: int, tokens: int, seed: int) -> dict:
+    with torch.device("meta"):
+        model = GPT(cfg)
+    psi = sum(p.numel() for p in model.parameters())
+    planned = zerograph.plan(model, stage, world_size, param_dtype=torch.bfloat16)
+    need = planned.total_with_overheads
+    if need > 0.8 * available_bytes():
+        raise SystemExit(f"stage {stage}: zerograph.plan needs {need / GB:.1f} GB of model states per rank, "
+                         f"this machine has {available_bytes() / GB:.1f} GB available; refusing to allocate\n{planned}")
+    config = zerograph.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    rss_before = peak_rss_bytes()
+    with zerograph.fake_world(world_size, rank=0):
+        start = time.perf_counter()
+        model = zerograph.compile(model, stage=stage, config=config, device="cpu")
+        torch.manual_seed(seed)
+        zerograph.init_weights(model)
+        init_s = time.perf_counter() - start
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)  # foreach would copy per group
+        seq = min(cfg.block_size, tokens)
+        x = torch.randint(cfg.vocab_size, (max(1, tokens // seq), seq))
+        start = time.perf_counter()
+        loss = model(x, x)
+        loss.backward()
+        opt.step()
+        step_s = time.perf_counter() - start
+        params = list(model.parameters())
+        states = {"params": storage_bytes(params), "grads": storage_bytes(p.grad for p in params),
+                  "optimizer_states": storage_bytes(v for s in opt.state.values() for v in s.values()
+                                                    if isinstance(v, torch.Tensor) and v.dim() > 0)}
+        stats = zerograph.stats(model, opt)
+    states["total"] = sum(states.values())
+    flops = 6 * psi * x.numel()  # forward + backward, the usual 6 Ψ T (attention's T^2 term left out)
+    result = {
+        "stage": stage, "world_size": world_size, "psi": psi, "tokens": x.numel(), "fake_world": stats.fake_world,
+        "measured_bytes": states, "plan_bytes": dict(planned.bytes_per_rank),
+        "plan_total_with_overheads": planned.total_with_overheads,
+        "paper_gb": PAPER_7_5B_N64_GB[stage] if world_size == 64 and abs(psi - 7.5e9) < 0.1e9 else None,
+        "peak_rss_growth_bytes": peak_rss_bytes() - rss_before, "init_s": init_s, "step_s": step_s,
+        "step_tflops": flops / step_s / 1e12,
+    }
+    del model, opt, loss, params
+    gc.collect()
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", type=float, default=7.5e9, help="parameters of the GPT (about)")
+    p.add_argument("--width", type=int, default=4096, help="model width d")
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--world-size", type=int, default=64, help="N, the world this rank belongs to")
+    p.add_argument("--stages", default="3", help="comma-separated ZeRO stages")
+    p.add_argument("--tokens", type=int, default=256, help="tokens in this rank's micro-batch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the raw results here")
+    args = p.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    cfg = gpt_of_size(args.params, args.width, args.vocab, min(args.tokens, 1024))
+    rows = [measure(cfg, int(s), args.world_size, args.tokens, args.seed) for s in args.stages.split(",")]
+    print(f"GPT: {cfg.n_layer} blocks of width {cfg.n_embd}, Ψ = {rows[0]['psi']:,}; rank 0 of N = {args.world_size} "
+          f"(fake world: collectives move no data; memory and compute are this rank's own)")
+    print(f"{'stage':>5}  {'measured GB':>11}  {'plan GB':>8}  {'paper GB':>8}  {'measured/plan':>13}  "
+          f"{'peak RSS +GB':>12}  {'step s':>7}  {'TFLOP/s':>7}")
+    for r in rows:
+        measured, planned = r["measured_bytes"]["total"], r["plan_bytes"]["total"]
+        paper = f"{r['paper_gb']:.2f}" if r["paper_gb"] is not None else "-"
+        print(f"{r['stage']:>5}  {measured / GB:>11.3f}  {planned / GB:>8.3f}  {paper:>8}  {measured / planned:>13.3f}  "
+              f"{r['peak_rss_growth_bytes'] / GB:>12.2f}  {r['step_s']:>7.1f}  {r['step_tflops']:>7.3f}")
+        print("       measured: " + ", ".join(f"{k} {v / GB:.3f}" for k, v in r["measured_bytes"].items() if k != "total")
+              + " GB; plan: " + ", ".join(f"{k} {v / GB:.3f}" for k, v in r["plan_bytes"].items() if k != "total") + " GB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "gpt": cfg.__dict__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
