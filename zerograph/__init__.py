@@ -25,3 +25,7 @@ __all__ += ["CostModel", "calibrate", "Event", "Schedule", "measure", "predict"]
 from .dump import explain, write_summary
 
 __all__ += ["explain", "write_summary"]
+from .init import init_weights, reset_parameters  # noqa: E402
+from .loading import LoadError, load_safetensors  # noqa: E402
+
+__all__ += ["init_weights", "reset_parameters", "LoadError", "load_safetensors"]
