@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import ShardingError
-from .loading import local_rows
+from .loading import local_rows, versions
 from .sharding import ROOT_INDEX, ParamLayout
 from .state import state_of
 
@@ -98,7 +98,7 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
                 holders.setdefault(key_of[id(p)], []).append((mod, name))
     pending = _pending_keys(model, key_of)
     pending = _agree(runtime.group, pending, device)
-    versions = {key: _local(p)._version for key, p in shard_of.items()}
+    written = {key: versions(p) for key, p in shard_of.items()}  # what our own copies leave
 
     unit_of_module = _unit_of_modules(model, runtime.units)
     unit_roots = {id(model.get_submodule(u.name)) for u in runtime.units if u.index != ROOT_INDEX}
@@ -110,12 +110,12 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
             del key_of[id(full)]
             for mod, name in holders[key]:
                 mod._parameters[name] = shard_of[key]
-            if key in pending and full.is_floating_point() and bool(torch.isnan(full).all()):
+            if key in pending and full.is_floating_point() and _all_nan(full):
                 continue  # no fn wrote it: it stays uninitialised (and NaN never reaches the shard)
             layout, start, stop = rows[id(shard_of[key])]
             with torch.no_grad():
                 _local(shard_of[key]).copy_(full[start:stop] if layout.sharded else full)
-            versions[key] += 1
+            written[key] = versions(shard_of[key])
             pending.discard(key)
 
     def materialise(unit: int) -> None:
@@ -147,7 +147,7 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
             for key in fulls:
                 for mod, name in holders[key]:
                     mod._parameters[name] = shard_of[key]
-    direct = [layout_of[k].fqn for k, p in shard_of.items() if _local(p)._version != versions[k]]
+    direct = [layout_of[k].fqn for k, p in shard_of.items() if versions(p) != written[k]]
     if direct:
         raise ShardingError(
             f"init_weights: fn wrote the shards of {', '.join(direct[:5])} directly (a module initialised "
@@ -175,7 +175,13 @@ def _full(shard: torch.Tensor, layout: ParamLayout, group: dist.ProcessGroup, de
     padded[: local.shape[0]] = local
     gathered = local.new_empty((layout.world_size * layout.chunk_rows, *layout.shape[1:]))
     dist.all_gather_single(gathered, padded, group=group)
-    return gathered[: layout.shape[0]].to(device, copy=True)
+    return gathered[: layout.shape[0]].to(device)  # a view of the fresh buffer, or a copy on ``device``
+
+
+def _all_nan(full: torch.Tensor, block: int = 1 << 20) -> bool:
+    """Whether every element is NaN (still as materialised), tested in blocks so that the test
+    allocates 1 MiB of booleans at most, not one per element."""
+    return all(bool(torch.isnan(part).all()) for part in full.detach().reshape(-1).split(block))
 
 
 def _pending_keys(model: nn.Module, key_of: dict[int, int]) -> set[int]:

@@ -44,13 +44,11 @@ class UninitialisedTracker:
     """
 
     def __init__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            locals_ = [(name, t.to_local() if isinstance(t, DTensor) else t) for name, t in tensors]
-        self.entries = [(name, t, t._version) for name, t in locals_]
+        self.entries = [(name, t, versions(t)) for name, t in tensors]
 
     def pending(self) -> list[str]:
         """Names not written yet (a tensor whose version moved is dropped for good)."""
-        self.entries = [(n, t, v) for n, t, v in self.entries if t._version == v]
+        self.entries = [(n, t, v) for n, t, v in self.entries if versions(t) == v]
         return [n for n, _, _ in self.entries]
 
     def check(self) -> None:
@@ -62,6 +60,16 @@ class UninitialisedTracker:
                 f"initialised ({_listed(names)}): their shards hold uninitialised memory. Call "
                 "zerograph.init_weights(model) (or load weights: model.load_state_dict(...), "
                 "zerograph.load_safetensors(model, path)) before running it")
+
+
+def versions(tensor: torch.Tensor) -> tuple[int, int]:
+    """Version counters of a tensor and of its local shard (the same for a plain tensor). Both are
+    needed: an in-place op through ``DTensor`` dispatch (``shard.copy_(dtensor)``) bumps the
+    DTensor's only, one on ``to_local()`` (a view of the shard) the local tensor's only."""
+    if isinstance(tensor, DTensor):
+        with torch.no_grad():
+            return tensor._version, tensor.to_local()._version
+    return tensor._version, tensor._version
 
 
 def _listed(names: list[str], limit: int = 6) -> str:
