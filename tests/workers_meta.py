@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -116,6 +117,7 @@ def meta_parity(rank: int, world_size: int, stages: list[int], train_stages: lis
     single, sharded = write_checkpoints(source.state_dict(), rank_dir)
     for stage in stages:
         result: dict = {}
+        started = time.perf_counter()
         model = meta_gpt(cfg, stage)
         try:
             model(*gpt_batch(cfg, 0, 2))
@@ -136,11 +138,13 @@ def meta_parity(rank: int, world_size: int, stages: list[int], train_stages: lis
             result[f"{how}_differs"] = _differing(zerograph.checkpoint.full_state_dict(loaded, cpu_offload=False),
                                                   source.state_dict())
             result[f"{how}_pending"] = zerograph.state.state_of(loaded).uninitialised.pending()
+        result["seconds_loading"] = time.perf_counter() - started
         if stage in train_stages:
             result["losses"] = train_steps(model, cfg, rank, world_size, 3, 4)
             full = zerograph.checkpoint.full_state_dict(model, cpu_offload=False)
             result["reference_losses"] = reference_steps(ordinary, cfg, 3, 4)
             result["max_param_difference"] = max_difference(full, ordinary)
+        result["seconds"] = time.perf_counter() - started
         out[stage] = result
     if world_size > 1 and train_stages:  # ranks seeded differently: refused on every rank, nothing written
         model = meta_gpt(cfg, 3)
@@ -177,7 +181,7 @@ def big_meta_memory(rank: int, world_size: int, measure_ordinary: bool = False) 
     init pass), whether rank 0's gathered model equals the ordinary build bitwise, and with
     ``measure_ordinary`` the growth of an ordinary build + compile on every rank."""
     cfg = BIG_GPT
-    warm = meta_gpt(UNEVEN_GPT, 3)  # first use imports torch.compile's and DTensor's modules: not per model
+    warm = meta_gpt(UNEVEN_GPT, 3)  # a first use imports torch.compile's and DTensor's modules: not per model
     torch.manual_seed(0)
     zerograph.init_weights(warm, gpt_init_passes(warm, UNEVEN_GPT))
     with torch.device("meta"):
@@ -206,3 +210,11 @@ def big_meta_memory(rank: int, world_size: int, measure_ordinary: bool = False) 
         zerograph.compile(GPT(cfg), stage=3)
         result["ordinary_growth_kib"] = _memory_kib("VmHWM") - before
     return result
+
+
+def meta_parity_and_memory(rank: int, world_size: int, stages: list[int], train_stages: list[int],
+                           directory: str) -> dict:
+    """``meta_parity``, then ``big_meta_memory`` in the same ranks (one spawn instead of two)."""
+    out = meta_parity(rank, world_size, stages, train_stages, directory)
+    out["memory"] = big_meta_memory(rank, world_size)
+    return out

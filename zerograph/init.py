@@ -77,8 +77,9 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
         when the model is fully initialised).
 
     Raises:
-        ShardingError: ``model`` was not compiled by zerograph; the ranks' RNG states differ
-            (seed every rank alike first: ``torch.manual_seed(seed)``); ``fn`` wrote a shard directly.
+        ShardingError: ``model`` was not compiled by zerograph; ``fn`` draws random numbers but the
+            ranks' RNG states differ (seed every rank alike first: ``torch.manual_seed(seed)``;
+            raised before the first random value is written); ``fn`` wrote a shard directly.
 
     Source: FSDP2's meta-device initialisation (``to_empty`` + ``reset_parameters``) and
     torchtitan's per-module ``init_weights``; DeepSpeed's ``zero.Init`` gathers-then-slices the same way.
@@ -97,7 +98,8 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
             if p is not None:
                 holders.setdefault(key_of[id(p)], []).append((mod, name))
     pending = _pending_keys(model, key_of)
-    pending = _agree(runtime.group, pending, device)
+    pending, rng_diverged = _agree(runtime.group, pending, device)
+    rng_start = _rng_state(device)
     written = {key: versions(p) for key, p in shard_of.items()}  # what our own copies leave
 
     unit_of_module = _unit_of_modules(model, runtime.units)
@@ -106,6 +108,10 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
     open_units: dict[int, dict[int, torch.Tensor]] = {}  # unit -> key -> full tensor (swapped in)
 
     def release(unit: int) -> None:
+        if rng_diverged and not torch.equal(_rng_state(device), rng_start):  # every rank raises here alike
+            raise ShardingError("init_weights: fn draws random numbers but the ranks' random number generators "
+                                "were in different states, so their rows would come from different streams; call "
+                                "torch.manual_seed(seed) with the same seed on every rank before init_weights")
         for key, full in open_units.pop(unit).items():
             del key_of[id(full)]
             for mod, name in holders[key]:
@@ -193,20 +199,20 @@ def _pending_keys(model: nn.Module, key_of: dict[int, int]) -> set[int]:
     return {key_of[id(p)] for n, p in model.named_parameters() if n in names}
 
 
-def _agree(group: dist.ProcessGroup, pending: set[int], device: torch.device) -> set[int]:
-    """Check that every rank's RNG state is the same (else the ranks' rows would come from
-    different streams); return the union of the ranks' uninitialised keys, so all ranks gather alike."""
+def _rng_state(device: torch.device) -> torch.Tensor:
     state = torch.random.get_rng_state()
-    if device.type == "cuda":
-        state = torch.cat([state, torch.cuda.get_rng_state(device)])
-    digest = hashlib.sha256(state.numpy().tobytes()).hexdigest()
+    return torch.cat([state, torch.cuda.get_rng_state(device)]) if device.type == "cuda" else state
+
+
+def _agree(group: dist.ProcessGroup, pending: set[int], device: torch.device) -> tuple[set[int], bool]:
+    """The union of the ranks' uninitialised keys (so all ranks gather alike), and whether the
+    ranks' RNG states differ: then an ``fn`` that draws random numbers would give each rank's rows
+    from another stream, which ``release`` refuses before writing (an ``fn`` that draws none, such
+    as one computing buffers, is fine)."""
+    digest = hashlib.sha256(_rng_state(device).numpy().tobytes()).hexdigest()
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (digest, sorted(pending)), group=group)
-    if len({d for d, _ in everyone}) > 1:
-        raise ShardingError("init_weights: the ranks' random number generators are in different states, so their "
-                            "rows would come from different streams; call torch.manual_seed(seed) with the same "
-                            "seed on every rank before building and initialising the model")
-    return {key for _, keys in everyone for key in keys}
+    return {key for _, keys in everyone for key in keys}, len({d for d, _ in everyone}) > 1
 
 
 def _units_needed(mod: nn.Module, unit_of_module: dict[int, int], unit_roots: set[int],
