@@ -218,11 +218,17 @@ def _target_device(model: nn.Module, device: torch.device | str | int | None,
     params = list(model.named_parameters())
     if not params:
         raise ShardingError("the model has no parameters to shard")
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ShardingError(f"device={device!r} is not a device zerograph can place shards on") from exc
     meta = [n for n, p in params if p.is_meta]
     real = [(n, p.device) for n, p in params if not p.is_meta]
     if meta and real:
         raise ShardingError(
-            f"the model's parameters are partly on the meta device ({_names(meta)}) and partly not "
+            f"all parameters must live on one device before compile, but they are partly on the meta device "
+            f"({_names(meta)}) and partly not "
             f"({_names([f'{n} on {d}' for n, d in real])}); build all of it on the meta device, or none")
     if not meta:
         meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
@@ -233,17 +239,13 @@ def _target_device(model: nn.Module, device: torch.device | str | int | None,
         if len(devices) > 1:
             raise ShardingError(f"all parameters must live on one device before compile; found {sorted(map(str, devices))}")
         own = devices.pop()
-        if device is not None and torch.device(device) != own:
+        if device is not None and (device.type != own.type or device.index not in (None, own.index)):
             raise ShardingError(f"device={str(device)!r} given, but the parameters are on {own}; device= places a "
                                 "meta-built model's shards: move a built model with .to() before compile")
         return own, False
     if device is None:
         nccl = (dist.get_backend(group) == "nccl") if dist.is_initialized() else torch.cuda.is_available()
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ShardingError(f"device={device!r} is not a device for the shards of the meta-built model") from exc
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     usable = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())

@@ -142,7 +142,8 @@ def load_state_dict(self: nn.Module, state_dict: Mapping[str, Any], strict: bool
         value, target = given[key], expected[key]
         if isinstance(target, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
             layout, start, stop = rows[id(target)]
-            own = _own_rows(value.detach(), layout, start, stop).to(target.device)
+            full = value.detach().reshape(target.shape)  # the (1,) -> 0-d rule, else a no-op
+            own = _own_rows(full, layout, start, stop).to(target.device)
             given[key] = DTensor.from_local(own, target.device_mesh, target.placements, run_check=False,
                                             shape=target.shape, stride=target.stride())
     return nn.Module.load_state_dict(self, given, strict=strict)
