@@ -64,7 +64,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16, help="global batch, sequences (split over ranks)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--data-bytes", type=int, default=8_000_000)
-    p.add_argument("--lowering", default="eager", choices=["eager", "inductor"])
+    p.add_argument("--lowering", default="auto", choices=["auto", "eager", "inductor"],
+                   help="auto: Inductor on CUDA, eager on CPU")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()

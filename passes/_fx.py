@@ -13,8 +13,8 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from zerograph.ops import REDUCE_GRAD
+from zerograph.vocab import COLLECTIVE_KINDS, TAG, full_buffer
 
-TAG = "zerograph"  # node.meta[TAG] = {"role": ..., "unit": ..., "units": ...} on every node a pass inserts
 
 
 def group_markers(markers: Sequence[fx.Node], ctx: Any) -> list[list[fx.Node]]:
@@ -132,23 +132,6 @@ def sink_below_inputs(graph: fx.Graph) -> None:
                     placed.add(pending)
                     waiting.remove(pending)
                     progress = True
-
-
-COLLECTIVE_KINDS = {
-    torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
-    torch.ops._c10d_functional.all_gather_into_tensor_out.default: "all_gather",  # buffer_reuse's
-    torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
-    torch.ops._c10d_functional.all_reduce.default: "all_reduce",
-}
-WAIT = torch.ops._c10d_functional.wait_tensor.default
-
-
-def full_buffer(collective: fx.Node) -> torch.Tensor:
-    """The fake value of the full (unsharded) buffer a collective node moves: the output of an
-    all-gather, the input of a reduce-scatter or all-reduce (the ZeRO paper's volume, section 7)."""
-    if COLLECTIVE_KINDS[collective.target] == "all_gather":
-        return collective.meta["val"]
-    return collective.args[0].meta["val"]
 
 
 @dataclasses.dataclass

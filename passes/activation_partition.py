@@ -4,7 +4,7 @@ recompute, offload to host memory, or partition across the activation group (ZeR
 Pre: a joint graph (before the min-cut partitioner) whose forward nodes carry Dynamo's
 ``nn_module_stack``; the gather chains of ``insert_allgather`` and the kept gathers of
 ``selective_unshard`` already carry their own ``recompute`` tags (left as they are).
-Post: with ``ctx.activation_budget_bytes`` None, nothing changes. Otherwise every non-root unit is
+Post: with ``ctx.activations.budget_bytes`` None, nothing changes. Otherwise every non-root unit is
 planned (``plan_activations``) and the plan is carried out:
 
 - ``recompute``: the unit's forward nodes are tagged ``meta["recompute"] = MUST_RECOMPUTE`` and
@@ -13,7 +13,7 @@ planned (``plan_activations``) and the plan is carried out:
   The partitioner then saves what the unit reads from outside (its input; the output of the unit
   before it when both are recomputed, since ``cleanup_recompute_tags`` saves values at the
   boundary of two regions) and runs the unit's forward again in backward.
-- ``offload`` (``ctx.activation_offload``): each saved storage offload can move (``offloadable``) is marked
+- ``offload`` (``ctx.activations.offload``): each saved storage offload can move (``offloadable``) is marked
   ``should_offload`` and ``MUST_SAVE``; PyTorch's partitioner-level offloading (switched on by
   ``zerograph.capture`` for that partition) copies it to host memory after its last forward use
   and back before its first backward use, on a transfer stream on CUDA. Backward's reads through
@@ -48,7 +48,7 @@ unit's activations backward reads when kept; ``input_bytes``, what recomputing s
 recompute, the roofline of the unit's forward ops (``CostModel.node_time``); offload, the host
 round trip at ``HOST_LINK_BYTES_PER_S``; P_a, the all-gather (``_all_gather_s``: the cost model's
 if it describes a group of M ranks, else the nominal bus rate). The cost model is
-``ctx.activation_cost_model``, or nominal rates (``NOMINAL_*``) when none is given: every rank
+``ctx.activations.cost_model``, or nominal rates (``NOMINAL_*``) when none is given: every rank
 must decide alike, so the pipeline measures nothing. Options are taken in decreasing order of
 bytes freed per second, each unit's cheapest first, a dearer one replacing it only if it frees
 more, until the estimate of device-resident saved bytes fits the budget. Per-unit prices miss
@@ -78,7 +78,8 @@ from zerograph.costmodel import CostModel, is_view, node_bytes, node_flops, tens
 from zerograph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
 from zerograph.sharding import Unit
 
-from ._fx import TAG
+from zerograph.vocab import TAG
+from .contract import contract
 from .context import PassContext, PassResult
 from .liveness import storage_root
 
@@ -352,16 +353,17 @@ def _all_gather_s(nbytes: int, group_size: int, cost: CostModel | None) -> float
     return nbytes * (group_size - 1) / group_size / NOMINAL_BUS_BYTES_PER_S
 
 
+@contract(requires=("gathers",))
 def activation_partition(gm: fx.GraphModule, ctx: PassContext, *, cost: CostModel | None = None) -> PassResult:
     """Plan (``plan_activations``), then carry the decisions out (see the module doc).
-    ``cost``: price recompute and P_a under this model (default ``ctx.activation_cost_model``;
+    ``cost``: price recompute and P_a under this model (default ``ctx.activations.cost_model``;
     ``None`` there too: nominal rates)."""
-    if ctx.graph_kind != "joint" or ctx.activation_budget_bytes is None:
+    if ctx.graph_kind != "joint" or ctx.activations.budget_bytes is None:
         return PassResult(gm, False)
     found, root_saved = regions(gm.graph, ctx.units)
-    cost = cost if cost is not None else ctx.activation_cost_model
+    cost = cost if cost is not None else ctx.activations.cost_model
     group_name, group_size = ctx.activation_group or (None, None)
-    plan = _choose(found, root_saved, ctx.units, ctx.activation_budget_bytes, cost, ctx.activation_offload,
+    plan = _choose(found, root_saved, ctx.units, ctx.activations.budget_bytes, cost, ctx.activations.offload,
                    group_size)
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     order = sorted(plan.recomputed, key=lambda u: pos[found[u].nodes[0]])

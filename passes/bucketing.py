@@ -21,7 +21,8 @@ import torch.fx as fx
 
 from zerograph.ops import REDUCE_GRAD, UNSHARD
 
-from ._fx import TAG
+from zerograph.vocab import TAG
+from .contract import contract
 from .context import PassContext, PassResult
 
 
@@ -54,6 +55,7 @@ def assign_buckets(units: list[int], sizes: dict[int, int], cap: int) -> dict[in
     return bucket_of
 
 
+@contract(requires=("markers",), provides=("buckets",))
 def bucketing(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     marker = REDUCE_GRAD if ctx.graph_kind == "backward" else UNSHARD
     markers = list(gm.graph.find_nodes(op="call_function", target=marker))
@@ -61,7 +63,7 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False)
     units = unit_order(markers, ctx)
     sizes = {u: unit_bytes(u, markers, ctx) for u in units}
-    bucket_of = assign_buckets(units, sizes, ctx.bucket_bytes)
+    bucket_of = assign_buckets(units, sizes, ctx.schedule.bucket_bytes)
     for node in markers:
         node.meta.setdefault(TAG, {})["bucket"] = bucket_of[ctx.layouts[node.args[1]].unit]
     return PassResult(gm, True, {"buckets": len(set(bucket_of.values())), "units": len(units)})

@@ -43,7 +43,9 @@ from zerograph.buffer_pool import PACK_SHARDS_OUT, POOL_BUFFER
 from zerograph.kernels.ops import PACK_SHARDS
 from zerograph.sharding import ROOT_INDEX
 
-from ._fx import COLLECTIVE_KINDS, TAG, position
+from ._fx import position
+from zerograph.vocab import COLLECTIVE_KINDS, TAG
+from .contract import contract
 from .context import PassContext, PassResult
 from .liveness import storage_root
 
@@ -130,6 +132,7 @@ def slot_bytes(plan: list[PooledBuffer]) -> dict[tuple[str, int], int]:
     return sizes
 
 
+@contract(requires=("gathers",))
 def buffer_reuse(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if ctx.buffer_pool is None or not ctx.communicates:
         return PassResult(gm, False)

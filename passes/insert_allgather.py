@@ -38,7 +38,9 @@ from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED
 from zerograph.ops import UNSHARD
 from zerograph.sharding import ParamLayout
 
-from ._fx import TAG, bucket_tag, group_markers, hoist_before, is_alias_of_input, position, splice
+from ._fx import bucket_tag, group_markers, hoist_before, is_alias_of_input, position, splice
+from zerograph.vocab import TAG
+from .contract import contract
 from .context import PassContext, PassResult
 
 funcol = torch.ops._c10d_functional
@@ -102,6 +104,7 @@ def _gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str):
     return gather
 
 
+@contract(requires=("markers",), provides=("gathers",))
 def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
     plan = plan_gathers(graph, ctx)

@@ -41,9 +41,11 @@ import torch.nn.functional as F
 
 from zerograph.kernels.ops import PACK_SHARDS
 from zerograph.ops import ACCUMULATE_UNSYNCED, REDUCE_GRAD, TAKE_UNSYNCED, grad_mode_of
-from zerograph.sharding import GRAD_ACCUMULATE, GRAD_FLUSH, ParamLayout
+from zerograph.sharding import ParamLayout
+from zerograph.vocab import GRAD_ACCUMULATE, GRAD_FLUSH
 
 from ._fx import bucket_tag, group_markers, position, sink_below_inputs, splice
+from .contract import contract
 from .context import PassContext, PassResult
 
 funcol = torch.ops._c10d_functional
@@ -117,6 +119,7 @@ def _sum_fn(dtype: torch.dtype):
     return total
 
 
+@contract(requires=("markers",), provides=("reductions",))
 def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
     plan = plan_reductions(graph, ctx)

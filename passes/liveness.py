@@ -18,7 +18,8 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from ._fx import TAG, WAIT, is_alias_of_input
+from ._fx import is_alias_of_input
+from zerograph.vocab import TAG, WAIT
 
 PARAM_ROLES = ("gather",)
 GRAD_ROLES = ("full_grad", "reduce")

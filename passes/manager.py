@@ -14,14 +14,16 @@ from collections.abc import Callable, Sequence
 
 import torch.fx as fx
 
-from zerograph.errors import PassError
+from zerograph.errors import ConfigError, PassError
 from zerograph.ops import REDUCE_GRAD, UNSHARD
 
-from ._fx import COLLECTIVE_KINDS, TAG, WAIT, count_targets, full_buffer, is_alias_of_input
+from ._fx import count_targets, is_alias_of_input
+from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer
 from .activation_partition import activation_partition
 from .buffer_reuse import buffer_reuse
 from .bucketing import bucketing
 from .context import PassContext, PassResult
+from .contract import pipeline_problem
 from .insert_allgather import insert_allgather
 from .insert_reduce_scatter import insert_reduce_scatter
 from .prefetch import prefetch
@@ -57,13 +59,41 @@ def pipeline(kind: str) -> list[Pass]:
     }[kind]
 
 
+GRAPH_KINDS = ("joint", "forward", "inference", "backward")
+
+
 def pass_names() -> set[str]:
     """Every pass some pipeline runs (what ``Config.disabled_passes`` may name)."""
-    return {p.__name__ for kind in ("joint", "forward", "inference", "backward") for p in pipeline(kind)}
+    return {p.__name__ for kind in GRAPH_KINDS for p in pipeline(kind)}
+
+
+def check_disabled_passes(disabled: Sequence[str]) -> None:
+    """Refuse ``disabled`` when it names an unknown pass, or one that a later pass or the end of a
+    pipeline requires (the passes' contracts, ``passes/contract.py``).
+
+    Raises:
+        ConfigError: naming the unknown pass, or the pipeline, pass and missing capability.
+    """
+    unknown = sorted(set(disabled) - pass_names())
+    if unknown:
+        raise ConfigError(f"Config.disabled_passes names unknown passes {unknown}; passes: {sorted(pass_names())}")
+    for kind in GRAPH_KINDS:
+        problem = pipeline_problem(kind, pipeline(kind), disabled)
+        if problem is not None:
+            raise ConfigError(f"Config.disabled_passes={tuple(disabled)} cannot run: {problem}")
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *,
                  disabled: Sequence[str] = (), dump_dir: str | None = None) -> fx.GraphModule:
+    """Run ``passes`` (less ``disabled``) on ``gm`` in order; return the final graph module.
+
+    Raises:
+        PassError: the pipeline breaks a pass contract (checked before any pass runs), a pass
+            raised, or the graph fails a check after a pass (naming the pass and those before it).
+    """
+    problem = pipeline_problem(ctx.graph_kind, passes, disabled)
+    if problem is not None:
+        raise PassError(problem)
     dump = _open_dump(dump_dir, ctx, gm)
     done: list[str] = []
     for number, pass_fn in enumerate(passes, start=1):
@@ -95,13 +125,23 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *
 
 
 def _open_dump(dump_dir: str | None, ctx: PassContext, gm: fx.GraphModule):
-    """A ``zerograph.dump.GraphDump`` that has written the input graph, or ``None`` when dumping is
-    off. Imported here, not at the top, so that dumping off costs nothing."""
-    if not dump_dir:
+    """The per-pass log (``zerograph.dump.GraphDump`` writing into ``dump_dir``, and / or the
+    structured trace's ``PassTrace``) with the input graph recorded, or ``None`` when dumping and
+    the trace are off. Imported here, not at the top, so that both off cost nothing."""
+    traced = structured_trace_on()
+    if not dump_dir and not traced:
         return None
-    from zerograph.dump import GraphDump
+    from zerograph.dump import open_pass_log
 
-    return GraphDump(dump_dir, ctx, gm)
+    return open_pass_log(dump_dir, ctx, gm, traced)
+
+
+def structured_trace_on() -> bool:
+    """True when PyTorch's structured trace (``TORCH_TRACE=dir``, read by ``tlparse``) will write:
+    it has a handler other than the lazy one made without a directory (which removes itself)."""
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    return any(not (isinstance(h, LazyTraceHandler) and h.root_dir is None) for h in trace_log.handlers)
 
 
 def check_collectives_waited(graph: fx.Graph) -> None:

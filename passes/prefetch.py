@@ -21,10 +21,16 @@ prefetch bucket; DeepCompile (arXiv 2504.09983) section 4.2, prefetching.
 """
 from __future__ import annotations
 
+import logging
+
 import torch.fx as fx
 
-from ._fx import COLLECTIVE_KINDS, TAG, Collective, find_collectives, hoist_before, is_alias_of_input, move_before, position
+from ._fx import Collective, find_collectives, hoist_before, is_alias_of_input, move_before, position
+from zerograph.vocab import COLLECTIVE_KINDS, TAG
+from .contract import contract
 from .context import PassContext, PassResult
+
+log = logging.getLogger(__name__)
 
 
 def prefetch_distance(gathers: list[Collective], i: int, depth: int, max_inflight_bytes: int | None) -> int:
@@ -82,6 +88,7 @@ def earliest_point(issue: list[fx.Node], graph: fx.Graph) -> fx.Node:
     return last.next
 
 
+@contract(requires=("gathers",))
 def prefetch(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
     order = position(graph)
@@ -90,16 +97,23 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     moved = 0
     for i, gather in enumerate(gathers):
         earliest = earliest_point(gather.issue, graph)
-        if i < ctx.prefetch_depth and within_budget(gathers[: i + 1], ctx.max_inflight_bytes):
+        if i < ctx.schedule.prefetch_depth and within_budget(gathers[: i + 1], ctx.schedule.max_inflight_bytes):
             # nothing earlier to overlap with but what precedes the first use; hoist, but never
             # above a collective issued before it: copy-ins differ by rank (padding), so only
             # collectives may order collectives, or ranks could issue them in different orders
             point = max(earliest, after_previous_start(gather, graph), key=position(graph).__getitem__)
         else:
-            d = prefetch_distance(gathers, i, ctx.prefetch_depth, ctx.max_inflight_bytes)
+            d = prefetch_distance(gathers, i, ctx.schedule.prefetch_depth, ctx.schedule.max_inflight_bytes)
+            if d < min(ctx.schedule.prefetch_depth, i):
+                log.debug("%s graph: gather %d (units %s) starts %d ahead instead of %d: %d bytes in flight "
+                          "would exceed max_inflight_bytes=%d", ctx.graph_kind, i, gather.units, d,
+                          min(ctx.schedule.prefetch_depth, i),
+                          sum(g.full_bytes for g in gathers[i - d - 1: i + 1]), ctx.schedule.max_inflight_bytes)
             point = copy_out_end(gathers[i - d]).next if d else gather.wait
         order = position(graph)
         if order[earliest] > order[point]:  # a shard is made late (never for placeholders)
+            log.debug("%s graph: gather %d (units %s) cannot start before %s, which its copy-in reads",
+                      ctx.graph_kind, i, gather.units, earliest.name)
             point = earliest
         inputs = set(outside_inputs(gather.issue))
         while point in inputs:  # landed on a view the chain reads: go below it

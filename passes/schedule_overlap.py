@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ._fx import Collective, find_collectives, position, sink_to_first_use
+from .contract import contract
 from .context import PassContext, PassResult
 
 
@@ -35,8 +36,8 @@ def reduction_limits(reductions: list[Collective], ctx: PassContext) -> list[fx.
         limit = None
         for m in range(j + 1, len(reductions)):
             inflight = reductions[j : m + 1]
-            too_many = len(inflight) > max(1, ctx.prefetch_depth)
-            too_big = ctx.max_inflight_bytes is not None and sum(r.full_bytes for r in inflight) > ctx.max_inflight_bytes
+            too_many = len(inflight) > max(1, ctx.schedule.prefetch_depth)
+            too_big = ctx.schedule.max_inflight_bytes is not None and sum(r.full_bytes for r in inflight) > ctx.schedule.max_inflight_bytes
             if too_many or too_big:
                 limit = reductions[m].issue[0]
                 break
@@ -44,6 +45,7 @@ def reduction_limits(reductions: list[Collective], ctx: PassContext) -> list[fx.
     return limits
 
 
+@contract(requires=("gathers",))
 def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
     collectives = find_collectives(graph)

@@ -5,10 +5,10 @@ gathered parameter tagged ``MUST_RECOMPUTE``).
 Post: for the chosen gathers, the recompute tags are replaced by ``MUST_SAVE`` on the gathered
 parameters, so the partitioner saves them for backward and backward runs no all-gather for them;
 their nodes carry ``meta["zerograph"]["kept"] = True`` (the stage-3 check then allows them to be
-saved). All other gathers are untouched. The choice: with ``ctx.reshard_root_after_forward``
+saved). All other gathers are untouched. The choice: with ``ctx.memory.reshard_root_after_forward``
 off, every gather of the root unit alone (FSDP2 never reshards its root after forward; a root
 fused into a bucket with other units is not singled out); then gathers in increasing order of
-bytes, while their total stays within ``ctx.unshard_budget_bytes`` (full bytes). Smallest first is the order
+bytes, while their total stays within ``ctx.memory.unshard_budget_bytes`` (full bytes). Smallest first is the order
 of highest gather time per byte under any alpha-beta cost (``t / b = alpha / b + beta`` falls
 with ``b``), so the choice needs no calibration: small units are the most latency-bound to
 re-gather and the cheapest to keep.
@@ -25,7 +25,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from zerograph.sharding import ROOT_INDEX
 
-from ._fx import TAG, find_collectives, is_alias_of_input
+from ._fx import find_collectives, is_alias_of_input
+from zerograph.vocab import TAG
+from .contract import contract
 from .context import PassContext, PassResult
 
 log = logging.getLogger(__name__)
@@ -42,16 +44,17 @@ def choose_kept(sizes: list[int], budget: int) -> list[int]:
     return sorted(kept)
 
 
+@contract(requires=("gathers",))
 def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    if ctx.stage != 3 or ctx.graph_kind != "joint" or (ctx.reshard_root_after_forward and not ctx.unshard_budget_bytes):
+    if ctx.stage != 3 or ctx.graph_kind != "joint" or (ctx.memory.reshard_root_after_forward and not ctx.memory.unshard_budget_bytes):
         return PassResult(gm, False)
     gathers = [c for c in find_collectives(gm.graph) if c.role == "gather"]
-    root = set() if ctx.reshard_root_after_forward else {i for i, g in enumerate(gathers) if g.units == [ROOT_INDEX]}
-    if not ctx.reshard_root_after_forward and not root and any(ROOT_INDEX in g.units for g in gathers):
+    root = set() if ctx.memory.reshard_root_after_forward else {i for i, g in enumerate(gathers) if g.units == [ROOT_INDEX]}
+    if not ctx.memory.reshard_root_after_forward and not root and any(ROOT_INDEX in g.units for g in gathers):
         log.warning("reshard_root_after_forward=False has no effect: the root unit's all-gather is fused with "
-                    "other units' (bucket_bytes=%d); backward gathers it again", ctx.bucket_bytes)
+                    "other units' (bucket_bytes=%d); backward gathers it again", ctx.schedule.bucket_bytes)
     rest = [i for i in range(len(gathers)) if i not in root]
-    kept = sorted(root | {rest[i] for i in choose_kept([gathers[i].full_bytes for i in rest], ctx.unshard_budget_bytes)})
+    kept = sorted(root | {rest[i] for i in choose_kept([gathers[i].full_bytes for i in rest], ctx.memory.unshard_budget_bytes)})
     for i in kept:
         _keep(gathers[i].issue + gathers[i].finish)
     if kept:

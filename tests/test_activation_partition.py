@@ -19,6 +19,7 @@ from zerograph.passes.activation_partition import (ACTIVATION, KEEP, OFFLOAD, PA
                                                    is_seeded, offloaded_outputs, plan_activations,
                                                    saved_activation_outputs, wants_offload)
 from zerograph.passes.context import PassContext
+from zerograph.policies import ActivationPolicy
 from zerograph.sharding import Unit
 
 from .distributed import spawn
@@ -41,8 +42,8 @@ def compile_single(budget: int | None, offload: bool = False) -> dict:
             if budget is not None:
                 cost = SLOW_COMPUTE if offload else None
                 seen["plan"] = plan_activations(joint.graph, UNITS, budget, cost, offload=offload)
-                ctx = PassContext("joint", 0, 1, "", {}, UNITS, activation_budget_bytes=budget,
-                                  activation_offload=offload)
+                ctx = PassContext("joint", 0, 1, "", {}, UNITS,
+                                  activations=ActivationPolicy(budget_bytes=budget, offload=offload))
                 activation_partition(joint, ctx, cost=cost)
             seen["joint"] = joint
             seen["user_outputs"] = kwargs["num_fwd_outputs"]

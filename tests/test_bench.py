@@ -1,5 +1,6 @@
-"""``zerograph bench`` (zerograph/bench.py): a tiny grid at world size 2 on CPU, checked through the
-JSON it writes, plus the pure helpers (system names, cluster table, time attribution) on their own.
+"""``zerograph bench`` (the ``zerograph/bench/`` package): a tiny grid at world size 2 on CPU, checked
+through the JSON it writes, plus the pure helpers (system names, cluster table, time attribution)
+on their own, the validation of every flag before any rank starts, and how a failed rank is reported.
 
 The grid runs once per module (``bench.main`` launches its own two gloo ranks) and is shared by
 the tests that read its JSON.
@@ -274,3 +275,143 @@ def test_peak_allocations_names_what_was_alive_at_the_highest_point():
     entries = bench.peak_allocations(prof.profiler.kineto_results.experimental_event_tree(), torch.device("cpu"))
     assert [e["bytes"] for e in entries] == [3 * 2**20]  # A and B, both from aten::empty inside "first"
     assert entries[0]["ops"].startswith("aten::empty") and "first" in entries[0]["ops"]
+
+
+# ---------------------------------------------------------------------------------------------
+# flags validated before any rank starts (issue 22, item 6): one line naming the flag, exit 2
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if the bench would start a rank: validation must refuse first."""
+    from zerograph.bench import cli
+
+    def launched(*args, **kwargs):
+        raise AssertionError("the bench launched ranks despite a bad flag")
+
+    monkeypatch.setattr(cli, "launch", launched)
+    monkeypatch.setattr(cli, "rank_main", launched)
+
+
+def _refused(capsys, argv: list[str], flag: str) -> str:
+    """``bench.main(argv)`` returns 2 and prints exactly one line, which names ``flag``."""
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("zerograph bench: ") and flag in err, err
+    return err
+
+
+TINY = ["--model", "tiny", "--systems", "ddp", "--steps", "1"]
+
+
+def test_batch_size_and_seq_len_must_be_positive(capsys, no_launch):
+    _refused(capsys, [*TINY, "--batch-size", "0"], "--batch-size")  # was: exit 0 with loss nan
+    _refused(capsys, [*TINY, "--seq-len", "0"], "--seq-len")       # was: ZeroDivisionError in a rank
+    _refused(capsys, [*TINY, "--lr", "nan"], "--lr")
+    _refused(capsys, [*TINY, "--lr", "-1"], "--lr")
+
+
+def test_batch_must_split_evenly_over_the_ranks(capsys, no_launch):
+    err = _refused(capsys, [*TINY, "--batch-size", "3", "--nproc", "2"], "--batch-size")
+    assert "divisible" in err and "--nproc" in err
+
+
+def test_factory_that_cannot_be_imported_is_refused(capsys, no_launch, tmp_path, monkeypatch):
+    err = _refused(capsys, [*TINY, "--model", "zerograph_no_such_module:factory"], "--model")
+    assert "zerograph_no_such_module" in err and "ModuleNotFoundError" in err
+    err = _refused(capsys, [*TINY, "--model", "json:no_such_factory"], "--model")
+    assert "no_such_factory" in err
+    (tmp_path / "zerograph_broken_factory.py").write_text("raise RuntimeError('broken at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = _refused(capsys, [*TINY, "--model", "zerograph_broken_factory:factory"], "--model")
+    assert "broken at import" in err
+    _refused(capsys, [*TINY, "--model", ":factory"], "--model")
+
+
+def test_output_paths_are_checked_before_the_run(capsys, no_launch, tmp_path):
+    missing_dir = str(tmp_path / "no" / "such" / "dir" / "bench.json")
+    err = _refused(capsys, [*TINY, "--json", missing_dir], "--json")
+    assert "does not exist" in err
+    _refused(capsys, [*TINY, "--json", str(tmp_path)], "--json")  # a directory
+    _refused(capsys, [*TINY, "--png", str(tmp_path / "no" / "chart.png")], "--png")
+    _refused(capsys, [*TINY, "--png", str(tmp_path / "chart.docx")], "--png")  # not a format matplotlib writes
+    same = str(tmp_path / "out")
+    _refused(capsys, [*TINY, "--json", same, "--png", same], "--json")
+
+
+def test_validation_accepts_good_flags_and_leaves_no_file(tmp_path):
+    json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = bench.build_parser().parse_args([*TINY, "--batch-size", "4", "--json", str(json_path),
+                                            "--png", str(png_path), "--simulate", "local,8xH100-nvlink"])
+    bench.validate_args(args)
+    assert not json_path.exists() and not png_path.exists()  # tried, then removed again
+    json_path.write_text("previous")
+    bench.validate_args(args)
+    assert json_path.read_text() == "previous"  # an existing file is left as it was until the report
+
+
+def test_nccl_needs_a_gpu_per_rank(capsys, no_launch, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    err = _refused(capsys, [*TINY, "--nproc", "2", "--batch-size", "4"], "--nproc")
+    assert "--backend gloo" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# a failed rank: its own exception first, in a few lines
+
+
+def _failure_with_error_file(tmp_path, monkeypatch, rank: int, exc: BaseException) -> object:
+    """A ``ProcessFailure`` as elastic's launcher builds it from the error file a rank's ``record``
+    wrapper writes (``ErrorHandler.record_exception``), with the exception's real traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    from torch.distributed.elastic.multiprocessing.errors.error_handler import (
+        ErrorHandler,
+    )
+
+    error_file = str(tmp_path / f"error{rank}.json")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", error_file)
+    try:
+        raise exc
+    except type(exc) as raised:
+        ErrorHandler().record_exception(raised)
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=1, error_file=error_file)
+
+
+def test_rank_failure_names_the_real_error_first(tmp_path, monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,
+        ProcessFailure,
+    )
+
+    failed = _failure_with_error_file(tmp_path, monkeypatch, 1, ValueError("batch_fn got rank 1\nsecond line"))
+    stopped = ProcessFailure(local_rank=0, pid=1000, exitcode=-15, error_file=str(tmp_path / "none.json"))
+    text = bench.describe_rank_failure(ChildFailedError("rank_main", {0: stopped, 1: failed}))
+    lines = text.splitlines()
+    assert lines[0] == "zerograph bench: rank 1 failed: ValueError: batch_fn got rank 1"
+    assert lines[1] == "  second line"
+    assert lines[2].startswith("  raised at ") and "test_bench.py:" in lines[2]
+    assert "rank 0: Signal 15" in lines[3]
+    assert lines[4] == f"  full traceback: {failed.error_file}"
+    assert len(lines) == 5
+
+
+def test_failed_rank_is_reported_in_a_few_lines(tmp_path, monkeypatch, capsys):
+    """End to end: a factory whose batches fail makes both ranks raise; the bench exits 1 and its
+    stderr starts with the ranks' own exception, not the launcher's tracebacks."""
+    (tmp_path / "zerograph_failing_factory.py").write_text(
+        "import torch\n"
+        "def factory():\n"
+        "    def batch(step, rank, world_size):\n"
+        "        raise ValueError(f'no batch for rank {rank}')\n"
+        "    return torch.nn.Linear(2, 1), batch\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status = bench.main(["--model", "zerograph_failing_factory:factory", "--nproc", "2", "--systems", "ddp",
+                         "--steps", "1", "--warmup", "0", "--profile-steps", "0"])
+    assert status == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[0].startswith("zerograph bench: rank ") and "ValueError: no batch for rank" in lines[0], err
+    assert "zerograph_failing_factory.py:4 in batch" in err
+    assert len(lines) <= 5, err

@@ -40,7 +40,9 @@ def test_touching_lifetimes_do_not_share_a_slot() -> None:
 
 @functools.lru_cache(maxsize=None)
 def runs() -> tuple:
-    return tuple(spawn(pooled_trainings, 2, MODEL, 3, STEPS, 4, LR, CONFIGS, timeout_s=600))
+    # the first run with the pool's debug mode: every slot poisoned when its graph returns, and
+    # checked untouched when taken again (a late writer raises PoolCorruptionError)
+    return tuple(spawn(pooled_trainings, 2, MODEL, 3, STEPS, 4, LR, CONFIGS, (True,), timeout_s=600))
 
 
 def test_no_comm_buffer_is_allocated_after_the_first_step() -> None:
@@ -69,10 +71,37 @@ def test_gathered_outputs_take_depth_plus_one_slots(config_index: int, depth: in
 
 
 def test_pooled_training_is_bitwise_the_unpooled_one_and_matches_eager() -> None:
+    """Run 0 ran in the pool's debug mode: it raised nothing (no slot written after release) and,
+    bitwise equal to the unpooled run, no tensor read poison (none outlived its graph in a slot)."""
     reference = reference_training(MODEL, STEPS, 4, LR)
     for pooled_d1, pooled_d2, unpooled in runs():
+        assert pooled_d1["pool_debug"] and not pooled_d2["pool_debug"]
         for pooled in (pooled_d1, pooled_d2):
             assert pooled["losses"] == unpooled["losses"]
             for name, value in unpooled["params"].items():
                 assert torch.equal(pooled["params"][name], value), name
             check_parity(pooled, reference)
+
+
+def test_debug_pool_poisons_released_slots_and_catches_a_late_writer() -> None:
+    """The debug mode's two halves on a pool alone: a slot reads ``POISON`` after its graph
+    released it, and a write after release (what a collective still running, or a tensor that
+    outlived its graph in the slot, would do) raises when the slot is taken again."""
+    from zerograph.buffer_pool import BufferPool
+
+    pool = BufferPool(debug=True)
+    first = pool.take("gathered", 0, 8, torch.float32, torch.device("cpu"))
+    first.fill_(1.0)  # the graph uses its buffer
+    pool.release_all()  # the graph returned
+    assert bool((first.view(torch.uint8) == BufferPool.POISON).all())
+    again = pool.take("gathered", 0, 8, torch.float32, torch.device("cpu"))  # untouched: fine
+    pool.release_all()
+    again[3] = 2.0  # a late write into the released slot
+    with pytest.raises(zerograph.PoolCorruptionError, match="slot 0 .'gathered'.* written after its graph released it"):
+        pool.take("gathered", 0, 8, torch.float32, torch.device("cpu"))
+    off = BufferPool(debug=False)
+    buf = off.take("send", 0, 4, torch.float32, torch.device("cpu"))
+    off.release_all()
+    buf[0] = 1.0
+    off.take("send", 0, 4, torch.float32, torch.device("cpu"))  # no checks when off
+

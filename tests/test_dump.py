@@ -46,11 +46,11 @@ def dump_worker(rank: int, world_size: int, dump_dir: str, off_dir: str) -> dict
     def refuse(*args, **kwargs):
         raise AssertionError("dump code ran with dumping off")
 
-    real = dump.GraphDump, dump.finish_graph, dump.calibrate_once
-    dump.GraphDump = dump.finish_graph = dump.calibrate_once = refuse
+    real = dump.GraphDump, dump.finish_graph, dump.calibrate_once, dump.begin_dump
+    dump.GraphDump = dump.finish_graph = dump.calibrate_once = dump.begin_dump = refuse
     off = zerograph.compile(build("mlp"), stage=3)  # the small model: this part only checks that nothing runs
     _one_step(off, "mlp", rank, world_size)
-    dump.GraphDump, dump.finish_graph, dump.calibrate_once = real
+    dump.GraphDump, dump.finish_graph, dump.calibrate_once, dump.begin_dump = real
     off_files = os.listdir(off_dir)
 
     model = zerograph.compile(build("gpt"), stage=3, config=zerograph.Config(dump_dir=dump_dir))
@@ -107,6 +107,10 @@ def test_dumping_off_runs_no_dump_code_and_writes_nothing(dumped):
 
 def test_every_file_is_written_and_parses(dumped):
     root, results = dumped
+    manifest = _load(root, "manifest.json")  # one run: the ranks agreed on its id
+    assert manifest["world_size"] == len(results) and manifest["ranks"] == [f"rank{r}" for r in range(len(results))]
+    for rank in range(len(results)):
+        assert _load(os.path.join(root, f"rank{rank}"), "manifest.json")["run"] == manifest["run"]
     for rank in range(len(results)):
         graphs = _graph_dirs(root, rank)
         assert {"graph0_joint", "graph0_forward", "graph0_backward"} <= set(graphs)

@@ -14,7 +14,8 @@ import torch
 import torch.fx as fx
 
 import zerograph
-from zerograph.passes._fx import TAG, find_collectives, is_alias_of_input
+from zerograph.passes._fx import find_collectives, is_alias_of_input
+from zerograph.vocab import TAG
 
 from .distributed import spawn
 from .models import build, global_batch, rank_slice, reference_training

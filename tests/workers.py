@@ -6,9 +6,9 @@ import torch.distributed as dist
 import torch.fx as fx
 
 import zerograph
-from zerograph.passes._fx import TAG
+from zerograph.vocab import TAG
 from zerograph.passes.liveness import PARAM_ROLES, timeline
-from zerograph.passes._fx import COLLECTIVE_KINDS as COLLECTIVE_OPS
+from zerograph.vocab import COLLECTIVE_KINDS as COLLECTIVE_OPS
 
 from .models import build, global_batch, rank_slice
 from zerograph.state import runtime_of_model, state_of
@@ -168,6 +168,15 @@ def pooled_training(rank: int, world_size: int, name: str, stage: int, steps: in
 
 
 def pooled_trainings(rank: int, world_size: int, name: str, stage: int, steps: int, batch_size: int, lr: float,
-                     configs: tuple) -> list[dict]:
-    """``pooled_training`` for each config in turn, in one process group."""
-    return [pooled_training(rank, world_size, name, stage, steps, batch_size, lr, c) for c in configs]
+                     configs: tuple, debug_pool: tuple = ()) -> list[dict]:
+    """``pooled_training`` for each config in turn, in one process group; the i-th run with the
+    pool's debug mode (``ZEROGRAPH_DEBUG_POOL=1``) when ``debug_pool[i]``."""
+    import os
+
+    runs = []
+    for i, config in enumerate(configs):
+        os.environ["ZEROGRAPH_DEBUG_POOL"] = "1" if i < len(debug_pool) and debug_pool[i] else "0"
+        runs.append(pooled_training(rank, world_size, name, stage, steps, batch_size, lr, config))
+        runs[-1]["pool_debug"] = os.environ["ZEROGRAPH_DEBUG_POOL"] == "1"
+    os.environ.pop("ZEROGRAPH_DEBUG_POOL")
+    return runs

@@ -27,7 +27,7 @@ from torch.func import functional_call
 
 import zerograph
 from zerograph.ops import ACCUMULATE_UNSYNCED, TAKE_UNSYNCED
-from zerograph.passes._fx import COLLECTIVE_KINDS, TAG
+from zerograph.vocab import COLLECTIVE_KINDS, TAG
 
 from .models import build as build_named
 from .models import global_batch, rank_slice

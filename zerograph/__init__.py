@@ -1,10 +1,11 @@
 """zerograph: ZeRO (arXiv 1910.02054) as compiler passes over PyTorch's captured training graphs."""
 from .config import Config
-from .errors import (CollectiveError, ConfigError, ModelChangedError, PassError, ProcessGroupError,
+from .policies import ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, SchedulePolicy
+from .errors import (CollectiveError, ConfigError, ModelChangedError, PassError, PoolCorruptionError, ProcessGroupError,
                      ScheduleMismatchError, ShardingError, UnshardedParameterError, ZeroGraphError)
 from .api import compile
 
-__all__ = ["Config", "compile", "CollectiveError", "ConfigError", "ModelChangedError", "PassError",
+__all__ = ["Config", "ActivationPolicy", "MemoryPolicy", "MixedPrecisionPolicy", "SchedulePolicy", "compile", "CollectiveError", "ConfigError", "ModelChangedError", "PassError", "PoolCorruptionError",
            "ProcessGroupError", "ScheduleMismatchError", "ShardingError", "UnshardedParameterError",
            "ZeroGraphError"]
 from . import checkpoint  # noqa: E402  (zerograph.checkpoint.save / load / full_state_dict)
@@ -22,10 +23,24 @@ from .costmodel import CostModel, calibrate
 from .timeline import Event, Schedule, measure, predict
 
 __all__ += ["CostModel", "calibrate", "Event", "Schedule", "measure", "predict"]
-from .dump import explain, write_summary
+from .errors import DumpError
 
-__all__ += ["explain", "write_summary"]
 from .init import init_weights, reset_parameters  # noqa: E402
 from .loading import LoadError, load_safetensors  # noqa: E402
 
 __all__ += ["init_weights", "reset_parameters", "LoadError", "load_safetensors"]
+
+__all__ += ["DumpError", "explain", "write_summary"]
+
+# names loaded on first use (PEP 562), so that ``import zerograph`` imports no part of the dump
+_LAZY = {"explain": "zerograph.dump.report", "write_summary": "zerograph.dump.report"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

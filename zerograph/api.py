@@ -17,10 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import loading
-from . import runtime as runtime_mod
-from .capture import CapturedGraphs, make_backend
+from .capture import CapturedGraphs, ZeroGraphBackend
 from .config import Config, check_stage
 from .errors import ConfigError, ProcessGroupError, ShardingError, UnshardedParameterError, ZeroGraphError
+from .registry import next_key
 from .runtime import Runtime
 from .state import STATE_ATTR, ZeroGraphState, state_of
 from .sharding import (ParameterWatch, find_units, set_gathering, set_grad_mode, shard_module_,
@@ -91,9 +91,10 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     mesh = DeviceMesh.from_group(group, device.type)
     originals = {name: p for name, p in model.named_parameters()}
     units = find_units(model, config.unit_classes)
-    layouts, unit_objs = shard_module_(model, mesh, stage, units, runtime_mod.next_key,
-                                       param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
-                                       full_precision_classes=config.full_precision_classes,
+    precision = config.mixed_precision
+    layouts, unit_objs = shard_module_(model, mesh, stage, units, next_key,
+                                       param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
+                                       full_precision_classes=precision.full_precision_classes,
                                        device=device)
     uninitialised = None
     if meta_built:  # every shard and meta buffer is empty until an init or a load writes it
@@ -107,7 +108,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     captured = CapturedGraphs()
     param_names = {id(p): n for n, p in model.named_parameters()}  # first name of each (tied) parameter
     watch = ParameterWatch(model)
-    backend = _checking_trainable(make_backend(runtime, config, param_names, captured), watch)
+    backend = _checking_trainable(ZeroGraphBackend(runtime, config, param_names, captured), watch)
     # dynamic=None (torch.compile's automatic dynamic shapes): a graph is first compiled for the shapes
     # it sees; when an input's size changes (a rank's sequence length), one recompile makes that dim
     # symbolic, so per-rank, per-step lengths cost at most two graphs instead of one per length (and

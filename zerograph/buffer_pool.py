@@ -22,10 +22,12 @@ collectives Inductor uses for its own comm buffer reuse (``all_gather_into_tenso
 from __future__ import annotations
 
 import itertools
+import os
 import weakref
 
 import torch
 
+from .errors import PoolCorruptionError
 from .kernels.ops import _check, _pieces, pack_shards_numel
 from .kernels.packing import pack, pack_reference
 
@@ -36,17 +38,62 @@ _POOL_IDS = itertools.count()
 class BufferPool:
     """One model's comm buffers on this rank: ``slot -> flat uint8 buffer`` per device.
 
+    What reuse relies on, stated once. A slot is *taken* when a graph's ``pool_buffer`` node runs
+    and *released* when that graph call returns; ``buffer_reuse`` gives two buffers one slot only
+    when their lifetimes in the graph do not meet, and a send buffer's lifetime runs to the
+    ``wait_tensor`` of its collective. So every reuse is ordered after the previous user by the
+    graph itself:
+    - on CPU (gloo) ``wait_tensor`` returns only when the collective finished reading and writing;
+    - on CUDA (NCCL) ``wait_tensor`` makes the compute stream wait for the collective's stream, so
+      the copy-out and every later compute-stream write come after it; and ProcessGroupNCCL makes
+      its stream wait for the current stream before it launches a collective, so a collective that
+      writes into a slot starts after the compute stream's last read of the slot's previous
+      buffer. No ``record_stream`` is needed: the slots never return to the caching allocator
+      while the pool lives, so no other tensor can be handed their memory behind a stream's back.
+    - No pooled buffer may outlive its graph call (``buffer_reuse`` pools only buffers that die
+      inside the graph; under Inductor, whose memory planner could hand a dead buffer's storage
+      to an output, the pool is off).
+    ``ZEROGRAPH_DEBUG_POOL=1`` checks these guarantees at run time: when a graph call returns, its
+    slots are filled with ``POISON``; when a slot is taken again, its bytes must still be the
+    poison, or ``PoolCorruptionError`` names the slot (something wrote into it after release). A
+    tensor that wrongly outlives its graph in a slot reads poison, so parity tests fail loudly.
+
     Attributes:
         id: the number graphs name this pool by (an int node argument).
         allocations: buffers allocated so far (first use of a slot, or growth).
         buffers: ``(role, slot, device) -> torch.uint8`` tensor of the slot's bytes.
+        debug: the poison-and-check mode is on.
     """
 
-    def __init__(self) -> None:
+    POISON = 0xA5  # a byte pattern no collective of the tests produces across a whole slot
+
+    def __init__(self, debug: bool | None = None) -> None:
         self.id = next(_POOL_IDS)
         self.allocations = 0
         self.buffers: dict[tuple[str, int, torch.device], torch.Tensor] = {}
+        self.debug = os.environ.get("ZEROGRAPH_DEBUG_POOL", "0") not in ("", "0") if debug is None else debug
+        self._poisoned: set[tuple[str, int, torch.device]] = set()
         _POOLS[self.id] = weakref.ref(self)
+
+    def release_all(self) -> None:
+        """A graph call returned: its slots are free. Debug mode: poison every taken slot."""
+        if not self.debug:
+            return
+        for key, buf in self.buffers.items():
+            if key not in self._poisoned:
+                buf.fill_(self.POISON)
+                self._poisoned.add(key)
+
+    def _check_untouched(self, key: tuple[str, int, torch.device], buf: torch.Tensor) -> None:
+        """Debug mode: the slot still holds the poison it got at release (or raise)."""
+        if key in self._poisoned:
+            self._poisoned.discard(key)
+            written = int((buf != self.POISON).sum())
+            if written:
+                raise PoolCorruptionError(
+                    f"pooled comm buffer slot {key[1]} ({key[0]!r}, {key[2]}) was written after its graph "
+                    f"released it ({written} of {buf.numel()} bytes changed): an asynchronous collective "
+                    "outlived its wait, or a tensor outlived its graph in pooled memory")
 
     def nbytes(self, role: str | None = None) -> int:
         """Bytes held by the pool: all slots, or those of one role ("gathered": all-gather outputs,
@@ -61,6 +108,8 @@ class BufferPool:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         key = (role, slot, torch.device(device))
         buf = self.buffers.get(key)
+        if buf is not None and self.debug:
+            self._check_untouched(key, buf)
         if buf is None or buf.numel() < nbytes:
             self.buffers[key] = buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self.allocations += 1

@@ -7,6 +7,8 @@ callables so the runtime counts the collectives each call runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -24,7 +26,8 @@ from torch.fx.graph import _BoxedCodeGen
 from zerograph.passes.activation_partition import offloaded_outputs, saved_activation_outputs, wants_offload
 from zerograph.passes.context import PassContext
 from zerograph.passes.liveness import Timeline, timeline
-from zerograph.passes.manager import check_no_saved_gathers, collective_volume, pipeline, run_pipeline
+from zerograph.passes.manager import (check_no_saved_gathers, collective_volume, pipeline, run_pipeline,
+                                      structured_trace_on)
 
 from .config import Config
 from .runtime import Runtime
@@ -43,92 +46,113 @@ class CapturedGraphs:
         self.offloaded_activation_bytes: dict[int, int] = {}  # handed over in host memory instead (offload)
 
 
-def make_backend(runtime: Runtime, config: Config, params: dict[int, str], captured: CapturedGraphs) -> Callable:
-    """Return a ``torch.compile`` backend bound to one model's runtime.
+class ZeroGraphBackend:
+    """The ``torch.compile`` backend of one compiled model: Dynamo graph -> joint graph -> passes
+    -> partition -> passes per graph -> lowering -> accounted callable.
 
-    ``params`` maps ``id(parameter)`` to its name; Dynamo passes the real parameter objects as
-    example inputs, so every graph input is matched to its parameter by identity.
+    Each step is a method that tests can call on its own: ``pass_context`` (the passes' inputs,
+    built from the config in this one place), ``run_passes`` (one graph kind's pipeline, dumped
+    when asked), ``partition`` (the joint pipeline, then the min-cut partitioner), and
+    ``compile_graph`` (one partitioned graph's pipeline, liveness and lowering). Calling the object
+    with a Dynamo graph runs them through AOTAutograd.
+
+    Args:
+        runtime: the model's ``Runtime``.
+        config: the model's ``Config``.
+        params: ``id(parameter)`` -> its name; Dynamo passes the real parameter objects as example
+            inputs, so every graph input is matched to its parameter by identity.
+        captured: where every graph is recorded for tests and inspection.
     """
-    graph_ids = itertools.count()
 
-    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        graph_id = next(graph_ids)
-        captured.input_params.append([params.get(id(x)) for x in example_inputs])
-        record: dict[str, fx.GraphModule] = {"dynamo": gm}
-        captured.graphs.append(record)
-        dump_root = config.resolved_dump_dir()
-        if dump_root:  # the dump's cost model: collective, so here on every rank alike (not in AOT's compilers)
-            from .dump import calibrate_once
+    def __init__(self, runtime: Runtime, config: Config, params: dict[int, str], captured: CapturedGraphs):
+        self.runtime = runtime
+        self.config = config
+        self.params = params
+        self.captured = captured
+        self.lowering = config.resolved_lowering(runtime.device)  # "eager" or "inductor"
+        self._graph_ids = itertools.count()
 
-            calibrate_once(runtime.group)
-        memory: dict[str, Timeline] = {}
-        user_outputs: list[int] = []
-        runtime.graph_memory.append(memory)
+    def pass_context(self, kind: str) -> PassContext:
+        """The ``PassContext`` of a graph of ``kind``: the runtime's layout and the config's policies."""
+        runtime, config = self.runtime, self.config
+        return PassContext(kind, runtime.stage, runtime.world_size, runtime.group_name, runtime.layouts,
+                           tuple(runtime.units), schedule=config.schedule, memory=config.memory,
+                           activations=dataclasses.replace(config.activations, group=None),
+                           activation_group=config.activations.group_for_passes(),
+                           buffer_pool=_pool_for(self.lowering, runtime))
 
-        def run(kind: str, g: fx.GraphModule) -> fx.GraphModule:
-            ctx = PassContext(kind, runtime.stage, runtime.world_size, runtime.group_name,
-                              runtime.layouts, tuple(runtime.units), bucket_bytes=config.bucket_bytes,
-                              prefetch_depth=config.prefetch_depth,
-                              max_inflight_bytes=config.max_inflight_bytes,
-                              unshard_budget_bytes=config.unshard_budget_bytes,
-                              reshard_root_after_forward=config.reshard_root_after_forward,
-                              activation_budget_bytes=config.activation_budget_bytes,
-                              activation_offload=config.activation_offload,
-                              activation_group=_activation_group(config),
-                              activation_cost_model=config.activation_cost_model,
-                              buffer_pool=_pool_for(config, runtime))
-            dump_dir = (os.path.join(dump_root, f"rank{runtime.rank}", f"graph{graph_id}_{kind}")
-                        if dump_root else None)
-            g = run_pipeline(g, ctx, pipeline(kind), disabled=config.disabled_passes, dump_dir=dump_dir)
-            record[kind] = g
-            if dump_dir:  # the final graph's rendering, memory, schedule (imported here: off costs nothing)
-                from .dump import finish_graph
-
-                saved = memory["forward"].saved if kind == "backward" and "forward" in memory else None
-                finish_graph(dump_dir, kind, g, runtime, captured, graph_id, carried=saved)
-            return g
-
-        def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-            user_outputs.append(kwargs["num_fwd_outputs"])  # the forward's outputs past these are saved for backward
-            joint = run(kind="joint", g=joint)
-            with _offloading(joint):
-                fwd, bwd = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-            if runtime.stage == 3:
-                check_no_saved_gathers(fwd)
-            return fwd, bwd
-
-        def compiler(kind: str) -> Callable:
-            def compile_graph(g: fx.GraphModule, inputs: list[Any]) -> Callable:
-                g = run(kind, g)
-                if kind == "forward":
-                    memory["forward"] = timeline(g.graph)
-                elif kind == "backward":
-                    memory["backward"] = timeline(g.graph, carried=memory["forward"].saved)
-                else:
-                    memory["inference"] = timeline(g.graph)
-                lowered = _lower(config, g, inputs, kind)
-                if kind == "forward" and user_outputs:
-                    saved = saved_activation_outputs(g.graph, user_outputs[-1])
-                    offloaded = offloaded_outputs(g.graph)
-                    lowered = _measure_saved(lowered, [i for i in saved if i not in offloaded], offloaded, captured,
-                                             graph_id)
-                return _account(runtime, g, lowered, backward=kind == "backward", graph_id=graph_id)
-            return compile_graph
-
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        graph = _GraphCompile(self, next(self._graph_ids), gm, example_inputs)
         return aot_module_simplified(
             gm, example_inputs,
-            fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-            inference_compiler=compiler("inference"), partition_fn=partition,
-            decompositions=_decompositions(config),
+            fw_compiler=functools.partial(graph.compile_graph, "forward"),
+            bw_compiler=functools.partial(graph.compile_graph, "backward"),
+            inference_compiler=functools.partial(graph.compile_graph, "inference"),
+            partition_fn=graph.partition, decompositions=_decompositions(self.lowering),
         )
 
-    return backend
 
+class _GraphCompile:
+    """One Dynamo graph on its way through AOTAutograd: what its joint, forward and backward
+    compiles share (the graph id, the record of its graphs, the forward's liveness)."""
 
-def _activation_group(config: Config) -> tuple[str, int] | None:
-    """``PassContext.activation_group``: the group's registered name and size (passes see no group)."""
-    group = config.activation_group
-    return None if group is None else (group.group_name, group.size())
+    def __init__(self, backend: ZeroGraphBackend, graph_id: int, gm: fx.GraphModule, example_inputs: list[Any]):
+        self.backend = backend
+        self.graph_id = graph_id
+        self.record: dict[str, fx.GraphModule] = {"dynamo": gm}
+        self.memory: dict[str, Timeline] = {}
+        self.user_outputs: list[int] = []
+        captured, runtime = backend.captured, backend.runtime
+        captured.input_params.append([backend.params.get(id(x)) for x in example_inputs])
+        captured.graphs.append(self.record)
+        runtime.graph_memory.append(self.memory)
+        self.dump_root = backend.config.resolved_dump_dir()
+        if self.dump_root:  # the dump's cost model: collective, so here on every rank alike (not in AOT's compilers)
+            from .dump import begin_dump, calibrate_once  # imported only when dumping: off costs nothing
+
+            calibrate_once(runtime.group)
+            begin_dump(self.dump_root, runtime)  # the run's manifest; clears a previous dump there, refuses a non-dump
+
+    def run_passes(self, kind: str, g: fx.GraphModule) -> fx.GraphModule:
+        """Run the pipeline of ``kind`` on ``g`` (dumped when asked) and record the result."""
+        backend = self.backend
+        dump_dir = (os.path.join(self.dump_root, f"rank{backend.runtime.rank}", f"graph{self.graph_id}_{kind}")
+                    if self.dump_root else None)
+        g = run_pipeline(g, backend.pass_context(kind), pipeline(kind), disabled=backend.config.disabled_passes,
+                         dump_dir=dump_dir)
+        self.record[kind] = g
+        traced = structured_trace_on()  # TORCH_TRACE: the same numbers go to tlparse's trace
+        if dump_dir or traced:  # the final graph's rendering, memory, schedule (imported here: off costs nothing)
+            from .dump import finish_graph
+
+            saved = self.memory["forward"].saved if kind == "backward" and "forward" in self.memory else None
+            finish_graph(dump_dir, kind, g, backend.runtime, backend.captured, self.graph_id, carried=saved,
+                         traced=traced)
+        return g
+
+    def partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        """AOTAutograd's ``partition_fn``: the joint pipeline, then the min-cut partitioner."""
+        self.user_outputs.append(kwargs["num_fwd_outputs"])  # the forward's outputs past these are saved for backward
+        joint = self.run_passes("joint", joint)
+        with _offloading(joint):
+            fwd, bwd = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        if self.backend.runtime.stage == 3:
+            check_no_saved_gathers(fwd)
+        return fwd, bwd
+
+    def compile_graph(self, kind: str, g: fx.GraphModule, inputs: list[Any]) -> Callable:
+        """AOTAutograd's forward / backward / inference compiler: passes, liveness, lowering, accounting."""
+        backend = self.backend
+        g = self.run_passes(kind, g)
+        carried = self.memory["forward"].saved if kind == "backward" else None
+        self.memory[kind] = timeline(g.graph, carried=carried)
+        lowered = _lower(backend.lowering, g, inputs, kind)
+        if kind == "forward" and self.user_outputs:
+            saved = saved_activation_outputs(g.graph, self.user_outputs[-1])
+            offloaded = offloaded_outputs(g.graph)
+            lowered = _measure_saved(lowered, [i for i in saved if i not in offloaded], offloaded, backend.captured,
+                                     self.graph_id)
+        return _account(backend.runtime, g, lowered, backward=kind == "backward", graph_id=self.graph_id)
 
 
 def _offloading(joint: fx.GraphModule) -> contextlib.AbstractContextManager:
@@ -149,15 +173,15 @@ def _offloading(joint: fx.GraphModule) -> contextlib.AbstractContextManager:
     return torch._functorch.config.patch(**known)
 
 
-def _pool_for(config: Config, runtime: Runtime) -> int | None:
+def _pool_for(lowering: str, runtime: Runtime) -> int | None:
     """The buffer pool ``buffer_reuse`` may use: the runtime's under the eager lowering; none under
     Inductor, which plans its own buffers and hands a dead buffer's storage to a later one, so a
     pooled slot could end up as the storage of a tensor that outlives the graph (a gradient)."""
-    return runtime.buffer_pool.id if config.lowering == "eager" else None
+    return runtime.buffer_pool.id if lowering == "eager" else None
 
 
-def _lower(config: Config, gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
-    if config.lowering == "inductor":
+def _lower(lowering: str, gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
+    if lowering == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.decomposition import select_decomp_table
 
@@ -185,8 +209,8 @@ def _boxed(gm: fx.GraphModule) -> Callable:
     return run
 
 
-def _decompositions(config: Config) -> dict | None:
-    if config.lowering == "inductor":
+def _decompositions(lowering: str) -> dict | None:
+    if lowering == "inductor":
         from torch._inductor.decomposition import select_decomp_table
 
         return select_decomp_table()

@@ -6,19 +6,9 @@ Each subcommand is one ``add_<name>(subparsers)`` function that registers its pa
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import sys
 from collections.abc import Sequence
-
-KIND_ORDER = ("joint", "forward", "backward", "inference")
-_GRAPH_DIR = re.compile(r"^graph(\d+)_(\w+)$")
-_RANK_DIR = re.compile(r"^rank(\d+)$")
-
-
-class DumpNotFound(Exception):
-    """The path given to ``inspect`` holds no zerograph dump."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,7 +19,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     argparse exits with 2 on a usage error.
     """
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except BrokenPipeError:  # the reader went away (``zerograph inspect DIR | head``): stop quietly
+        # Python flushes stdout again at exit; point it at /dev/null so that flush cannot fail too
+        # (the recipe of the ``signal`` module's documentation, "Note on SIGPIPE")
+        try:
+            stdout = sys.stdout.fileno()
+        except (AttributeError, ValueError, OSError):  # not a file (a test's capture): nothing to redirect
+            return 1
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,102 +58,106 @@ def add_inspect(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "inspect", help="print a dump's summary and what each pass changed",
         description="Print the summary of a zerograph dump (ZEROGRAPH_DUMP=DIR or Config(dump_dir=DIR)) "
-                    "and, per graph, the passes with a one-line summary of their changes.")
+                    "and, per graph, the passes with a one-line summary of their changes. Problems (files "
+                    "missing, truncated, of another schema or left from another run) are named one per line "
+                    "on stderr, and the exit status is then 1.")
     parser.add_argument("dir", help="the dump directory, one rank's directory in it, or one graph's")
     parser.add_argument("--pass", dest="pass_name", metavar="NAME",
                         help="print this pass's unified diff(s) instead (e.g. prefetch, or 02_prefetch)")
     parser.add_argument("--rank", type=int, default=None, help="which rank's dump to read (default: the lowest)")
+    parser.add_argument("--html", nargs="?", const="", default=None, metavar="OUT",
+                        help="write a static web page of the whole dump instead (every rank; default OUT: "
+                             "DIR/index.html) with each pass's highlighted diff, graphs, memory plots, schedules")
     parser.set_defaults(handler=run_inspect)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    """``zerograph inspect``: 0 when the dump is whole, 1 when it is not a dump or has problems
+    (each named on one line of stderr; what can be read is still printed)."""
+    from .dump.reader import read_dump  # light: no torch, no plotting
+    from .errors import DumpError
+
     try:
-        rank_dir, graphs, note = locate(args.dir, args.rank)
-    except DumpNotFound as exc:
+        view = read_dump(args.dir)
+    except DumpError as exc:
         print(f"zerograph inspect: {exc}", file=sys.stderr)
         return 1
+    for problem in view.problems:
+        print(f"zerograph inspect: {problem}", file=sys.stderr)
+    status = 1 if view.problems else 0
+    if args.html is not None:
+        return write_page(args.dir, args.html or None) or status
+    if not view.ranks:
+        print(f"zerograph inspect: nothing readable in {args.dir}", file=sys.stderr)
+        return 1
+    chosen = min(view.ranks) if args.rank is None else args.rank
+    if chosen not in view.ranks:
+        print(f"zerograph inspect: no readable rank{chosen}/ in {args.dir}; ranks: {sorted(view.ranks)}", file=sys.stderr)
+        return 1
+    rank = view.ranks[chosen]
+    graphs = [g for g in rank.graphs if g.passes is not None]
+    if not rank.graphs:
+        print(f"zerograph inspect: no graph<g>_<kind>/ folders under {rank.path}: was a step run with the dump on "
+              "(ZEROGRAPH_DUMP or Config(dump_dir=))?", file=sys.stderr)
+        return 1
     if args.pass_name:
-        return print_pass_diffs(graphs, args.pass_name)
-    if note:
+        return print_pass_diffs(graphs, args.pass_name) or status
+    for note in view.notes:
         print(note)
-    summary = os.path.join(rank_dir, "summary.md") if rank_dir else None
-    if summary and os.path.exists(summary):
-        with open(summary) as f:
+    if len(view.ranks) > 1:
+        print(f"ranks dumped: {', '.join(map(str, sorted(view.ranks)))}; showing rank {chosen} (--rank to pick)\n")
+    summary = os.path.join(rank.path, "summary.md")
+    if rank.rank is not None and os.path.exists(summary):
+        with open(summary, errors="replace") as f:
             print(f.read())
     print("## Passes")
     for graph in graphs:
         print_pass_list(graph)
+    return status
+
+
+def write_page(path: str, out: str | None) -> int:
+    """``inspect --html``: write the page (``zerograph.dump.html``) and print where it is."""
+    from .dump.html import write_html
+
+    try:
+        page, _ = write_html(path, out)
+    except OSError as exc:
+        print(f"zerograph inspect: cannot write the page: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {page}")
     return 0
 
 
-def locate(path: str, rank: int | None) -> tuple[str | None, list[str], str]:
-    """``(rank directory or None, graph directories in order, a note for the reader)``.
-
-    ``path`` may be the dump's root (``rank<r>/`` inside), one rank's directory, or one graph's
-    directory (``passes.json`` inside). Raises ``DumpNotFound`` naming what is missing.
-    """
-    if not os.path.isdir(path):
-        raise DumpNotFound(f"{path} is not a directory")
-    if os.path.exists(os.path.join(path, "passes.json")):
-        return None, [path], ""
-    ranks = {int(m.group(1)): os.path.join(path, name) for name in os.listdir(path) if (m := _RANK_DIR.match(name))}
-    note = ""
-    if ranks:
-        chosen = min(ranks) if rank is None else rank
-        if chosen not in ranks:
-            raise DumpNotFound(f"no rank{chosen}/ in {path}; ranks dumped: {sorted(ranks)}")
-        if len(ranks) > 1:
-            note = f"ranks dumped: {', '.join(map(str, sorted(ranks)))}; showing rank {chosen} (--rank to pick)\n"
-        path = ranks[chosen]
-    graphs = graph_dirs(path)
-    if not graphs:
-        raise DumpNotFound(f"no graph<g>_<kind>/ directories under {path}: was the dump written "
-                           "(ZEROGRAPH_DUMP or Config(dump_dir=)) and a step run?")
-    return path, graphs, note
-
-
-def graph_dirs(rank_dir: str) -> list[str]:
-    """``graph<g>_<kind>`` directories of one rank, by graph then joint, forward, backward, inference."""
-    found = []
-    for name in os.listdir(rank_dir):
-        match = _GRAPH_DIR.match(name)
-        if match and match.group(2) in KIND_ORDER:
-            found.append((int(match.group(1)), KIND_ORDER.index(match.group(2)), os.path.join(rank_dir, name)))
-    return [path for *_, path in sorted(found)]
-
-
-def read_passes(graph_dir: str) -> list[dict]:
-    with open(os.path.join(graph_dir, "passes.json")) as f:
-        return json.load(f)
-
-
-def print_pass_list(graph_dir: str) -> None:
+def print_pass_list(graph) -> None:
     """One line per pass: number, name, what changed; then the graph's other files."""
-    print(f"\n{os.path.basename(graph_dir)}:")
-    for entry in read_passes(graph_dir):
+    print(f"\n{graph.name}:")
+    for entry in graph.passes:
         print(f"  {entry['number']:02d} {entry['pass']:<24} {entry['summary']}")
     extras = [name for name in ("graph.dot", "graph.svg", "memory.png", "memory.json", "schedule.json")
-              if os.path.exists(os.path.join(graph_dir, name))]
+              if os.path.exists(os.path.join(graph.path, name))]
     if extras:
         print(f"     files: {', '.join(extras)}")
 
 
-def print_pass_diffs(graphs: Sequence[str], name: str) -> int:
+def print_pass_diffs(graphs: Sequence, name: str) -> int:
     """Print the diff of pass ``name`` (``prefetch`` or ``04_prefetch``) in every graph that ran it."""
     shown = 0
     known: list[str] = []
     for graph in graphs:
-        for entry in read_passes(graph):
+        for entry in graph.passes:
             label = f"{entry['number']:02d}_{entry['pass']}"
             known.append(entry["pass"])
             if name not in (entry["pass"], label) or entry["number"] == 0:
                 continue
             shown += 1
-            where = os.path.join(os.path.basename(graph), entry.get("diff", label))
-            print(f"==> {where}: {entry['summary']}")
-            if entry.get("diff"):
-                with open(os.path.join(graph, entry["diff"])) as f:
+            print(f"==> {os.path.join(graph.name, entry.get('diff', label))}: {entry['summary']}")
+            diff = os.path.join(graph.path, entry["diff"]) if entry.get("diff") else None
+            if diff and os.path.exists(diff):
+                with open(diff, errors="replace") as f:
                     print(f.read() or "(no textual change)")
+            elif diff:
+                print("(diff missing)")
     if not shown:
         passes = ", ".join(dict.fromkeys(p for p in known if p != "input"))
         print(f"zerograph inspect: no pass {name!r} in this dump; passes: {passes}", file=sys.stderr)

@@ -29,8 +29,8 @@ except ImportError:  # torch < 2.13 names it hint_int
 from torch.utils.flop_counter import flop_registry
 
 from .errors import ConfigError
-
-from .passes._fx import COLLECTIVE_KINDS as COLLECTIVE_OPS, WAIT, full_buffer  # the ops the passes insert
+from .vocab import COLLECTIVE_KINDS as COLLECTIVE_OPS  # the ops the passes insert
+from .vocab import WAIT, full_buffer
 
 COLLECTIVE_KINDS = tuple(dict.fromkeys(COLLECTIVE_OPS.values()))  # all_gather has an out= variant too
 

@@ -37,3 +37,15 @@ class ScheduleMismatchError(ZeroGraphError, RuntimeError):
 
 class CollectiveError(ZeroGraphError, RuntimeError):
     """A collective failed or timed out: a peer rank probably died, or stopped calling the model."""
+
+
+class DumpError(ZeroGraphError):
+    """The dump (``ZEROGRAPH_DUMP`` / ``Config(dump_dir=)``) cannot be written where asked, or a
+    folder given to ``zerograph inspect`` is not a readable dump; the message names the file."""
+
+
+class PoolCorruptionError(ZeroGraphError, RuntimeError):
+    """The buffer pool's debug mode (``ZEROGRAPH_DEBUG_POOL=1``) found a pooled comm buffer written
+    after its graph released it: an asynchronous collective still writing, or a tensor that
+    outlived its graph while sharing the slot's memory."""
+

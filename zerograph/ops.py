@@ -28,20 +28,20 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from . import runtime
-from .sharding import GRAD_SYNC
+from . import registry
+from .vocab import GRAD_SYNC, all_gather_single
 
 
 @torch.library.custom_op("zerograph::unshard", mutates_args=())
 def unshard(shard: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> torch.Tensor:
     """Full parameter from this rank's shard. ``shard``: (local_rows, *rest) in the parameter's dtype
     -> ``layout.shape`` in ``layout.param_dtype``."""
-    return runtime.runtime_of(key).unshard_eager(shard, key)
+    return registry.runtime_of(key).unshard_eager(shard, key)
 
 
 @unshard.register_fake
 def _unshard_fake(shard: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> torch.Tensor:
-    layout = runtime.layout_of(key)
+    layout = registry.layout_of(key)
     return shard.new_empty(layout.shape, dtype=layout.param_dtype)
 
 
@@ -49,12 +49,12 @@ def _unshard_fake(shard: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> 
 def reduce_grad(grad: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> torch.Tensor:
     """This rank's shard of the rank-averaged gradient. ``grad``: full shape in ``param_dtype`` ->
     (local_rows, *rest) in the parameter's dtype (zeros under ``"accumulate"``)."""
-    return runtime.runtime_of(key).reduce_grad_eager(grad, key, grad_mode)
+    return registry.runtime_of(key).reduce_grad_eager(grad, key, grad_mode)
 
 
 @reduce_grad.register_fake
 def _reduce_grad_fake(grad: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> torch.Tensor:
-    return grad.new_empty(runtime.runtime_of(key).local_shape(key), dtype=runtime.layout_of(key).dtype)
+    return grad.new_empty(registry.runtime_of(key).local_shape(key), dtype=registry.layout_of(key).dtype)
 
 
 def _unshard_backward(ctx, grad: torch.Tensor):
@@ -74,24 +74,24 @@ def accumulate_unsynced(grad: torch.Tensor, key: int) -> torch.Tensor:
     """Add a full gradient to the runtime's unsynced buffer of ``key`` (in ``reduce_dtype``); no
     collective. Returns zeros of this rank's shard shape in the parameter's dtype, the shard's
     gradient for this micro-batch (its share arrives when the buffer is reduced)."""
-    return runtime.runtime_of(key).accumulate_unsynced(grad, key)
+    return registry.runtime_of(key).accumulate_unsynced(grad, key)
 
 
 @accumulate_unsynced.register_fake
 def _accumulate_unsynced_fake(grad: torch.Tensor, key: int) -> torch.Tensor:
-    return grad.new_empty(runtime.runtime_of(key).local_shape(key), dtype=runtime.layout_of(key).dtype)
+    return grad.new_empty(registry.runtime_of(key).local_shape(key), dtype=registry.layout_of(key).dtype)
 
 
 @torch.library.custom_op("zerograph::take_unsynced", mutates_args=())
 def take_unsynced(grad: torch.Tensor, key: int) -> torch.Tensor:
     """``grad`` (full shape) plus the unsynced buffer of ``key``, in ``reduce_dtype``; empties the
     buffer. Without a buffer (the parameter was unused while unsynced) a copy of ``grad``."""
-    return runtime.runtime_of(key).take_unsynced(grad, key)
+    return registry.runtime_of(key).take_unsynced(grad, key)
 
 
 @take_unsynced.register_fake
 def _take_unsynced_fake(grad: torch.Tensor, key: int) -> torch.Tensor:
-    return grad.new_empty(grad.shape, dtype=runtime.layout_of(key).reduce_dtype)
+    return grad.new_empty(grad.shape, dtype=registry.layout_of(key).reduce_dtype)
 
 
 def activation_chunk(numel: int, group_size: int) -> int:
@@ -128,7 +128,7 @@ def gather_activation(piece: torch.Tensor, shape: Sequence[int], group_name: str
         torch.distributed.DistBackendError: a peer of the group failed or timed out.
     """
     full = piece.new_empty(group_size * piece.numel())
-    runtime.all_gather_single(full, piece, group=_resolve_process_group(group_name))
+    all_gather_single(full, piece, group=_resolve_process_group(group_name))
     return full[:math.prod(shape)].view(list(shape))
 
 

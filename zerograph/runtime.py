@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import itertools
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,34 +24,10 @@ import torch.nn.functional as F
 
 from .buffer_pool import BufferPool
 from .errors import CollectiveError, ScheduleMismatchError
-from .passes._fx import COLLECTIVE_KINDS, TAG, full_buffer
-from .sharding import GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, ParamLayout, Unit
-
-# Markers carry an int key; this maps it back to its layout and runtime. Keys are handed out in
-# compile order, so every rank that compiles the same models in the same order agrees on them.
-_LAYOUTS: dict[int, ParamLayout] = {}
-_RUNTIME_OF_KEY: dict[int, "weakref.ReferenceType[Runtime]"] = {}
-_KEYS = itertools.count()
-# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
-# the functional collectives the passes insert (read here, never rewritten: runtime owns no passes)
-
-
-def next_key() -> int:
-    return next(_KEYS)
-
-
-def layout_of(key: int) -> ParamLayout:
-    return _LAYOUTS[key]
-
-
-def runtime_of(key: int) -> "Runtime":
-    runtime = _RUNTIME_OF_KEY[key]()
-    assert runtime is not None, f"marker key {key} outlived its model"
-    return runtime
-
+from . import registry
+from .sharding import ParamLayout, Unit
+from .vocab import (COLLECTIVE_KINDS, COLLECTIVES, GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, TAG, all_gather_single,
+                    full_buffer)
 
 @dataclasses.dataclass
 class CommCounter:
@@ -168,9 +142,7 @@ class Runtime:
         self.requires_gradient_sync = True  # False: backward keeps full gradients here (no_sync)
         self.unsynced: dict[int, torch.Tensor] = {}  # key -> full gradient summed while unsynced (reduce_dtype)
         self.buffer_pool = BufferPool()  # the comm buffers ``buffer_reuse`` assigns graphs to
-        for layout in layouts:
-            _LAYOUTS[layout.key] = layout
-            _RUNTIME_OF_KEY[layout.key] = weakref.ref(self)
+        registry.register(layouts, self)  # what the markers' implementations look their keys up in
 
     # -- step accounting -------------------------------------------------------------------
     def start_forward(self) -> None:
@@ -274,6 +246,8 @@ class Runtime:
                 raise
             what = f"a collective of {schedule.label}"
             raise CollectiveError(self.failure_message(what, schedule, exc, time.monotonic() - start)) from exc
+        finally:
+            self.buffer_pool.release_all()  # every pooled buffer of the graph is dead once it returns
 
     # -- gradient synchronisation switch (FSDP2's set_requires_gradient_sync) ------------------
     def grad_mode(self) -> str:

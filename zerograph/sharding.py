@@ -23,6 +23,8 @@ from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
 from .errors import ModelChangedError, ShardingError
+from .ops import unshard
+from .vocab import GRAD_MODES, GRAD_SYNC
 
 ROOT_UNIT = "<root>"
 ROOT_INDEX = 0  # Unit.index of the root unit (parameters outside every other unit)
@@ -168,12 +170,6 @@ def set_gathering(active: bool) -> bool:
     return previous
 
 
-# What the backward of the running forward does with each full gradient (the markers' grad_mode):
-GRAD_SYNC = "sync"              # reduce it into this rank's shard of .grad (the default)
-GRAD_ACCUMULATE = "accumulate"  # requires_gradient_sync off: add it to the runtime's full-size buffer
-GRAD_FLUSH = "flush"            # sync after unsynced micro-batches: add the buffer, then reduce once
-GRAD_MODES = (GRAD_SYNC, GRAD_ACCUMULATE, GRAD_FLUSH)
-
 # Set by the compiled model's forward from its runtime (as _gathering is). The parameter
 # properties read it, so Dynamo guards on it: each mode traces, and caches, its own graphs.
 _grad_mode = GRAD_SYNC
@@ -188,8 +184,6 @@ def set_grad_mode(mode: str) -> str:
 
 
 def _param_property(name: str, key: int) -> property:
-    from .ops import unshard  # local import: ops imports runtime state
-
     def get(self: nn.Module) -> torch.Tensor:
         shard = self._parameters[name]
         if not _gathering:

@@ -1,0 +1,159 @@
+"""The package's import structure: one-way layers, no cycles, every module importable first.
+
+``LAYERS`` is the architecture in code (the README's layout section says the same in words): a
+module may import, at module level, only from its own layer or the layers before it; imports
+inside functions (kept for optional, heavy parts such as the dump) may point anywhere but must
+not close a cycle. ``test_every_module_imports_first`` imports each module as the first zerograph
+import of a fresh process, which is what fails with "partially initialized module" when a cycle
+hides behind the import order of ``zerograph/__init__.py``.
+"""
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import fnmatch
+import importlib
+import multiprocessing
+import pathlib
+
+import networkx as nx
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# bottom to top; a pattern ending in * covers a package and its modules
+LAYERS: list[tuple[str, list[str]]] = [
+    ("base", ["zerograph.errors", "zerograph.vocab", "zerograph.registry", "zerograph.policies",
+              "zerograph.state", "zerograph.models*"]),
+    ("tensors", ["zerograph.kernels*", "zerograph.ops", "zerograph.buffer_pool", "zerograph.sharding",
+                 "zerograph.loading"]),
+    ("passes", ["zerograph.costmodel", "zerograph.passes*"]),
+    ("config", ["zerograph.config"]),
+    ("execution", ["zerograph.runtime", "zerograph.capture"]),
+    ("api", ["zerograph.api", "zerograph.fake", "zerograph.replicas"]),
+    ("reporting", ["zerograph.stats", "zerograph.plan", "zerograph.checkpoint", "zerograph.timeline",
+                   "zerograph.traces", "zerograph.profile", "zerograph.optim", "zerograph.init",
+                   "zerograph.dump*"]),
+    ("tools", ["zerograph.bench*", "zerograph.cli", "zerograph.__main__"]),
+]
+
+
+def module_files() -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for every module of the installed layout (``passes/`` is
+    ``zerograph.passes``)."""
+    found = {}
+    for base, package in ((ROOT / "zerograph", "zerograph"), (ROOT / "passes", "zerograph.passes")):
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def layer_of(module: str) -> int:
+    for index, (_, patterns) in enumerate(LAYERS):
+        if any(fnmatch.fnmatch(module, p) or module == p.rstrip("*").rstrip(".") for p in patterns):
+            return index
+    raise AssertionError(f"module {module} is in no layer: add it to LAYERS in tests/test_layers.py "
+                         f"(and to the README's layout section)")
+
+
+def imports_of(module: str, path: pathlib.Path, known: set[str]) -> list[tuple[str, bool]]:
+    """``(imported zerograph module, at module level?)`` for every import in ``path``."""
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    top_level = {id(node) for node in tree.body}
+    for node in tree.body:  # `if TYPE_CHECKING:` blocks import nothing at run time
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            top_level |= {id(n) for n in ast.walk(node)}
+    found = []
+    type_checking = {id(n) for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                     for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if id(node) in type_checking:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in known else source for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != module and target != "zerograph":
+                found.append((target, id(node) in top_level))
+    return found
+
+
+def import_graph() -> tuple[nx.DiGraph, dict[str, pathlib.Path]]:
+    files = module_files()
+    graph = nx.DiGraph()
+    graph.add_nodes_from(files)
+    for module, path in files.items():
+        if module == "zerograph":
+            continue  # the package's face imports everything by design
+        for target, top in imports_of(module, path, set(files)):
+            if graph.has_edge(module, target):
+                top = top or graph.edges[module, target]["top"]
+            graph.add_edge(module, target, top=top)
+    return graph, files
+
+
+def test_every_module_is_in_a_layer() -> None:
+    for module in module_files():
+        if module != "zerograph":
+            layer_of(module)
+
+
+def test_module_level_imports_point_down_or_sideways() -> None:
+    graph, _ = import_graph()
+    upward = [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+              for a, b, top in graph.edges(data="top") if top and layer_of(b) > layer_of(a)]
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles() -> None:
+    graph, _ = import_graph()
+    # a subpackage's modules import their own package's __init__ and vice versa (re-exports);
+    # that is not a layering cycle, so package -> own submodule edges are left out
+    graph.remove_edges_from([(a, b) for a, b in list(graph.edges) if b.startswith(a + ".")])
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c + [c[0]]) for c in cycles[:5])
+
+
+def _import_first(module: str) -> str | None:
+    import sys
+    assert not any(m == "zerograph" or m.startswith("zerograph.") for m in sys.modules), "not a fresh process"
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # report, the parent asserts
+        return f"{module}: {type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.parametrize("module", sorted(m for m in module_files() if m != "zerograph.__main__"))
+def test_every_module_imports_first(module: str, fresh_importer) -> None:
+    assert fresh_importer.submit(_import_first, module).result(timeout=120) is None
+
+
+@pytest.fixture(scope="module")
+def fresh_importer():
+    """A process pool whose every task runs in a new child forked from a server that has imported
+    torch but no zerograph module: a fresh interpreter per module, without paying torch's import
+    each time."""
+    context = multiprocessing.get_context("forkserver")
+    # everything heavy that zerograph imports from other packages, so a child imports only zerograph
+    context.set_forkserver_preload(["torch", "torch.fx", "torch.distributed", "torch.distributed.tensor",
+                                    "torch.distributed.checkpoint", "torch._dynamo", "torch._functorch.aot_autograd",
+                                    "torch._functorch.partitioners", "torch.fx.experimental.symbolic_shapes",
+                                    "torch.utils.flop_counter", "numpy", "networkx"])
+    with concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=context, max_tasks_per_child=1) as pool:
+        yield pool

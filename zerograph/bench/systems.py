@@ -1,0 +1,115 @@
+"""The systems the bench compares: ``--systems`` names parsed into ``SystemSpec``s, and each built.
+
+A system is zerograph at a stage with its schedule options (``zerograph-s<0-3>[-noov][-nopool]
+[-keeproot][-pf<K>][-bb<BYTES>][-inductor]``), DDP, FSDP2 or FSDP2 under ``torch.compile``; see
+the package docstring for what each modifier changes. ``build_system`` wraps a fresh model in
+one and gives it AdamW; ``train_step`` is the step every system runs.
+
+Source: ``torch.nn.parallel.DistributedDataParallel``; ``torch.distributed.fsdp.fully_shard``;
+ZeRO (arXiv 1910.02054) section 7 for the paper's volumes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..api import compile as compile_model
+from ..config import OVERLAP_PASSES, Config
+from ..errors import ConfigError
+from .workloads import Workload
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemSpec:
+    """One configuration to measure. ``kind``: ``"zerograph"``, ``"ddp"`` or ``"fsdp2"``."""
+
+    name: str
+    kind: str
+    stage: int | None = None
+    overlap: bool = True
+    pool: bool = True
+    keep_root: bool = False
+    prefetch_depth: int = 1
+    bucket_bytes: int = 0
+    lowering: str = "eager"
+    compiled: bool = False
+
+    @property
+    def paper_volume(self) -> int:
+        """Multiples of Ψ the ZeRO paper moves per step for this scheme (section 7): 3 for
+        ZeRO-3 and FSDP (parameters gathered in forward and again in backward), else 2."""
+        return 3 if self.stage == 3 or self.kind == "fsdp2" else 2
+
+    def zerograph_config(self) -> Config:
+        return Config(lowering=self.lowering, prefetch_depth=self.prefetch_depth, bucket_bytes=self.bucket_bytes,
+                      reshard_root_after_forward=not self.keep_root,
+                      disabled_passes=(() if self.overlap else OVERLAP_PASSES) + (() if self.pool else ("buffer_reuse",)))
+
+
+_ZEROGRAPH_NAME = re.compile(r"^zerograph-s(?P<stage>[0-3])(?P<mods>(?:-(?:noov|nopool|keeproot|inductor|pf\d+|bb\d+))*)$")
+
+
+def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpec:
+    """``SystemSpec`` of one ``--systems`` entry; raises ``ConfigError`` for an unknown name."""
+    if name == "ddp":
+        return SystemSpec(name, "ddp")
+    if name in ("fsdp2", "fsdp2-compile"):
+        return SystemSpec(name, "fsdp2", compiled=name == "fsdp2-compile")
+    match = _ZEROGRAPH_NAME.match(name)
+    if not match:
+        raise ConfigError(f"unknown system {name!r}: expected zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>]"
+                          "[-inductor], ddp, fsdp2 or fsdp2-compile")
+    mods = match["mods"].split("-")[1:]
+    for mod in mods:
+        if mod.startswith("pf"):
+            prefetch_depth = int(mod[2:])
+        elif mod.startswith("bb"):
+            bucket_bytes = int(mod[2:])
+    return SystemSpec(name, "zerograph", stage=int(match["stage"]), overlap="noov" not in mods, pool="nopool" not in mods,
+                      keep_root="keeproot" in mods,
+                      prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes,
+                      lowering="inductor" if "inductor" in mods else "eager")
+
+
+def parse_systems(text: str, prefetch_depth: int, bucket_bytes: int) -> list[SystemSpec]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or len(set(names)) != len(names):
+        raise ConfigError(f"--systems needs distinct names, got {text!r}")
+    return [parse_system(n, prefetch_depth, bucket_bytes) for n in names]
+
+
+def build_system(spec: SystemSpec, workload: Workload, device: torch.device, lr: float
+                 ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A fresh model wrapped by ``spec``'s system, and AdamW over its parameters."""
+    model = workload.build().to(device)
+    if spec.kind == "zerograph":
+        model = compile_model(model, spec.stage, config=spec.zerograph_config())
+    elif spec.kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for block in workload.blocks(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if spec.compiled:
+            model = torch.compile(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One training step; returns this rank's loss (detached scalar)."""
+    loss = model(*batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()

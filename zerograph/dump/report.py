@@ -1,0 +1,188 @@
+"""The dump's summary: per unit its size and where each graph gathers, waits for, releases and
+reduces it, and a finished step's totals beside the ZeRO paper's formulas (``summary.md``,
+``summary.json``); ``explain`` and ``write_summary`` for users.
+
+Source: ZeRO (arXiv 1910.02054) sections 5 (memory) and 7 (communication volume).
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .annotate import collectives, releases
+from .manifest import rank_manifest, write_json
+
+KIND_ABBREV = {"joint": "joint", "forward": "fwd", "backward": "bwd", "inference": "inf"}
+
+
+def build_report(runtime: Any, captured: Any, stats: Any | None) -> dict[str, Any]:
+    """The summary as plain data (``summary.json``): per unit its size and where each graph
+    gathers, waits for, releases and reduces it; with ``stats`` (``zerograph.Stats`` of a finished
+    step) the totals beside the ZeRO paper's formulas (sections 5 and 7)."""
+    rank = runtime.rank
+    rows = []
+    for unit in runtime.units:
+        layouts = [runtime.layouts[k] for k in unit.keys]
+        shard = [math.prod(layout.local_shape(rank)) for layout in layouts]
+        rows.append({"index": unit.index, "name": unit.name, "parameters": len(layouts),
+                     "elements": sum(layout.numel for layout in layouts), "shard_elements": sum(shard),
+                     "shard_bytes": sum(n * layout.dtype.itemsize for n, layout in zip(shard, layouts)),
+                     "gathered": [], "released": [], "reduced": []})
+    for g, record in enumerate(captured.graphs):
+        for kind in ("forward", "backward", "inference"):
+            if kind not in record:
+                continue
+            where = {"graph": g, "kind": kind}
+            for c in collectives(record[kind].graph):
+                for u in c["units"]:
+                    rows[u]["gathered" if c["role"] == "gather" else "reduced"].append(
+                        {**where, "collective": c["kind"], "start": c["start"], "wait": c["wait"], "ahead": c["ahead"]})
+            for r in releases(record[kind].graph):
+                if r["role"] == "gather":
+                    for u in r["units"]:
+                        rows[u]["released"].append({**where, "node": r["node"], "position": r["position"]})
+    report: dict[str, Any] = {"rank": rank, "world_size": runtime.world_size, "stage": runtime.stage,
+                              "graphs": len(captured.graphs), "units": rows}
+    if stats is not None:
+        report["totals"] = _totals(stats)
+    return report
+
+
+def _totals(stats: Any) -> dict[str, Any]:
+    psi = stats.num_params
+    moved = sum(stats.comm_elements.values())
+    # section 7: 2Ψ per step for stages 0-2 (reduce-scatter + all-gather), 3Ψ for stage 3
+    paper_psi = 0 if stats.world_size == 1 else (3 if stats.stage == 3 else 2)
+    return {"num_params": psi, "comm_elements": dict(stats.comm_elements), "comm_elements_total": moved,
+            "comm_psi": moved / psi if psi else 0.0, "paper_comm_psi": paper_psi,
+            "paper_comm_elements": paper_psi * psi, "comm_bytes": dict(stats.comm_bytes),
+            "resident_bytes": dict(stats.resident_bytes), "formula_bytes": dict(stats.formula_bytes),
+            "transient_bytes": dict(stats.transient_bytes)}
+
+
+def _where(events: Sequence[Mapping[str, Any]], many_graphs: bool, describe: Callable[[Mapping[str, Any]], str]) -> str:
+    """``fwd @12, bwd @40`` (``g1 fwd @12`` when the model has several graphs)."""
+    parts = [("g%d " % e["graph"] if many_graphs else "") + f"{KIND_ABBREV[e['kind']]} {describe(e)}" for e in events]
+    return ", ".join(parts) or "-"
+
+
+def _gathered_at(e: Mapping[str, Any]) -> str:
+    return f"@{e['start']}"
+
+
+def _wait_after(e: Mapping[str, Any]) -> str:
+    return f"+{e['ahead']}"
+
+
+def _released_at(e: Mapping[str, Any]) -> str:
+    return "kept" if e["position"] is None else f"@{e['position']} ({e['node']})"
+
+
+def _reduced_at(e: Mapping[str, Any]) -> str:
+    return f"@{e['start']} ({e['collective']})"
+
+
+def summary_markdown(report: Mapping[str, Any]) -> str:
+    """``summary.md`` from ``build_report``'s data."""
+    many = report["graphs"] > 1
+    lines = [f"# zerograph summary: rank {report['rank']} of {report['world_size']}, stage {report['stage']}", ""]
+    if not report["graphs"]:
+        lines += ["No graph has been captured yet: run a step first.", ""]
+    lines += [
+        "Positions are node indices in each final graph (the last `NN_*.py` of `graph<g>_<kind>/`, "
+        "placeholders included, from 0). *Wait after*: nodes between issuing the collective and waiting "
+        "for it (how far it is prefetched). *Released*: the last node reading the unit's gathered "
+        "parameters (`kept` = saved for backward).",
+        "",
+        "| unit | name | params | elements | shard elements | shard bytes | gathered at | wait after "
+        "| released at | reduced at |",
+        "|---:|---|---:|---:|---:|---:|---|---|---|---|",
+    ]
+    for u in report["units"]:
+        lines.append(
+            f"| {u['index']} | {u['name']} | {u['parameters']} | {u['elements']:,} | {u['shard_elements']:,} "
+            f"| {u['shard_bytes']:,} | {_where(u['gathered'], many, _gathered_at)} "
+            f"| {_where(u['gathered'], many, _wait_after)} | {_where(u['released'], many, _released_at)} "
+            f"| {_where(u['reduced'], many, _reduced_at)} |")
+    totals = report.get("totals")
+    lines.append("")
+    if totals is None:
+        lines.append("Totals need a finished step: call `zerograph.explain(model, optimizer)` after one.")
+        return "\n".join(lines) + "\n"
+    psi = totals["num_params"]
+    lines += [f"## Totals of the last finished step (`zerograph.stats`), Ψ = {psi:,} parameters", "",
+              "| quantity | measured | paper (arXiv 1910.02054) |", "|---|---:|---:|",
+              f"| communication per step (sec. 7) | {totals['comm_elements_total']:,} elements = "
+              f"{totals['comm_psi']:.3f}Ψ | {totals['paper_comm_psi']}Ψ = "
+              f"{totals['paper_comm_elements']:,} elements |"]
+    for kind, elements in totals["comm_elements"].items():
+        if elements:
+            lines.append(f"| {kind} | {elements:,} elements, {totals['comm_bytes'][kind]:,} bytes sent | |")
+    for key, held in totals["resident_bytes"].items():
+        formula = totals["formula_bytes"].get(key)
+        transient = totals["transient_bytes"].get(key)
+        extra = f" (of which transient {transient:,})" if transient else ""
+        paper = f"{formula:,.0f} bytes" if formula is not None else "-"
+        lines.append(f"| {key} held at most (sec. 5) | {held:,} bytes{extra} | {paper} |")
+    return "\n".join(lines) + "\n"
+
+
+_LAST_TOTALS: dict[str, dict[str, Any]] = {}  # rank directory -> totals last written there
+
+
+def write_summary_files(rank_dir: str, report: Mapping[str, Any]) -> str:
+    """Write ``summary.json`` and ``summary.md`` of ``report`` into ``rank_dir`` and record them in
+    its manifest; returns the path of ``summary.md``. Raises ``DumpError`` when ``rank_dir`` holds
+    files of something other than a zerograph dump."""
+    manifest = rank_manifest(rank_dir, report["rank"], report["world_size"])
+    if "totals" in report:
+        _LAST_TOTALS[rank_dir] = report["totals"]
+    write_json(os.path.join(rank_dir, "summary.json"), report)
+    path = os.path.join(rank_dir, "summary.md")
+    with open(path, "w") as f:
+        f.write(summary_markdown(report))
+    manifest.record(os.path.join(rank_dir, "summary.json"), path)
+    return path
+
+
+def _report_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, dict[str, Any]]:
+    from ..state import state_of
+    from ..stats import stats
+
+    state = state_of(model)
+    numbers = stats(model, optimizer) if state.captured.graphs else None
+    return state, build_report(state.runtime, state.captured, numbers)
+
+
+def write_summary(model: torch.nn.Module, dump_dir: str, optimizer: torch.optim.Optimizer | None = None) -> str:
+    """Write ``<dump_dir>/rank<r>/summary.md`` and ``summary.json`` for ``model`` after a step,
+    totals from ``zerograph.stats(model, optimizer)`` (pass the optimizer for its state bytes; call
+    it before ``zero_grad`` frees the gradient shards). Returns the path of ``summary.md``.
+
+    Raises ``ShardingError`` when ``model`` was not compiled by ``zerograph.compile``; ``DumpError``
+    when ``<dump_dir>/rank<r>/`` holds files but is not a zerograph dump (``dump.manifest``).
+    """
+    state, report = _report_of(model, optimizer)
+    return write_summary_files(os.path.join(dump_dir, f"rank{state.runtime.rank}"), report)
+
+
+def explain(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
+    """The dump's ``summary.md`` as a string: per unit its size and where it is gathered, released,
+    prefetched and reduced; totals of the last step against the paper's formulas. Writes the file
+    too when dumping is on (``Config.dump_dir`` / ``ZEROGRAPH_DUMP``). Call after a step, before
+    ``zero_grad``.
+
+    Raises ``ShardingError`` when ``model`` was not compiled by ``zerograph.compile``; ``DumpError``
+    as ``write_summary``.
+    """
+    state, report = _report_of(model, optimizer)
+    dump_root = state.config.resolved_dump_dir()
+    if dump_root:
+        write_summary_files(os.path.join(dump_root, f"rank{state.runtime.rank}"), report)
+    return summary_markdown(report)
+
+

@@ -1,0 +1,42 @@
+"""The words every layer shares: the functional collectives the passes insert, the tag they leave
+on graph nodes, and the gradient modes of the markers.
+
+This is the bottom layer's FX vocabulary: the passes write these ops and tags, the runtime, the cost
+model and the reporting modules read them, and none of them needs to import another for it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+# node.meta[TAG] = {"role": ..., "unit": ..., "units": ...} on every node a pass inserts
+TAG = "zerograph"
+
+# The functional collectives the passes insert (torch.distributed._functional_collectives), by kind.
+COLLECTIVE_KINDS = {
+    torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
+    torch.ops._c10d_functional.all_gather_into_tensor_out.default: "all_gather",  # buffer_reuse's
+    torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+    torch.ops._c10d_functional.all_reduce.default: "all_reduce",
+}
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def full_buffer(collective: fx.Node) -> torch.Tensor:
+    """The fake value of the full (unsharded) buffer a collective node moves: the output of an
+    all-gather, the input of a reduce-scatter or all-reduce (the ZeRO paper's volume, section 7)."""
+    if COLLECTIVE_KINDS[collective.target] == "all_gather":
+        return collective.meta["val"]
+    return collective.args[0].meta["val"]
+
+
+# What the backward of the running forward does with each full gradient (the markers' grad_mode):
+GRAD_SYNC = "sync"              # reduce it into this rank's shard of .grad (the default)
+GRAD_ACCUMULATE = "accumulate"  # requires_gradient_sync off: add it to the runtime's full-size buffer
+GRAD_FLUSH = "flush"            # sync after unsynced micro-batches: add the buffer, then reduce once
+GRAD_MODES = (GRAD_SYNC, GRAD_ACCUMULATE, GRAD_FLUSH)
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
