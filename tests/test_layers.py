@@ -25,13 +25,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["zerograph.errors", "zerograph.vocab", "zerograph.registry", "zerograph.policies",
               "zerograph.state", "zerograph.models*"]),
-    ("tensors", ["zerograph.kernels*", "zerograph.ops", "zerograph.buffer_pool", "zerograph.sharding"]),
+    ("tensors", ["zerograph.kernels*", "zerograph.ops", "zerograph.buffer_pool", "zerograph.sharding",
+                 "zerograph.loading"]),
     ("passes", ["zerograph.costmodel", "zerograph.passes*"]),
     ("config", ["zerograph.config"]),
     ("execution", ["zerograph.runtime", "zerograph.capture"]),
     ("api", ["zerograph.api", "zerograph.fake", "zerograph.replicas"]),
     ("reporting", ["zerograph.stats", "zerograph.plan", "zerograph.checkpoint", "zerograph.timeline",
-                   "zerograph.traces", "zerograph.profile", "zerograph.optim", "zerograph.init", "zerograph.loading",
+                   "zerograph.traces", "zerograph.profile", "zerograph.optim", "zerograph.init",
                    "zerograph.dump*"]),
     ("tools", ["zerograph.bench*", "zerograph.cli", "zerograph.__main__"]),
 ]

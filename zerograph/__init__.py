@@ -38,6 +38,10 @@ from .timeline import Event, Schedule, measure, predict
 
 __all__ += ["CostModel", "calibrate", "Event", "Schedule", "measure", "predict"]
 from .errors import DumpError
+from .init import init_weights, reset_parameters  # noqa: E402
+from .loading import LoadError, load_safetensors  # noqa: E402
+
+__all__ += ["init_weights", "reset_parameters", "LoadError", "load_safetensors"]
 
 __all__ += ["DumpError", "explain", "write_summary"]
 

@@ -16,6 +16,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import loading
 from .capture import CapturedGraphs, ZeroGraphBackend
 from .config import Config, check_stage
 from .errors import ConfigError, ProcessGroupError, ShardingError, UnshardedParameterError, ZeroGraphError
@@ -28,7 +29,7 @@ from .state import STATE_ATTR, ZeroGraphState, state_of
 log = logging.getLogger(__name__)
 
 def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | None = None,
-            config: Config | None = None) -> nn.Module:
+            config: Config | None = None, device: torch.device | str | int | None = None) -> nn.Module:
     """Shard ``model`` for ZeRO stage ``stage`` and capture its forward and backward as graphs.
 
     The model is changed in place and returned (as ``torch.distributed.fsdp.fully_shard`` does): its
@@ -41,17 +42,32 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     model gains ``set_requires_gradient_sync(bool)`` (FSDP2's) and ``no_sync()`` (DDP's); mixed
     precision is ``Config(param_dtype=..., reduce_dtype=...)`` (FSDP2's ``MixedPrecisionPolicy``).
 
+    A model built on the meta device (``with torch.device("meta"): model = Model(cfg)``) is
+    accepted too (FSDP2's meta-device recipe, DeepSpeed's ``zero.Init``): each rank then allocates
+    only its own shards, and the buffers, on ``device``, never a full parameter; their memory is
+    uninitialised until ``zerograph.init_weights(model)``, ``model.load_state_dict(full_sd)`` or
+    ``zerograph.load_safetensors(model, path)`` writes it, and calling the model before that
+    raises ``ShardingError`` naming the tensors still empty. The compiled model's
+    ``load_state_dict`` takes full, plain tensors (each rank copies its rows) as well as shards.
+
     Args:
-        model: the module; all parameters on one device (CPU with gloo, CUDA with NCCL).
+        model: the module; all parameters on one device (CPU with gloo, CUDA with NCCL), or all
+            on the meta device.
         stage: 0 (DDP), 1 (P_os), 2 (P_os+g) or 3 (P_os+g+p), ZeRO paper (arXiv 1910.02054) section 5.
         process_group: ranks that shard the model; default the world group. When no group is
             initialised, one is created from the torchrun environment, or a one-rank group.
         config: ``zerograph.Config``; defaults apply when ``None``.
+        device: where a meta-built model's shards and buffers are allocated. ``None``: CUDA's
+            current device when the process group is NCCL (or, with no group yet, when CUDA is
+            available), else the CPU (gloo). For a model with real parameters it must be ``None``
+            or their device (move the model with ``.to()`` before compile instead).
 
     Raises:
         ConfigError: ``stage`` not in 0-3, or a bad ``Config`` field.
-        ShardingError: parameters on several devices; the model was compiled already, or it is a
-            part of a compiled model (its parameters are ``DTensor`` shards already).
+        ShardingError: parameters on several devices, or partly on the meta device (named); a
+            ``device`` that cannot hold the shards (meta, CUDA without CUDA, or not the device of
+            a model's real parameters); the model was compiled already, or it is a part of a
+            compiled model (its parameters are ``DTensor`` shards already).
         ProcessGroupError: the group does not match the launch (``WORLD_SIZE``), or this rank is not in it.
 
     Collective: every rank of the group takes group rank 0's parameters and buffers (``replicas.py``).
@@ -72,7 +88,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
                           f"write config=zerograph.Config(...)")
     config = config or Config()
     _check_not_sharded(model)
-    device = _single_device(model)
+    device, meta_built = _target_device(model, device, process_group)
     group = _resolve_group(process_group, device, config)
     sync_replicas(model, group, device)  # every rank starts from rank 0's values, as with DDP (replicas.py)
     mesh = DeviceMesh.from_group(group, device.type)
@@ -81,7 +97,12 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     precision = config.mixed_precision
     layouts, unit_objs = shard_module_(model, mesh, stage, units, next_key,
                                        param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
-                                       full_precision_classes=precision.full_precision_classes)
+                                       full_precision_classes=precision.full_precision_classes,
+                                       device=device)
+    uninitialised = None
+    if meta_built:  # every shard and meta buffer is empty until an init or a load writes it
+        fresh = loading.allocate_meta_buffers_(model, device)
+        uninitialised = loading.UninitialisedTracker(list(model.named_parameters()) + fresh)
     runtime = Runtime(group, stage, layouts, unit_objs, timeout_s=config.timeout_s, device=device)
     for name, param in originals.items():
         param._zerograph_replaced = name  # type: ignore[attr-defined]
@@ -97,11 +118,13 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     # never reach Dynamo's recompile limit, past which a frame would run eagerly on some ranks only).
     # Parameters stay static (Dynamo's force_parameter_static_shapes), so the collectives do too.
     compiled_forward = torch.compile(type(model).forward, backend=backend, dynamic=None)
-    setattr(model, STATE_ATTR, ZeroGraphState(runtime, config, captured, compiled_forward, watch))
+    setattr(model, STATE_ATTR, ZeroGraphState(runtime, config, captured, compiled_forward, watch,
+                                              uninitialised=uninitialised))
     cls = type(model)
     model.__class__ = type(cls.__name__, (cls,), {"forward": _compiled_forward,
                                                   "set_requires_gradient_sync": set_requires_gradient_sync,
-                                                  "no_sync": no_sync})
+                                                  "no_sync": no_sync,
+                                                  "load_state_dict": loading.load_state_dict})
     log.info("zerograph: stage %d, world size %d, %d units, %d parameters (%d elements)", stage,
              runtime.world_size, len(unit_objs), len(layouts), sum(layout.numel for layout in layouts))
     return model
@@ -110,6 +133,9 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
 def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: ZeroGraphState = getattr(self, STATE_ATTR)
     state.watch.check_unchanged()
+    if state.uninitialised is not None:  # a meta-built model until every shard got values
+        state.uninitialised.check()
+        state.uninitialised = None
     state.runtime.start_forward()
     previous = set_gathering(True)
     previous_mode = set_grad_mode(state.runtime.grad_mode())  # read (and guarded on) by the trace
@@ -190,16 +216,51 @@ def _check_not_sharded(model: nn.Module) -> None:
             "it; choose how its parameters are grouped with Config(unit_classes=...)")
 
 
-def _single_device(model: nn.Module) -> torch.device:
-    devices = {p.device for p in model.parameters()}
-    if len(devices) > 1:
-        raise ShardingError(f"all parameters must live on one device before compile; found {sorted(map(str, devices))}")
-    if not devices:
+def _target_device(model: nn.Module, device: torch.device | str | int | None,
+                   group: dist.ProcessGroup | None) -> tuple[torch.device, bool]:
+    """The device the shards live on, and whether the model was built on the meta device."""
+    params = list(model.named_parameters())
+    if not params:
         raise ShardingError("the model has no parameters to shard")
-    device = devices.pop()
-    if device.type == "meta":
-        raise ShardingError("parameters are on the meta device; materialise them (e.g. to_empty + init) first")
-    return device
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ShardingError(f"device={device!r} is not a device zerograph can place shards on") from exc
+    meta = [n for n, p in params if p.is_meta]
+    real = [(n, p.device) for n, p in params if not p.is_meta]
+    if meta and real:
+        raise ShardingError(
+            f"all parameters must live on one device before compile, but they are partly on the meta device "
+            f"({_names(meta)}) and partly not "
+            f"({_names([f'{n} on {d}' for n, d in real])}); build all of it on the meta device, or none")
+    if not meta:
+        meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+        if meta_buffers:
+            raise ShardingError(f"buffers {_names(meta_buffers)} are on the meta device but the parameters are "
+                                "not; build the whole model on the meta device, or give the buffers values")
+        devices = {d for _, d in real}
+        if len(devices) > 1:
+            raise ShardingError(f"all parameters must live on one device before compile; found {sorted(map(str, devices))}")
+        own = devices.pop()
+        if device is not None and (device.type != own.type or device.index not in (None, own.index)):
+            raise ShardingError(f"device={str(device)!r} given, but the parameters are on {own}; device= places a "
+                                "meta-built model's shards: move a built model with .to() before compile")
+        return own, False
+    if device is None:
+        nccl = (dist.get_backend(group) == "nccl") if dist.is_initialized() else torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    usable = device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
+    if not usable:
+        raise ShardingError(f"the model is on the meta device ({_names(meta)}) and device={str(device)!r} cannot "
+                            "hold its shards: pass compile(..., device='cpu') (gloo) or a CUDA device (NCCL)")
+    return device, True
+
+
+def _names(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _resolve_group(group: dist.ProcessGroup | None, device: torch.device, config: Config) -> dist.ProcessGroup:

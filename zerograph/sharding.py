@@ -239,6 +239,7 @@ def shard_module_(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     full_precision_classes: tuple[type[nn.Module], ...] = (),
+    device: torch.device | None = None,
 ) -> tuple[list[ParamLayout], list[Unit]]:
     """Replace every parameter of ``model`` by this rank's ``DTensor`` shard, in place.
 
@@ -247,7 +248,8 @@ def shard_module_(
     use sum into it. ``requires_grad`` and the dtype are kept: with mixed precision the shards are
     the master weights, and ``param_dtype`` / ``reduce_dtype`` (``Config``'s) are recorded in the
     layouts for the passes, except for parameters of ``full_precision_classes`` modules. Buffers
-    are left untouched.
+    are left untouched. A parameter on the meta device gets an uninitialised shard of this rank's
+    rows only, allocated on ``device`` (meta-device construction: no full tensor is ever made).
 
     Returns the layouts in key order and the units (index 0 is the root unit).
     """
@@ -269,7 +271,7 @@ def shard_module_(
                 layout = make_layout(new_key(), fqn, owner.get(id(mod), 0), param, world_size, sharded,
                                      param_dtype if cast else None, reduce_dtype if cast else None)
                 layouts.append(layout)
-                new_param_of[id(param)] = (_make_shard(param, layout, mesh, rank), layout.key)
+                new_param_of[id(param)] = (_make_shard(param, layout, mesh, rank, device), layout.key)
             new_param, key = new_param_of[id(param)]
             mod._parameters[name] = new_param
             props[name] = _param_property(name, key)
@@ -285,9 +287,13 @@ def shard_module_(
     return layouts, unit_objs
 
 
-def _make_shard(param: nn.Parameter, layout: ParamLayout, mesh: DeviceMesh, rank: int) -> nn.Parameter:
+def _make_shard(param: nn.Parameter, layout: ParamLayout, mesh: DeviceMesh, rank: int,
+                device: torch.device | None = None) -> nn.Parameter:
     data = param.detach()
-    if layout.sharded:
+    if data.is_meta:  # meta-device construction: allocate this rank's rows only, values come later
+        local = torch.empty(layout.local_shape(rank), dtype=data.dtype, device=device)
+        placements = [Shard(0)] if layout.sharded else [Replicate()]
+    elif layout.sharded:
         start = rank * layout.chunk_rows
         local = data[start : start + layout.rank_rows[rank]].clone()
         placements = [Shard(0)]

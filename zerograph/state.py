@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # types only: the state module sits below the layers that bui
 
     from .capture import CapturedGraphs
     from .config import Config
+    from .loading import UninitialisedTracker
     from .runtime import Runtime
     from .sharding import ParameterWatch, Unit
 
@@ -32,15 +33,18 @@ class ZeroGraphState:
         captured: the ``CapturedGraphs`` of every ``torch.compile`` graph of the model so far.
         compiled_forward: the ``torch.compile``d forward the model's ``forward`` calls.
         watch: the ``ParameterWatch`` that refuses parameters changed after compile.
+        uninitialised: for a meta-built model, the ``loading.UninitialisedTracker`` of shards and
+            buffers no init or load has written yet; ``None`` once all were (or never meta-built).
     """
 
     def __init__(self, runtime: Runtime, config: Config, captured: CapturedGraphs, compiled_forward: Any,
-                 watch: ParameterWatch):
+                 watch: ParameterWatch, uninitialised: UninitialisedTracker | None = None):
         self.runtime = runtime
         self.config = config
         self.captured = captured
         self.compiled_forward = compiled_forward
         self.watch = watch
+        self.uninitialised = uninitialised
 
 
 def is_compiled(model: nn.Module) -> bool:

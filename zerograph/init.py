@@ -1,0 +1,237 @@
+"""``zerograph.init_weights``: initialise a compiled (e.g. meta-built) model's shards so that the
+full parameters are bitwise those an ordinary build with the same seed would have."""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import ShardingError
+from .loading import local_rows, versions
+from .sharding import ROOT_INDEX, ParamLayout
+from .state import state_of
+
+ModuleInit = Callable[[nn.Module], None]
+
+
+def reset_parameters(module: nn.Module) -> None:
+    """The default per-module initialisation: ``module.reset_parameters()`` where defined (every
+    ``torch.nn`` layer with parameters defines it and calls it from its ``__init__``)."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None = None, *,
+                 device: torch.device | str = "cpu") -> list[str]:
+    """Initialise every shard of a compiled model, bitwise as an ordinary build would.
+
+    ``fn(module)`` is called for every module of ``model`` in ``model.named_modules()`` order
+    (pre-order: a module before its children, children in registration order), each seeing full,
+    plain parameters; afterwards each rank keeps its own rows. ``fn=None`` calls
+    ``reset_parameters()`` where a module defines it, which replays what the modules' constructors
+    did: for a model built from standard ``torch.nn`` layers, registration order is construction
+    order, so the same seed yields bitwise the same full parameters as building the model on the
+    CPU (assumption: no module's ``__init__`` consumes random numbers after building its
+    children, nor outside ``reset_parameters``). A model whose ``__init__`` adds its own passes
+    after construction (as the GPT of ``zerograph.models.gpt`` does: ``self.apply(_init_weights)``,
+    then a scaled init of the residual projections) is reproduced by giving those passes in
+    order, ``fn=[reset_parameters, pass_2, pass_3]``: each is a full walk over the modules, as in
+    the constructor. Buffers are the real ones (``reset_parameters`` may write running statistics).
+
+    How: per sharding unit, every rank materialises the unit's full parameters on ``device``
+    (plain tensors swapped into the modules while ``fn`` runs), runs ``fn`` on the unit's modules
+    with the process's RNG, then copies its own rows into its shard and drops the full tensors.
+    All ranks draw the same random stream, so they compute identical full tensors; nothing is
+    communicated for a parameter that holds no values yet (a fresh meta-built model), and
+    parameters that already hold values are all-gathered first, so ``fn`` may read them.
+
+    Cost: every rank spends the compute time of an ordinary init of the whole model (the random
+    stream is sequential: it cannot be split by rows and stay bitwise); peak extra memory on
+    ``device`` is one unit's full parameters (two when a module's tied parameter lives in another
+    unit), plus one parameter's gather buffer on the shards' device. Communication: one
+    ``all_gather_object`` of a few bytes per call (checks that ranks' RNG states agree), plus the
+    all-gathers of already initialised parameters. A unit is materialised each time the walk
+    enters it: the root unit of a transformer twice (embeddings first, final norm and head last).
+
+    Rules for ``fn``: it writes the parameters of the module it is given (and of its
+    submodules), in place; writes that reach a shard directly (a module holding several units
+    initialising the parameters of another, e.g. a root-level loop over ``model.parameters()``)
+    would draw from DTensor's RNG instead and are refused. A parameter that no ``fn`` wrote stays
+    uninitialised (NaN while materialised; it is not written back), and is returned.
+
+    Args:
+        model: a model returned by ``zerograph.compile``, e.g. built on the meta device.
+        fn: a function of one module, or several run one after the other (each a whole walk);
+            ``None``: ``reset_parameters``.
+        device: where the full unit is materialised and ``fn`` runs. ``"cpu"`` (default) draws
+            from the CPU generator, i.e. equals a model built on the CPU; a CUDA device is faster
+            and equals a model built on that device.
+
+    Returns:
+        Names of the parameters and buffers of a meta-built model that still hold no values (empty
+        when the model is fully initialised).
+
+    Raises:
+        ShardingError: ``model`` was not compiled by zerograph; ``fn`` draws random numbers but the
+            ranks' RNG states differ (seed every rank alike first: ``torch.manual_seed(seed)``;
+            raised before the first random value is written); ``fn`` wrote a shard directly.
+
+    Source: FSDP2's meta-device initialisation (``to_empty`` + ``reset_parameters``) and
+    torchtitan's per-module ``init_weights``; DeepSpeed's ``zero.Init`` gathers-then-slices the same way.
+    """
+    passes = [reset_parameters] if fn is None else ([fn] if callable(fn) else list(fn))
+    state = state_of(model)
+    runtime = state.runtime
+    device = torch.device(device)
+    rows = local_rows(model)
+    shard_of = {layout.key: p for p in model.parameters() for layout, _, _ in [rows[id(p)]]}
+    layout_of = {layout.key: layout for layout, _, _ in rows.values()}
+    key_of = {id(p): layout.key for p in model.parameters() for layout, _, _ in [rows[id(p)]]}
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                holders.setdefault(key_of[id(p)], []).append((mod, name))
+    pending = _pending_keys(model, key_of)
+    pending, rng_diverged = _agree(runtime.group, pending, device)
+    rng_start = _rng_state(device)
+    written = {key: versions(p) for key, p in shard_of.items()}  # what our own copies leave
+
+    unit_of_module = _unit_of_modules(model, runtime.units)
+    unit_roots = {id(model.get_submodule(u.name)) for u in runtime.units if u.index != ROOT_INDEX}
+    unit_of_key = {key: u.index for u in runtime.units for key in u.keys}
+    open_units: dict[int, dict[int, torch.Tensor]] = {}  # unit -> key -> full tensor (swapped in)
+
+    def release(unit: int) -> None:
+        if rng_diverged and not torch.equal(_rng_state(device), rng_start):  # every rank raises here alike
+            raise ShardingError("init_weights: fn draws random numbers but the ranks' random number generators "
+                                "were in different states, so their rows would come from different streams; call "
+                                "torch.manual_seed(seed) with the same seed on every rank before init_weights")
+        for key, full in open_units.pop(unit).items():
+            del key_of[id(full)]
+            for mod, name in holders[key]:
+                mod._parameters[name] = shard_of[key]
+            if key in pending and full.is_floating_point() and _all_nan(full):
+                continue  # no fn wrote it: it stays uninitialised (and NaN never reaches the shard)
+            layout, start, stop = rows[id(shard_of[key])]
+            with torch.no_grad():
+                _local(shard_of[key]).copy_(full[start:stop] if layout.sharded else full)
+            written[key] = versions(shard_of[key])
+            pending.discard(key)
+
+    def materialise(unit: int) -> None:
+        fulls = {}
+        for key in runtime.units[unit].keys:
+            shard = shard_of[key]
+            full = _full(shard, layout_of[key], runtime.group, device, key in pending)
+            param = nn.Parameter(full, requires_grad=shard.requires_grad)
+            key_of[id(param)] = key  # the walk finds it where the shard was
+            for mod, name in holders[key]:
+                mod._parameters[name] = param
+            fulls[key] = param
+        open_units[unit] = fulls
+
+    try:
+        for init in passes:
+            for mod in model.modules():
+                needed = _units_needed(mod, unit_of_module, unit_roots, unit_of_key, key_of)
+                if needed:  # else (no parameters in reach) keep what is open: no gather thrash
+                    for unit in [u for u in open_units if u not in needed]:
+                        release(unit)
+                    for unit in sorted(needed - open_units.keys()):
+                        materialise(unit)
+                init(mod)
+            for unit in list(open_units):
+                release(unit)
+    finally:  # on an error in fn: put every shard back, write nothing more
+        for fulls in open_units.values():
+            for key in fulls:
+                for mod, name in holders[key]:
+                    mod._parameters[name] = shard_of[key]
+    direct = [layout_of[k].fqn for k, p in shard_of.items() if versions(p) != written[k]]
+    if direct:
+        raise ShardingError(
+            f"init_weights: fn wrote the shards of {', '.join(direct[:5])} directly (a module initialised "
+            "parameters of another sharding unit, outside the ones materialised for it), so they hold DTensor "
+            "random values, not an ordinary build's: write fn to initialise the module it is given")
+    return state.uninitialised.pending() if state.uninitialised is not None else []
+
+
+def _local(shard: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return shard.to_local()
+
+
+def _full(shard: torch.Tensor, layout: ParamLayout, group: dist.ProcessGroup, device: torch.device,
+          empty: bool) -> torch.Tensor:
+    """A new full tensor of the parameter on ``device``: NaN (or uninitialised, for integers)
+    when ``empty``, else its values all-gathered from the ranks' shards."""
+    if empty:
+        full = torch.empty(layout.shape, dtype=layout.dtype, device=device)
+        return full.fill_(math.nan) if full.is_floating_point() else full
+    local = _local(shard)
+    if not layout.sharded:
+        return local.to(device, copy=True)
+    padded = local.new_zeros((layout.chunk_rows, *layout.shape[1:]))
+    padded[: local.shape[0]] = local
+    gathered = local.new_empty((layout.world_size * layout.chunk_rows, *layout.shape[1:]))
+    dist.all_gather_single(gathered, padded, group=group)
+    return gathered[: layout.shape[0]].to(device)  # a view of the fresh buffer, or a copy on ``device``
+
+
+def _all_nan(full: torch.Tensor, block: int = 1 << 20) -> bool:
+    """Whether every element is NaN (still as materialised), tested in blocks so that the test
+    allocates 1 MiB of booleans at most, not one per element."""
+    return all(bool(torch.isnan(part).all()) for part in full.detach().reshape(-1).split(block))
+
+
+def _pending_keys(model: nn.Module, key_of: dict[int, int]) -> set[int]:
+    """Keys of the parameters that hold no values yet (never written since a meta-built compile)."""
+    tracker = state_of(model).uninitialised
+    if tracker is None:
+        return set()
+    names = set(tracker.pending())
+    return {key_of[id(p)] for n, p in model.named_parameters() if n in names}
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    state = torch.random.get_rng_state()
+    return torch.cat([state, torch.cuda.get_rng_state(device)]) if device.type == "cuda" else state
+
+
+def _agree(group: dist.ProcessGroup, pending: set[int], device: torch.device) -> tuple[set[int], bool]:
+    """The union of the ranks' uninitialised keys (so all ranks gather alike), and whether the
+    ranks' RNG states differ: then an ``fn`` that draws random numbers would give each rank's rows
+    from another stream, which ``release`` refuses before writing (an ``fn`` that draws none, such
+    as one computing buffers, is fine)."""
+    digest = hashlib.sha256(_rng_state(device).numpy().tobytes()).hexdigest()
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (digest, sorted(pending)), group=group)
+    return {key for _, keys in everyone for key in keys}, len({d for d, _ in everyone}) > 1
+
+
+def _units_needed(mod: nn.Module, unit_of_module: dict[int, int], unit_roots: set[int],
+                  unit_of_key: dict[int, int], key_of: dict[int, int]) -> set[int]:
+    """The units to materialise while ``fn(mod)`` runs: those of every parameter under ``mod``,
+    except for a module that holds several units (a model's root, its block list): then only its
+    own unit's parameters under it, and the units of the parameters it owns directly (tied ones)."""
+    subtree = {unit_of_key[key_of[id(p)]] for p in mod.parameters()}
+    if any(id(sub) in unit_roots for sub in mod.modules() if sub is not mod):
+        own = unit_of_module.get(id(mod), ROOT_INDEX)
+        subtree = {u for u in subtree if u == own}
+    return subtree | {unit_of_key[key_of[id(p)]] for p in mod._parameters.values() if p is not None}
+
+
+def _unit_of_modules(model: nn.Module, units: list) -> dict[int, int]:
+    """``id(module) -> unit index`` for the modules inside a non-root unit."""
+    owner: dict[int, int] = {}
+    for unit in units:
+        if unit.index != ROOT_INDEX:
+            for mod in model.get_submodule(unit.name).modules():
+                owner.setdefault(id(mod), unit.index)
+    return owner
