@@ -6,9 +6,12 @@ collectives move no data, so the step's numbers are meaningless, but every tenso
 is real and of its real size), initialises this rank's shards, and runs one training step with
 the mixed-precision setup of the paper's K = 12 accounting: compute and gradients reduced in bf16,
 fp32 master shards, AdamW's fp32 moments. It prints, per stage, the model-state bytes this rank
-holds after the step (the storages of its parameter shards, their ``.grad`` and the optimizer's
-state, measured) beside ``zerograph.plan``'s formula and the paper's figure, plus the step's peak
-RSS growth (which adds activations, the gathered units in flight and the allocator's slack).
+held at the step's peak (``zerograph.stats(...).resident_bytes``: the real shards, ``.grad`` and
+optimizer tensors, plus the gathered full parameters and unreduced gradients alive at once by the
+liveness of the graphs that ran) and those it holds between steps (the storages of its shards,
+their ``.grad`` and the optimizer's state, read off the tensors), beside ``zerograph.plan``'s
+formula and the paper's figure, plus the step's peak RSS growth (which adds activations and the
+allocator's slack).
 
 Usage (about 5 minutes on 2 CPU cores for the default 7.5B at N = 64, stage 3):
     python examples/paper_table1.py --params 7.5e9 --world-size 64 --stages 3 --tokens 256
@@ -96,10 +99,12 @@ def measure(cfg: GPTConfig, stage: int, world_size: int, tokens: int, seed: int)
                                                     if isinstance(v, torch.Tensor) and v.dim() > 0)}
         stats = zerograph.stats(model, opt)
     states["total"] = sum(states.values())
+    peak = {k: stats.resident_bytes.get(k, 0) for k in ("params", "grads", "optimizer_states")}
+    peak["total"] = sum(peak.values())
     flops = 6 * psi * x.numel()  # forward + backward, the usual 6 Ψ T (attention's T^2 term left out)
     result = {
         "stage": stage, "world_size": world_size, "psi": psi, "tokens": x.numel(), "fake_world": stats.fake_world,
-        "measured_bytes": states, "plan_bytes": dict(planned.bytes_per_rank),
+        "measured_bytes": peak, "held_between_steps_bytes": states, "plan_bytes": dict(planned.bytes_per_rank),
         "plan_total_with_overheads": planned.total_with_overheads,
         "paper_gb": PAPER_7_5B_N64_GB[stage] if world_size == 64 and abs(psi - 7.5e9) < 0.1e9 else None,
         "peak_rss_growth_bytes": peak_rss_bytes() - rss_before, "init_s": init_s, "step_s": step_s,
@@ -126,14 +131,17 @@ def main() -> None:
     rows = [measure(cfg, int(s), args.world_size, args.tokens, args.seed) for s in args.stages.split(",")]
     print(f"GPT: {cfg.n_layer} blocks of width {cfg.n_embd}, Ψ = {rows[0]['psi']:,}; rank 0 of N = {args.world_size} "
           f"(fake world: collectives move no data; memory and compute are this rank's own)")
-    print(f"{'stage':>5}  {'measured GB':>11}  {'plan GB':>8}  {'paper GB':>8}  {'measured/plan':>13}  "
-          f"{'peak RSS +GB':>12}  {'step s':>7}  {'TFLOP/s':>7}")
+    print(f"{'stage':>5}  {'between GB':>10}  {'plan GB':>8}  {'paper GB':>8}  {'between/plan':>12}  "
+          f"{'step peak GB':>12}  {'plan+overheads GB':>17}  {'peak RSS +GB':>12}  {'step s':>7}  {'TFLOP/s':>7}")
     for r in rows:
         measured, planned = r["measured_bytes"]["total"], r["plan_bytes"]["total"]
         paper = f"{r['paper_gb']:.2f}" if r["paper_gb"] is not None else "-"
-        print(f"{r['stage']:>5}  {measured / GB:>11.3f}  {planned / GB:>8.3f}  {paper:>8}  {measured / planned:>13.3f}  "
-              f"{r['peak_rss_growth_bytes'] / GB:>12.2f}  {r['step_s']:>7.1f}  {r['step_tflops']:>7.3f}")
-        print("       measured: " + ", ".join(f"{k} {v / GB:.3f}" for k, v in r["measured_bytes"].items() if k != "total")
+        between = r["held_between_steps_bytes"]["total"]
+        overheads = r["plan_total_with_overheads"]
+        print(f"{r['stage']:>5}  {between / GB:>10.3f}  {planned / GB:>8.3f}  {paper:>8}  {between / planned:>12.3f}  "
+              f"{measured / GB:>12.3f}  {overheads / GB:>17.3f}  {r['peak_rss_growth_bytes'] / GB:>12.2f}  "
+              f"{r['step_s']:>7.1f}  {r['step_tflops']:>7.3f}")
+        print("       step peak: " + ", ".join(f"{k} {v / GB:.3f}" for k, v in r["measured_bytes"].items() if k != "total")
               + " GB; plan: " + ", ".join(f"{k} {v / GB:.3f}" for k, v in r["plan_bytes"].items() if k != "total") + " GB")
     if args.json:
         with open(args.json, "w") as f:

@@ -23,14 +23,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # bottom to top; a pattern ending in * covers a package and its modules
 LAYERS: list[tuple[str, list[str]]] = [
-    ("base", ["zerograph.errors", "zerograph.vocab", "zerograph.registry", "zerograph.policies",
+    ("base", ["zerograph.errors", "zerograph.vocab", "zerograph.registry", "zerograph.policies", "zerograph.fake",
               "zerograph.state", "zerograph.models*"]),
     ("tensors", ["zerograph.kernels*", "zerograph.ops", "zerograph.buffer_pool", "zerograph.sharding",
                  "zerograph.loading"]),
     ("passes", ["zerograph.costmodel", "zerograph.passes*"]),
     ("config", ["zerograph.config"]),
     ("execution", ["zerograph.runtime", "zerograph.capture"]),
-    ("api", ["zerograph.api", "zerograph.fake", "zerograph.replicas"]),
+    ("api", ["zerograph.api", "zerograph.replicas"]),
     ("reporting", ["zerograph.stats", "zerograph.plan", "zerograph.checkpoint", "zerograph.timeline",
                    "zerograph.traces", "zerograph.profile", "zerograph.optim", "zerograph.init",
                    "zerograph.dump*"]),
