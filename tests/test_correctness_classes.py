@@ -231,6 +231,7 @@ def test_every_dtype_trains_as_single_process(runs, stage):
         assert isinstance(result, dict), result
         ours, reference = result["ours"], result["reference"]
         assert ours.keys() == reference.keys()
+        assert (result["pooled"] > 0) == (stage > 0), "stages 1-3 gather non-root units into pooled buffers"
         for name, expected in reference.items():
             got = ours[name]
             assert got.dtype == expected.dtype, name

@@ -5,6 +5,8 @@ between them); a case that raises returns its traceback instead, so it fails onl
 Each case trains a model compiled by zerograph on this rank's slice of a global batch and an
 eager copy of it, in this process, on the whole global batch (the loss a mean over rows, so the
 ranks' averaged gradients are the global batch's), and returns plain data for the test to compare.
+The dtype matrix feeds the eager copy the global batch as the ranks' slices (one loss, one
+backward), so that 16-bit blocks upstream do not blur the comparison of float64 ones.
 """
 from __future__ import annotations
 
@@ -94,12 +96,14 @@ def _dtype_case(rank: int, world: int, stage: int) -> dict:
         compiled(mine).backward()
         opt.step()
         opt.zero_grad()
-        reference(batch).backward()
+        # the global batch as the ranks' slices, summed in one eager backward: the same per-row
+        # kernels as the ranks, so only the gradient sum's order differs (÷ world is exact)
+        (sum(reference(chunk) for chunk in batch.chunk(world)) / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     ours = {n: full(p) for n, p in compiled.named_parameters()}
     theirs = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    return {"ours": ours, "reference": theirs}
+    return {"ours": ours, "reference": theirs, "pooled": runtime_of_model(compiled).buffer_pool.allocations}
 
 
 # ------------------------------------------------------------ 5: gradients that never reach the loss

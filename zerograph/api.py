@@ -19,8 +19,8 @@ from torch.utils._pytree import tree_map_only
 
 from .capture import CapturedGraphs, ZeroGraphBackend
 from .config import Config, check_stage
-from .policies import MixedPrecisionPolicy
 from .errors import ConfigError, ProcessGroupError, ShardingError, UnshardedParameterError, ZeroGraphError
+from .policies import MixedPrecisionPolicy
 from .registry import next_key
 from .runtime import Runtime
 from .state import STATE_ATTR, ZeroGraphState, state_of

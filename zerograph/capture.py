@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import inspect
+import itertools
 import logging
 import operator
 import os
