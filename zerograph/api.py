@@ -114,11 +114,12 @@ def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state.watch.check_unchanged()
     state.runtime.start_forward()
     previous = set_gathering(True)
-    previous_mode = set_grad_mode(state.runtime.grad_mode())  # read (and guarded on) by the trace
+    mode = state.runtime.grad_mode()
+    previous_mode = set_grad_mode(mode)  # read (and guarded on) by the trace
     try:
         args, kwargs = _cast_inputs(state.config.mixed_precision, args, kwargs)
         out = state.compiled_forward(self, *args, **kwargs)
-        state.runtime.flush_leftovers_after_backward(out)
+        state.runtime.flush_leftovers_after_backward(out, mode)
         return out
     except BackendCompilerFailed as exc:
         # zerograph's own errors raised while Dynamo compiled (a changed requires_grad, a broken

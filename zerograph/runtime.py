@@ -277,8 +277,9 @@ class Runtime:
             held.add_(grad)
         return grad.new_zeros(self.local_shape(key), dtype=layout.dtype)
 
-    def flush_leftovers_after_backward(self, outputs: Any) -> None:
-        """After a forward while unsynced gradients are held: make its backward, once done, reduce
+    def flush_leftovers_after_backward(self, outputs: Any, grad_mode: str) -> None:
+        """After a flushing forward (``grad_mode`` ``"flush"``: sync back on while unsynced
+        gradients are held; any other mode returns at once): make its backward, once done, reduce
         the held gradients that no gradient of it took (a parameter used in the unsynced
         micro-batches, e.g. a head, but not in this one), each into its shard's ``.grad``, so
         ``.grad`` holds the rank-averaged sum of every micro-batch, as DDP's ``no_sync`` gives,
@@ -287,7 +288,7 @@ class Runtime:
         (ranks that ran other graphs fail the schedule check first), reduced in key order.
         Source: FSDP2's post-backward final callback (``Variable._execution_engine.queue_callback``
         from a hook on the forward's outputs)."""
-        if not self.unsynced or not torch.is_grad_enabled():
+        if grad_mode != GRAD_FLUSH or not self.unsynced or not torch.is_grad_enabled():
             return
         tensors = [t for t in torch.utils._pytree.tree_leaves(outputs)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
