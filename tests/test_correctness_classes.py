@@ -224,6 +224,7 @@ DTYPE_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-
                    torch.float64: 1e-12, torch.complex128: 1e-12}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_every_dtype_trains_as_single_process(runs, stage):
     for rank, per_rank in enumerate(runs):
@@ -242,6 +243,7 @@ def test_every_dtype_trains_as_single_process(runs, stage):
                 assert torch.equal(got, expected), f"rank {rank} {name}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_gradients_that_never_reach_the_loss_stay_none(runs, stage):
     for rank, per_rank in enumerate(runs):
