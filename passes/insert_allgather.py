@@ -34,7 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED
+from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED, from_wire, to_wire
 from zerograph.ops import UNSHARD
 from zerograph.sharding import ParamLayout
 from zerograph.vocab import TAG
@@ -98,8 +98,10 @@ def _copy_out(gathered: torch.Tensor, layouts: list[ParamLayout], world_size: in
 def _gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str):
     def gather(*shards: torch.Tensor) -> list[torch.Tensor]:
         send = _copy_in(shards, layouts)  # (sum shard_numel,)
-        gathered = funcol.all_gather_into_tensor(send, world_size, group_name)
-        return _copy_out(funcol.wait_tensor(gathered), layouts, world_size)  # (N * sum shard_numel,)
+        # complex and bool travel as reals / bytes (to_wire), come back as themselves
+        gathered = funcol.all_gather_into_tensor(to_wire(send), world_size, group_name)
+        gathered = from_wire(funcol.wait_tensor(gathered), send.dtype)  # (N * sum shard_numel,)
+        return _copy_out(gathered, layouts, world_size)
 
     return gather
 

@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from zerograph.kernels.ops import PACK_SHARDS
+from zerograph.kernels.ops import PACK_SHARDS, from_wire, to_wire
 from zerograph.ops import ACCUMULATE_UNSYNCED, REDUCE_GRAD, TAKE_UNSYNCED, grad_mode_of
 from zerograph.sharding import ParamLayout
 from zerograph.vocab import GRAD_ACCUMULATE, GRAD_FLUSH
@@ -87,11 +87,11 @@ def _reduce_fn(keys: list[int], layouts: list[ParamLayout], local_rows: list[int
         if flush:  # add what the unsynced micro-batches accumulated (already in reduce_dtype)
             grads = tuple(TAKE_UNSYNCED(g, k) for g, k in zip(grads, keys))
         send = _copy_in(grads, layouts, world_size, scatter)
-        if scatter:
-            out = funcol.wait_tensor(funcol.reduce_scatter_tensor(send, "sum", world_size, group_name))
+        if scatter:  # complex reduces as its real view (to_wire): the sum of each part
+            out = funcol.wait_tensor(funcol.reduce_scatter_tensor(to_wire(send), "sum", world_size, group_name))
         else:
-            out = funcol.wait_tensor(funcol.all_reduce(send, "sum", group_name))
-        out = out / world_size
+            out = funcol.wait_tensor(funcol.all_reduce(to_wire(send), "sum", group_name))
+        out = from_wire(out, send.dtype) / world_size
         shards, offset = [], 0
         for layout, rows in zip(layouts, local_rows):
             size = layout.shard_numel if scatter else layout.numel

@@ -158,6 +158,8 @@ def mixed_reference(build: Callable[[], nn.Module], batch: Callable[[int], tuple
             # a fresh bf16 copy per rank: its gradient reaches the fp32 master as fp32 (the sum of
             # the ranks' gradients happens in fp32, as in the reduction)
             params = {n: p if n in keep else p.to(torch.bfloat16) for n, p in model.named_parameters()}
+            # floating-point targets in bf16 too: MixedPrecisionPolicy.cast_forward_inputs (default on)
+            y = y.to(torch.bfloat16) if y.is_floating_point() else y
             loss = functional_call(model, {**params, **buffers[rank]}, (x.to(torch.bfloat16), y))
             loss.backward()
             total += loss.item()

@@ -15,11 +15,13 @@ from torch import nn
 from torch._dynamo.exc import BackendCompilerFailed
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_map_only
 
 from . import loading
 from .capture import CapturedGraphs, ZeroGraphBackend
 from .config import Config, check_stage
 from .errors import ConfigError, ProcessGroupError, ShardingError, UnshardedParameterError, ZeroGraphError
+from .policies import MixedPrecisionPolicy
 from .registry import next_key
 from .replicas import sync_replicas
 from .runtime import Runtime
@@ -67,7 +69,8 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
         ShardingError: parameters on several devices, or partly on the meta device (named); a
             ``device`` that cannot hold the shards (meta, CUDA without CUDA, or not the device of
             a model's real parameters); the model was compiled already, or it is a part of a
-            compiled model (its parameters are ``DTensor`` shards already).
+            compiled model (its parameters are ``DTensor`` shards already); a module with sparse
+            gradients (``nn.Embedding(sparse=True)``, at every stage).
         ProcessGroupError: the group does not match the launch (``WORLD_SIZE``), or this rank is not in it.
 
     Collective: every rank of the group takes group rank 0's parameters and buffers (``replicas.py``).
@@ -88,6 +91,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
                           f"write config=zerograph.Config(...)")
     config = config or Config()
     _check_not_sharded(model)
+    _check_no_sparse_gradients(model)
     device, meta_built = _target_device(model, device, process_group)
     group = _resolve_group(process_group, device, config)
     sync_replicas(model, group, device)  # every rank starts from rank 0's values, as with DDP (replicas.py)
@@ -104,6 +108,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
         fresh = loading.allocate_meta_buffers_(model, device)
         uninitialised = loading.UninitialisedTracker(list(model.named_parameters()) + fresh)
     runtime = Runtime(group, stage, layouts, unit_objs, timeout_s=config.timeout_s, device=device)
+    runtime.shards = {layout.key: model.get_parameter(layout.fqn) for layout in layouts}
     for name, param in originals.items():
         param._zerograph_replaced = name  # type: ignore[attr-defined]
     _install_optimizer_guard()
@@ -138,9 +143,13 @@ def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         state.uninitialised = None
     state.runtime.start_forward()
     previous = set_gathering(True)
-    previous_mode = set_grad_mode(state.runtime.grad_mode())  # read (and guarded on) by the trace
+    mode = state.runtime.grad_mode()
+    previous_mode = set_grad_mode(mode)  # read (and guarded on) by the trace
     try:
-        return state.compiled_forward(self, *args, **kwargs)
+        args, kwargs = _cast_inputs(state.config.mixed_precision, args, kwargs)
+        out = state.compiled_forward(self, *args, **kwargs)
+        state.runtime.flush_leftovers_after_backward(out, mode)
+        return out
     except BackendCompilerFailed as exc:
         # zerograph's own errors raised while Dynamo compiled (a changed requires_grad, a broken
         # pass) reach the user as themselves, not wrapped in Dynamo's compiler error
@@ -150,6 +159,15 @@ def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     finally:
         set_gathering(previous)
         set_grad_mode(previous_mode)
+
+
+def _cast_inputs(policy: MixedPrecisionPolicy, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The forward's floating-point tensor arguments cast to ``policy.param_dtype`` when
+    ``cast_forward_inputs`` says so (others untouched). Source: FSDP2's root pre-forward cast."""
+    dtype = policy.param_dtype
+    if dtype is None or not policy.cast_forward_inputs:
+        return args, kwargs
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
 
 
 def set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool) -> None:
@@ -214,6 +232,21 @@ def _check_not_sharded(model: nn.Module) -> None:
             f"parameter {name!r} is already sharded (a DTensor): this module is, or contains, a part of a "
             "model that zerograph.compile (or FSDP) sharded already. Compile the whole model once and call "
             "it; choose how its parameters are grouped with Config(unit_classes=...)")
+
+
+def _check_no_sparse_gradients(model: nn.Module) -> None:
+    """Refuse modules that produce sparse gradients (``nn.Embedding`` / ``nn.EmbeddingBag`` with
+    ``sparse=True``), at every stage. Stages 1-3 reduce-scatter flat, padded gradient buckets,
+    which a sparse gradient is not; and at every stage, 0 included, the parameters are ``DTensor``s,
+    which hold no sparse tensor (a sparse ``.grad`` fails inside DTensor: ``aten::view`` has no
+    sparse kernel), so DDP's sparse all-reduce has nowhere to land."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse:
+            raise ShardingError(
+                f"module {name or '<root>'!r} ({type(mod).__name__}) has sparse=True: its weight's gradient would "
+                "be a sparse tensor, which zerograph's sharded parameters (DTensors, at every stage) cannot hold "
+                "nor its bucketed reductions move. Build it with sparse=False (a dense gradient; use an optimizer "
+                "other than SparseAdam), or train this model with DistributedDataParallel")
 
 
 def _target_device(model: nn.Module, device: torch.device | str | int | None,

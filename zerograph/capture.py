@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import logging
+import operator
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +24,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.graph import _BoxedCodeGen
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from zerograph.passes.activation_partition import offloaded_outputs, saved_activation_outputs, wants_offload
 from zerograph.passes.context import PassContext
@@ -29,6 +32,8 @@ from zerograph.passes.liveness import Timeline, timeline
 from zerograph.passes.manager import check_no_saved_gathers, collective_volume, pipeline, run_pipeline, structured_trace_on
 
 from .config import Config
+from .errors import ShardingError
+from .ops import UNSHARD
 from .runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -81,6 +86,7 @@ class ZeroGraphBackend:
                            buffer_pool=_pool_for(self.lowering, runtime))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        check_no_parameter_writes(gm.graph, self.runtime.layouts)
         graph = _GraphCompile(self, next(self._graph_ids), gm, example_inputs)
         return aot_module_simplified(
             gm, example_inputs,
@@ -152,6 +158,107 @@ class _GraphCompile:
             lowered = _measure_saved(lowered, [i for i in saved if i not in offloaded], offloaded, backend.captured,
                                      self.graph_id)
         return _account(backend.runtime, g, lowered, backward=kind == "backward", graph_id=self.graph_id)
+
+
+# methods ending in "_" that write no element of their tensor
+_NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
+_INPLACE_OPERATORS = frozenset({operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                                operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+                                operator.ixor, operator.ilshift, operator.irshift, operator.imatmul})
+# functions that write their weight when given max_norm (they renormalise the rows they look up)
+_RENORMALISING = {torch.nn.functional.embedding: 1, torch.nn.functional.embedding_bag: 1}
+
+
+def written_arguments(node: fx.Node) -> list[tuple[Any, str]]:
+    """``(argument, op)`` for every argument a Dynamo graph node writes in place: a method ending
+    in ``_`` (``clamp_``, ``copy_``, ``mul_``), item assignment and augmented operators, a torch
+    function ending in ``_`` (``torch.embedding_renorm_``), ``F.embedding`` / ``F.embedding_bag``
+    with ``max_norm``, an ``OpOverload`` whose schema marks an argument written, ``out=`` and
+    ``inplace=True``."""
+    target, args, kwargs = node.target, node.args, node.kwargs
+    found: list[tuple[Any, str]] = []
+    if node.op == "call_method" and args:
+        name = str(target)
+        if (name.endswith("_") and not name.startswith("__") and name not in _NOT_WRITES) or name in (
+                "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"):
+            found.append((args[0], f"Tensor.{name}"))
+    elif node.op == "call_function":
+        if target in _INPLACE_OPERATORS and args:
+            found.append((args[0], "item assignment (t[...] = v)" if target is operator.setitem
+                          else f"operator.{target.__name__}"))
+        elif target in _RENORMALISING:
+            bound = inspect.signature(target).bind(*args, **kwargs)
+            if bound.arguments.get("max_norm") is not None:
+                found.append((args[_RENORMALISING[target]] if len(args) > 1 else kwargs.get("weight"),
+                              f"F.{target.__name__}(max_norm=...), which renormalises the rows it looks up in place"))
+        elif isinstance(target, torch._ops.OpOverload):
+            for i, arg in enumerate(target._schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    value = args[i] if i < len(args) else kwargs.get(arg.name)
+                    found.append((value, str(target)))
+        elif getattr(target, "__name__", "").endswith("_") and getattr(target, "__module__", None) in (
+                "torch", "torch._C._VariableFunctions", None) and args:
+            found.append((args[0], f"torch.{target.__name__}"))
+    if isinstance(kwargs.get("out"), fx.Node):
+        found.append((kwargs["out"], f"{getattr(target, '__name__', target)}(out=...)"))
+    if kwargs.get("inplace") is True and args:
+        found.append((args[0], f"{getattr(target, '__name__', target)}(inplace=True)"))
+    return found
+
+
+def check_no_parameter_writes(graph: fx.Graph, layouts: dict[int, Any]) -> None:
+    """Refuse a captured forward that writes a gathered parameter in place.
+
+    Inside a zerograph forward a parameter attribute is ``zerograph::unshard``'s output, a new
+    tensor (the gathered copy at stages 1-3, a copy of the replica at stage 0), so an in-place
+    write to it, or to a view of it (``weight.data``, ``weight[i]``), never reaches the shards
+    the optimizer updates: it would be lost silently. Writes are found by storage: every written
+    argument (``written_arguments``) whose fake value shares a storage with a marker's output.
+    Writing back instead is not offered: every rank writes its own rows of a different batch
+    (DDP's replicas diverge there), so there is no single result to store.
+
+    Also refuses ``F.embedding(..., sparse=True)`` on a parameter (a sparse gradient; see
+    ``api._check_no_sparse_gradients`` for the module form).
+
+    Raises:
+        ShardingError: naming the parameter (its first name), the op and what to do instead.
+    """
+    marker_of: dict[StorageWeakRef, int] = {}
+    for node in graph.nodes:
+        if node.target is UNSHARD and isinstance(node.meta.get("example_value"), torch.Tensor):
+            marker_of.setdefault(StorageWeakRef(node.meta["example_value"].untyped_storage()), node.args[1])
+    if not marker_of:
+        return
+    for node in graph.nodes:
+        if node.target in _RENORMALISING and inspect.signature(node.target).bind(*node.args, **node.kwargs) \
+                .arguments.get("sparse") is True:  # F.embedding(..., sparse=True): see api's module check
+            weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+            value = weight.meta.get("example_value") if isinstance(weight, fx.Node) else None
+            key = marker_of.get(StorageWeakRef(value.untyped_storage())) if isinstance(value, torch.Tensor) else None
+            if key is not None:
+                raise ShardingError(
+                    f"parameter {layouts[key].fqn!r} gets a sparse gradient from F.{node.target.__name__}(sparse=True) "
+                    f"(graph node {node.name!r}), which zerograph's sharded parameters (DTensors) cannot hold: "
+                    "use sparse=False")
+        for arg, op in written_arguments(node):
+            value = arg.meta.get("example_value") if isinstance(arg, fx.Node) else None
+            if not isinstance(value, torch.Tensor):
+                continue
+            key = marker_of.get(StorageWeakRef(value.untyped_storage()))
+            if key is None:
+                continue
+            fqn = layouts[key].fqn
+            hint = ("build the embedding with max_norm=None and, if the norm bound matters, renormalise after "
+                    "opt.step() under torch.no_grad() (outside forward the weight is this rank's DTensor shard of "
+                    "whole rows, Shard(0), e.g. w.to_local().copy_(torch.renorm(w.to_local(), 2, 0, max_norm)); "
+                    "this bounds every row, not only those looked up)" if "max_norm" in op else
+                    "compute with a changed copy instead (w = self.weight.clamp(...)), or change the parameter "
+                    "outside forward, e.g. after opt.step() under torch.no_grad(), where it is this rank's "
+                    "DTensor shard")
+            raise ShardingError(
+                f"parameter {fqn!r} is written in place inside forward by {op} (graph node {node.name!r}). "
+                "Inside a zerograph forward a parameter is a gathered copy of the shards (at every stage), so "
+                f"the write would never reach the parameter and would be lost silently. To fix: {hint}")
 
 
 def _offloading(joint: fx.GraphModule) -> contextlib.AbstractContextManager:

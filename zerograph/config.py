@@ -35,6 +35,7 @@ FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
     "param_dtype": ("mixed_precision", "param_dtype"),
     "reduce_dtype": ("mixed_precision", "reduce_dtype"),
     "full_precision_classes": ("mixed_precision", "full_precision_classes"),
+    "cast_forward_inputs": ("mixed_precision", "cast_forward_inputs"),
     "bucket_bytes": ("schedule", "bucket_bytes"),
     "prefetch_depth": ("schedule", "prefetch_depth"),
     "max_inflight_bytes": ("schedule", "max_inflight_bytes"),

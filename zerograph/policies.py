@@ -51,9 +51,11 @@ class MixedPrecisionPolicy:
             themselves (the ``DTensor`` shards the optimizer updates) keep their own dtype: they
             are the fp32 master weights. Each shard is cast in the all-gather's copy-in.
             ``None``: each parameter's own dtype. Only floating-point parameters are cast, and not
-            those of ``full_precision_classes``. Buffers and the forward's inputs are never cast
-            (FSDP2 casts inputs by default, ``cast_forward_inputs``; zerograph leaves a model's own
-            dtype handling alone).
+            those of ``full_precision_classes``. Frozen parameters are cast like trainable ones
+            (they are gathered in ``param_dtype`` too). Buffers are never cast (FSDP2's choice):
+            a forward that combines an fp32 buffer with ``param_dtype`` activations computes in
+            fp32 from there, as type promotion says; cast the buffer in the model
+            (``self.buf.to(x.dtype)``), or list its module in ``full_precision_classes``.
         reduce_dtype: dtype gradients are reduced (reduce-scattered or all-reduced) and averaged
             in; the reduced shard is cast to the parameter's own dtype before it lands in
             ``.grad``. ``None``: the compute dtype (``param_dtype``, or the parameter's own).
@@ -62,14 +64,21 @@ class MixedPrecisionPolicy:
             are fp32 buffers, and batch norm on a 16-bit input wants fp32 weight and statistics
             alike. As FSDP1's ``MixedPrecision`` (``_module_classes_to_ignore``) and apex's
             ``keep_batchnorm_fp32``. ``()`` casts every floating-point parameter.
+        cast_forward_inputs: with ``param_dtype`` set, cast every floating-point tensor among the
+            compiled model's forward arguments (positional and keyword, inside lists, tuples and
+            dicts: ``torch.utils._pytree``) to ``param_dtype`` before the forward runs, so an fp32
+            batch meets bf16 weights in bf16. Integer and bool tensors (token ids, masks) are
+            left alone. ``False`` hands the inputs over as they are. FSDP2's default (``True``).
 
-    Source: FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``).
+    Source: FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``,
+    ``cast_forward_inputs``).
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     # nn.modules.batchnorm._BatchNorm is private, but it is the one base of every batch norm
     full_precision_classes: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
+    cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype"):
@@ -77,6 +86,8 @@ class MixedPrecisionPolicy:
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ConfigError(f"MixedPrecisionPolicy.{field} must be a floating-point torch.dtype "
                                   f"(e.g. torch.bfloat16) or None, got {dtype!r}")
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise ConfigError(f"MixedPrecisionPolicy.cast_forward_inputs must be a bool, got {self.cast_forward_inputs!r}")
         object.__setattr__(self, "full_precision_classes", check_module_classes(
             "MixedPrecisionPolicy", "full_precision_classes", self.full_precision_classes))
 

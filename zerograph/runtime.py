@@ -22,11 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from . import registry
 from .buffer_pool import BufferPool
 from .errors import CollectiveError, ProcessGroupError, ScheduleMismatchError
 from .fake import is_fake_world
+from .kernels.ops import to_wire
 from .sharding import ParamLayout, Unit
 from .vocab import COLLECTIVE_KINDS, COLLECTIVES, GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, TAG, all_gather_single, full_buffer
 
@@ -145,6 +147,7 @@ class Runtime:
         self.requires_gradient_sync = True  # False: backward keeps full gradients here (no_sync)
         self.unsynced: dict[int, torch.Tensor] = {}  # key -> full gradient summed while unsynced (reduce_dtype)
         self.buffer_pool = BufferPool()  # the comm buffers ``buffer_reuse`` assigns graphs to
+        self.shards: dict[int, torch.Tensor] = {}  # key -> the model's parameter (DTensor shard); set by compile
         registry.register(layouts, self)  # what the markers' implementations look their keys up in
 
     # -- step accounting -------------------------------------------------------------------
@@ -310,6 +313,37 @@ class Runtime:
             held.add_(grad)
         return grad.new_zeros(self.local_shape(key), dtype=layout.dtype)
 
+    def flush_leftovers_after_backward(self, outputs: Any, grad_mode: str) -> None:
+        """After a flushing forward (``grad_mode`` ``"flush"``: sync back on while unsynced
+        gradients are held; any other mode returns at once): make its backward, once done, reduce
+        the held gradients that no gradient of it took (a parameter used in the unsynced
+        micro-batches, e.g. a head, but not in this one), each into its shard's ``.grad``, so
+        ``.grad`` holds the rank-averaged sum of every micro-batch, as DDP's ``no_sync`` gives,
+        and nothing is carried into the next step. The flushing graph cannot: it reduces the
+        parameters whose gradients it produces. Rank-agreed: every rank held the same keys
+        (ranks that ran other graphs fail the schedule check first), reduced in key order.
+        Source: FSDP2's post-backward final callback (``Variable._execution_engine.queue_callback``
+        from a hook on the forward's outputs)."""
+        if grad_mode != GRAD_FLUSH or not self.unsynced or not torch.is_grad_enabled():
+            return
+        tensors = [t for t in torch.utils._pytree.tree_leaves(outputs)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads: torch.autograd.Variable._execution_engine.queue_callback(
+                    self._reduce_leftovers), mode="any")
+
+    def _reduce_leftovers(self) -> None:
+        for key in sorted(self.unsynced):
+            local = self.reduce_grad_eager(self.unsynced.pop(key), key, GRAD_SYNC)  # (local rows, *rest)
+            shard = self.shards[key]
+            with torch.no_grad():
+                if shard.grad is None:
+                    shard.grad = DTensor.from_local(local, shard.device_mesh, shard.placements, run_check=False,
+                                                    shape=shard.shape, stride=shard.stride())
+                else:
+                    shard.grad.to_local().add_(local)
+
     def take_unsynced(self, grad: torch.Tensor, key: int) -> torch.Tensor:
         """``grad`` plus ``key``'s unsynced buffer, in ``reduce_dtype`` (a new tensor); forgets the buffer."""
         out = grad.to(self.layouts[key].reduce_dtype, copy=True, memory_format=torch.contiguous_format)
@@ -329,7 +363,8 @@ class Runtime:
             return shard.clone()
         padded = _pad_rows(shard, layout.chunk_rows)
         gathered = shard.new_empty((self.world_size * layout.chunk_rows, *layout.shape[1:]))
-        self._eager("all_gather", key, lambda: all_gather_single(gathered, padded, group=self.group))
+        self._eager("all_gather", key,  # bool as bytes, complex as reals (to_wire)
+                    lambda: all_gather_single(to_wire(gathered.view(-1)), to_wire(padded.reshape(-1)), group=self.group))
         self.current.add("all_gather", gathered.numel(), gathered.element_size(), self.world_size)
         return gathered[: layout.shape[0]].clone()
 
@@ -352,7 +387,9 @@ class Runtime:
             return out.div_(self.world_size).to(layout.dtype)
         padded = _pad_rows(grad, self.world_size * layout.chunk_rows)
         out = grad.new_empty((layout.chunk_rows, *layout.shape[1:]))
-        self._eager("reduce_scatter", key, lambda: dist.reduce_scatter_tensor(out, padded, group=self.group))
+        # complex as reals (to_wire): Python's reduce_scatter_tensor, unlike all_reduce, does not view it so
+        self._eager("reduce_scatter", key, lambda: dist.reduce_scatter_tensor(
+            to_wire(out.view(-1)), to_wire(padded.reshape(-1)), group=self.group))
         self.current.add("reduce_scatter", padded.numel(), padded.element_size(), self.world_size)
         return out[: layout.rank_rows[self.rank]].div_(self.world_size).to(layout.dtype, copy=True)
 

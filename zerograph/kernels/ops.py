@@ -221,3 +221,32 @@ def _unpack_gathered_fake(gathered, world_size, chunk_rows, rows, row_numels):
 
 
 UNPACK_GATHERED = torch.ops.zerograph.unpack_gathered.default
+
+
+# ------------------------------------------------------------------------------ the wire dtype
+
+def to_wire(flat: torch.Tensor) -> torch.Tensor:
+    """A 1-D comm buffer as the functional collectives move it, a view (no copy): complex as its
+    real view (``2 * numel`` reals: a sum reduces real and imaginary parts apart, which is the
+    complex sum), bool as ``uint8`` (the same bytes; the process groups have no bool), every
+    other dtype as it is. ``from_wire`` undoes it on the received buffer.
+
+    Why: ``torch.distributed``'s Python collectives view complex tensors as real before calling
+    the backend, but the C++ functional collectives the passes emit
+    (``_c10d_functional.all_gather_into_tensor_out``, ``reduce_scatter_tensor``) do not, and gloo
+    and NCCL reject complex (``Invalid scalar type``). Source: ``torch.distributed.all_gather_into_tensor``
+    and ``all_reduce`` (their ``view_as_real`` of complex tensors)."""
+    if flat.is_complex():
+        return torch.view_as_real(flat).reshape(-1)  # (2 * numel,)
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    return flat
+
+
+def from_wire(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The received 1-D buffer of a collective back in ``dtype``, the dtype ``to_wire`` was given (a view)."""
+    if dtype.is_complex:
+        return torch.view_as_complex(flat.view(-1, 2))  # (numel,)
+    if dtype == torch.bool:
+        return flat.view(torch.bool)
+    return flat
