@@ -68,16 +68,16 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def measure(cfg: GPTConfig, stage: int, world_size: int, tokens: int, seed: int) -> dict:
+def measure(cfg: GPTConfig, stage: int, world_size: int, tokens: int, seed: int, param_dtype: torch.dtype) -> dict:
     with torch.device("meta"):
         model = GPT(cfg)
     psi = sum(p.numel() for p in model.parameters())
-    planned = zerograph.plan(model, stage, world_size, param_dtype=torch.bfloat16)
+    planned = zerograph.plan(model, stage, world_size, param_dtype=param_dtype)
     need = planned.total_with_overheads
     if need > 0.8 * available_bytes():
         raise SystemExit(f"stage {stage}: zerograph.plan needs {need / GB:.1f} GB of model states per rank, "
                          f"this machine has {available_bytes() / GB:.1f} GB available; refusing to allocate\n{planned}")
-    config = zerograph.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    config = zerograph.Config(param_dtype=param_dtype, reduce_dtype=param_dtype)
     rss_before = peak_rss_bytes()
     with zerograph.fake_world(world_size, rank=0):
         start = time.perf_counter()
@@ -124,12 +124,17 @@ def main() -> None:
     p.add_argument("--stages", default="3", help="comma-separated ZeRO stages")
     p.add_argument("--tokens", type=int, default=256, help="tokens in this rank's micro-batch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="compute and gather dtype; float32 on CPUs without fast bf16 matmuls (the stage-3 "
+                        "model states are 16 bytes per parameter over N either way)")
     p.add_argument("--json", help="write the raw results here")
     args = p.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = gpt_of_size(args.params, args.width, args.vocab, min(args.tokens, 1024))
-    rows = [measure(cfg, int(s), args.world_size, args.tokens, args.seed) for s in args.stages.split(",")]
-    print(f"GPT: {cfg.n_layer} blocks of width {cfg.n_embd}, Ψ = {rows[0]['psi']:,}; rank 0 of N = {args.world_size} "
+    dtype = getattr(torch, args.param_dtype)
+    rows = [measure(cfg, int(s), args.world_size, args.tokens, args.seed, dtype) for s in args.stages.split(",")]
+    print(f"GPT: {cfg.n_layer} blocks of width {cfg.n_embd}, Ψ = {rows[0]['psi']:,}, {args.param_dtype} compute, "
+          f"{rows[0]['tokens']} tokens; rank 0 of N = {args.world_size} "
           f"(fake world: collectives move no data; memory and compute are this rank's own)")
     print(f"{'stage':>5}  {'between GB':>10}  {'plan GB':>8}  {'paper GB':>8}  {'between/plan':>12}  "
           f"{'step peak GB':>12}  {'plan+overheads GB':>17}  {'peak RSS +GB':>12}  {'step s':>7}  {'TFLOP/s':>7}")

@@ -47,6 +47,7 @@ def parity_runs(tmp_path_factory) -> dict[int, list[dict]]:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("stage", STAGES)
 def test_meta_build_then_init_weights_equals_the_ordinary_build_bitwise(parity_runs, world_size, stage) -> None:
@@ -57,6 +58,7 @@ def test_meta_build_then_init_weights_equals_the_ordinary_build_bitwise(parity_r
         assert run["init_differs"] == []
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("stage", STAGES)
 def test_load_state_dict_and_safetensors_fill_every_shard_with_the_source(parity_runs, world_size, stage) -> None:
@@ -67,6 +69,7 @@ def test_load_state_dict_and_safetensors_fill_every_shard_with_the_source(parity
             assert run[f"{how}_pending"] == [], how  # the loads count as initialisation
 
 
+@pytest.mark.distributed
 def test_training_after_meta_init_matches_the_ordinary_model(parity_runs) -> None:
     for result in parity_runs[TRAIN_WORLD]:
         run = result[TRAIN_STAGE]
@@ -74,6 +77,7 @@ def test_training_after_meta_init_matches_the_ordinary_model(parity_runs) -> Non
         assert run["max_param_difference"] < 1e-5
 
 
+@pytest.mark.distributed
 def test_ranks_with_different_random_states_are_refused(parity_runs) -> None:
     for result in parity_runs[2]:
         assert "torch.manual_seed" in result["diverged_rng"]
@@ -84,6 +88,7 @@ def test_ranks_with_different_random_states_are_refused(parity_runs) -> None:
 FIXED_COST_BYTES = 16 * 2**20
 
 
+@pytest.mark.distributed
 def test_meta_compile_and_init_memory_at_world_4_stays_near_a_quarter_of_the_model(parity_runs) -> None:
     """Issue 15 item 4: the 8-block GPT (``BIG_GPT``) built on meta, compiled at stage 3, initialised."""
     results = [result["memory"] for result in parity_runs[4]]
@@ -263,6 +268,8 @@ def test_bad_safetensors_files_are_named_and_load_nothing(tmp_path) -> None:
     assert torch.equal(model.lm_head.weight.full_tensor(), source["wte.weight"])  # tied: stored once
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_llama_example_loads_a_save_pretrained_checkpoint_into_meta_built_shards() -> None:
     """Issue 15 item 5, at a tiny size: runs only where ``transformers`` is installed (it is not a
     test dependency: its import alone costs several seconds per rank)."""
