@@ -56,3 +56,24 @@ def test_parameter_attribute_outside_forward_is_the_shard() -> None:
         model.layers[2].weight.zero_()
     x, y = global_batch("mlp", 0, 4)
     assert model(x, y).item() == pytest.approx((y ** 2).mean().item())  # the net now outputs zeros
+
+
+@pytest.mark.slow
+def test_more_models_of_one_class_than_dynamos_recompile_limit_all_run_compiled() -> None:
+    """Dynamo keeps at most 8 graphs per code object; each compiled model gets a code object of
+    its own, so the ninth model of a class still runs its captured graph (not eagerly)."""
+    import torch._dynamo
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x).sum()
+
+    limit = torch._dynamo.config.recompile_limit
+    for _ in range(limit + 2):
+        model = zerograph.compile(Tiny(), stage=3)
+        model(torch.randn(2, 4)).backward()
+        assert len(graphs_of(model)) == 1  # captured, so the passes ran

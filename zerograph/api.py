@@ -5,6 +5,7 @@ import contextlib
 import datetime
 import logging
 import os
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -122,7 +123,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     # symbolic, so per-rank, per-step lengths cost at most two graphs instead of one per length (and
     # never reach Dynamo's recompile limit, past which a frame would run eagerly on some ranks only).
     # Parameters stay static (Dynamo's force_parameter_static_shapes), so the collectives do too.
-    compiled_forward = torch.compile(type(model).forward, backend=backend, dynamic=None)
+    compiled_forward = torch.compile(_own_code(type(model).forward), backend=backend, dynamic=None)
     setattr(model, STATE_ATTR, ZeroGraphState(runtime, config, captured, compiled_forward, watch,
                                               uninitialised=uninitialised))
     cls = type(model)
@@ -133,6 +134,20 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     log.info("zerograph: stage %d, world size %d, %d units, %d parameters (%d elements)", stage,
              runtime.world_size, len(unit_objs), len(layouts), sum(layout.numel for layout in layouts))
     return model
+
+
+def _own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own. Dynamo caches compiled graphs per code object, at most
+    ``torch._dynamo.config.recompile_limit`` (8) of them: with the class's own ``forward``, the
+    ninth model of one class compiled in a process would silently run eagerly (no graph, no passes,
+    on that rank only, if ranks compiled different numbers of models). A copy per model gives each
+    its own cache."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    copy.__dict__.update(fn.__dict__)
+    return copy
 
 
 def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
