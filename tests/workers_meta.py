@@ -6,7 +6,6 @@ data (names that differ, losses, maximal differences) and the tests assert on it
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 
@@ -26,16 +25,8 @@ BIG_GPT = GPTConfig(vocab_size=256, block_size=16, n_layer=8, n_head=4, n_embd=5
 
 
 def gpt_init_passes(model: nn.Module, cfg: GPTConfig) -> list:
-    """``GPT.__init__``'s random stream as ``init_weights`` passes: the layers' own
-    ``reset_parameters`` (what their constructors ran), ``self.apply(_init_weights)`` (on leaves
-    only, so pre-order visits them in ``apply``'s order), then the scaled residual projections."""
-    projections = {id(m) for name, m in model.named_modules() if name.endswith("proj")}
-
-    def scaled_projection(module: nn.Module) -> None:
-        if id(module) in projections:
-            nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    return [zerograph.reset_parameters, GPT._init_weights, scaled_projection]
+    """``GPT.__init__``'s random stream as ``init_weights`` passes (the model's own ``init_passes``)."""
+    return model.init_passes()
 
 
 def meta_gpt(cfg: GPTConfig, stage: int) -> nn.Module:

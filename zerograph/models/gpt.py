@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,24 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def init_passes(self) -> list[Callable[[nn.Module], None]]:
+        """``__init__``'s random stream as per-module passes, for ``zerograph.init_weights`` on a
+        model built on the meta device: each layer's own ``reset_parameters`` (what its constructor
+        ran), then ``_init_weights`` (``self.apply``'s visits), then GPT-2's scaled init of the
+        residual projections. With the same seed the gathered model is bitwise an ordinary build."""
+        projections = {id(m) for name, m in self.named_modules() if name.endswith("proj")}
+        n_layer = self.cfg.n_layer
+
+        def reset_parameters(module: nn.Module) -> None:
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+
+        def scaled_projection(module: nn.Module) -> None:
+            if id(module) in projections:
+                nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+        return [reset_parameters, GPT._init_weights, scaled_projection]
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
