@@ -70,3 +70,19 @@ def test_refuses_to_replace_an_initialised_group() -> None:
             with zerograph.fake_world(4):
                 pass
         assert dist.get_world_size() == 2  # the outer world is untouched
+
+
+def test_table1_example_refuses_a_model_the_plan_says_cannot_fit() -> None:
+    """``examples/paper_table1.py`` asks ``zerograph.plan`` before allocating: a trillion
+    parameters over 2 ranks is refused with the plan's numbers, not an out-of-memory crash."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "paper_table1.py")
+    run = subprocess.run([sys.executable, script, "--params", "1.0e12", "--width", "25600", "--world-size", "2",
+                          "--stages", "3"], capture_output=True, text=True, timeout=300, check=False,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 1
+    assert "zerograph.plan needs 8048.0 GB of model states per rank" in run.stderr + run.stdout
+    assert "refusing to allocate" in run.stderr + run.stdout
