@@ -64,12 +64,10 @@ def imports_of(module: str, path: pathlib.Path, known: set[str]) -> list[tuple[s
     tree = ast.parse(path.read_text())
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     top_level = {id(node) for node in tree.body}
-    for node in tree.body:  # `if TYPE_CHECKING:` blocks import nothing at run time
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            top_level |= {id(n) for n in ast.walk(node)}
-    found = []
+    # `if TYPE_CHECKING:` blocks import nothing at run time
     type_checking = {id(n) for node in tree.body if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
                      for n in ast.walk(node)}
+    found = []
     for node in ast.walk(tree):
         if id(node) in type_checking:
             continue
