@@ -45,7 +45,7 @@ from zerograph.ops import ACCUMULATE_UNSYNCED, REDUCE_GRAD, TAKE_UNSYNCED, grad_
 from zerograph.sharding import ParamLayout
 from zerograph.vocab import GRAD_ACCUMULATE, GRAD_FLUSH
 
-from ._fx import bucket_tag, group_markers, position, sink_below_inputs, splice
+from ._fx import bucket_tag, group_markers, layout_template, position, sink_below_inputs, splice
 from .context import PassContext, PassResult
 from .contract import contract
 
@@ -128,6 +128,7 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False)
     output = graph.find_nodes(op="output")[0]
     reductions = accumulations = 0
+    order = position(graph)  # splices insert new nodes only: the old ones keep their relative order
     for markers in plan:
         if not ctx.communicates:
             _replace_by_local_copies(graph, markers, ctx)
@@ -135,7 +136,6 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         modes = {grad_mode_of(m) for m in markers}
         assert len(modes) == 1, f"one forward traces one grad_mode, found {modes}"
         mode = modes.pop()
-        order = position(graph)
         by_key: dict[int, list[fx.Node]] = {}
         for marker in markers:
             by_key.setdefault(marker.args[1], []).append(marker)
@@ -149,7 +149,8 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         for key, layout in zip(keys, layouts):  # tied parameters: one gradient per parameter, summed first
             key_grads = [m.args[0] for m in by_key[key]]
             summed.append(key_grads[0] if len(key_grads) == 1 else
-                          splice(graph, _sum_fn(layout.reduce_dtype), key_grads, before=point))
+                          splice(graph, _sum_fn(layout.reduce_dtype), key_grads, before=point,
+                                 template=("sum", layout.reduce_dtype)))
         if mode == GRAD_ACCUMULATE:
             shards = splice(graph, _accumulate_fn(keys), summed, before=point,
                             tag=bucket_tag("accumulate", layouts))
@@ -157,9 +158,12 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         else:
             scatter = layouts[0].sharded  # plan_reductions keeps sharded and replicated apart
             local_rows = [by_key[k][0].meta["val"].shape[0] if scatter else 0 for k in keys]
+            flush = mode == GRAD_FLUSH  # the flush's copy-in names the keys: no template shared across buckets
             fn = _reduce_fn(keys, layouts, local_rows, ctx.world_size, ctx.group_name, scatter,
-                            flush=mode == GRAD_FLUSH)
-            shards = splice(graph, fn, summed, before=point, tag=bucket_tag("reduce", layouts))
+                            flush=flush)
+            template = None if flush else ("reduce", layout_template(layouts), tuple(local_rows), ctx.world_size,
+                                           ctx.group_name, scatter)
+            shards = splice(graph, fn, summed, before=point, tag=bucket_tag("reduce", layouts), template=template)
             reductions += 1
         for key, shard in zip(keys, shards):
             first, *others = by_key[key]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ._fx import Collective, find_collectives, position, sink_to_first_use
+from ._fx import Collective, NodeOrder, find_collectives, sink_to_first_use
 from .context import PassContext, PassResult
 from .contract import contract
 
@@ -53,12 +53,12 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not collectives:
         return PassResult(gm, False)
     before = [n.name for n in graph.nodes]
+    order = NodeOrder(graph)  # one numbering, kept current through every sink
     for gather in (c for c in collectives if c.role == "gather"):
-        sink_to_first_use(gather.finish)
-    order = position(graph)
+        sink_to_first_use(gather.finish, order=order)
     reductions = sorted((c for c in collectives if c.role == "reduce"), key=lambda c: order[c.start])
     for reduction, limit in zip(reductions, reduction_limits(reductions, ctx)):
-        sink_to_first_use(reduction.finish, limit)
+        sink_to_first_use(reduction.finish, limit, order=order)
     changed = [n.name for n in graph.nodes] != before
     if changed:
         gm.recompile()

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from zerograph.passes.manager import PASS_TIMES
+
 from .annotate import collectives, releases
 from .manifest import rank_manifest, write_json
 
@@ -46,10 +48,22 @@ def build_report(runtime: Any, captured: Any, stats: Any | None) -> dict[str, An
                     for u in r["units"]:
                         rows[u]["released"].append({**where, "node": r["node"], "position": r["position"]})
     report: dict[str, Any] = {"rank": rank, "world_size": runtime.world_size, "stage": runtime.stage,
-                              "graphs": len(captured.graphs), "units": rows}
+                              "graphs": len(captured.graphs), "units": rows, "passes": _pass_times(captured)}
     if stats is not None:
         report["totals"] = _totals(stats)
     return report
+
+
+def _pass_times(captured: Any) -> list[dict[str, Any]]:
+    """Per captured graph and kind: nodes before and after its pass pipeline and each pass's
+    seconds (``passes.manager.PASS_TIMES``, recorded whether or not a dump was asked for)."""
+    rows = []
+    for g, record in enumerate(captured.graphs):
+        for kind in ("joint", "forward", "backward", "inference"):
+            times = record[kind].meta.get(PASS_TIMES) if kind in record else None
+            if times is not None:
+                rows.append({"graph": g, "kind": kind, **times})
+    return rows
 
 
 def _totals(stats: Any) -> dict[str, Any]:
@@ -108,6 +122,7 @@ def summary_markdown(report: Mapping[str, Any]) -> str:
             f"| {u['shard_bytes']:,} | {_where(u['gathered'], many, _gathered_at)} "
             f"| {_where(u['gathered'], many, _wait_after)} | {_where(u['released'], many, _released_at)} "
             f"| {_where(u['reduced'], many, _reduced_at)} |")
+    lines += _pass_time_lines(report.get("passes", []), many)
     totals = report.get("totals")
     lines.append("")
     if totals is None:
@@ -129,6 +144,21 @@ def summary_markdown(report: Mapping[str, Any]) -> str:
         paper = f"{formula:,.0f} bytes" if formula is not None else "-"
         lines.append(f"| {key} held at most (sec. 5) | {held:,} bytes{extra} | {paper} |")
     return "\n".join(lines) + "\n"
+
+
+def _pass_time_lines(rows: Sequence[Mapping[str, Any]], many_graphs: bool) -> list[str]:
+    """The "Compile time" table: one row per graph, each pass's milliseconds in pipeline order."""
+    if not rows:
+        return []
+    lines = ["", "## Compile time of the passes", "",
+             "Wall-clock milliseconds of each pass on each graph (the pipeline's order), and the graph's nodes "
+             "before and after it.", "", "| graph | nodes in -> out | total ms | passes (ms) |", "|---|---:|---:|---|"]
+    for row in rows:
+        name = ("g%d " % row["graph"] if many_graphs else "") + row["kind"]
+        passes = ", ".join(f"{p} {1e3 * s:.1f}" for p, s in row["seconds"].items())
+        lines.append(f"| {name} | {row['nodes_in']:,} -> {row['nodes_out']:,} | "
+                     f"{1e3 * sum(row['seconds'].values()):.1f} | {passes} |")
+    return lines
 
 
 _LAST_TOTALS: dict[str, dict[str, Any]] = {}  # rank directory -> totals last written there
