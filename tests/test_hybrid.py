@@ -74,6 +74,12 @@ def test_bytes_per_mesh_dim_match_the_formulas_and_the_plan(name: str, stage: in
         planned = zerograph.plan(build(name), stage, 2, replicas=2, param_dtype=torch.float32)
         assert {d: dict(c) for d, c in planned.comm_bytes_per_dim.items()} == expected
         assert "comm over replicate dim" in str(planned)
+        summary = zerograph.explain(model, opt)  # the dump's summary.md
+        assert "rank 1 of 2 (shard dim; x 2 replicas)" in summary
+        for dim in ("shard", "replicate"):
+            sent = stats.comm_bytes_per_dim[dim]
+            assert all(f"{k} {stats.comm_elements_per_dim[dim][k]:,} elements / {sent[k]:,} bytes" in summary
+                       for k in sent if sent[k]), dim
         # shards are over S = 2: rank 3 is shard rank 1 (coordinate (1, 1)) and holds its rows of each
         rt = runtime_of_model(model)
         assert rt.rank == 1 and list(mesh.get_coordinate()) == [1, 1]
