@@ -10,11 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import zerograph
-from zerograph.state import runtime_of_model
+from zerograph.state import graphs_of, runtime_of_model
+from zerograph.vocab import COLLECTIVE_KINDS, TAG, group_name_of
 
 from .distributed import fake_rank, spawn
 from .models import build, global_batch, rank_slice
@@ -48,6 +50,26 @@ def expected_bytes_per_dim(stage: int, unit_padded: list[int], shards: int, repl
     }
 
 
+def check_two_level_overlap(graph: fx.Graph) -> None:
+    """Backward of a 2 x 2 mesh: per bucket a reduce-scatter (shard group) whose result is
+    all-reduced (replicate group); both levels stay in flight during compute: reduce-scatter j
+    has backward compute between its start and its wait (the next bucket's), and all-reduce j is
+    waited only after reduce-scatter j + 1 is issued (``schedule_overlap``)."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    scatters = [n for n in nodes if COLLECTIVE_KINDS.get(n.target) == "reduce_scatter"]
+    assert len(scatters) >= 2
+    for j, rs in enumerate(scatters):
+        (wait,) = rs.users
+        (ar,) = wait.users  # the all-reduce reads the reduce-scatter's result directly
+        assert COLLECTIVE_KINDS.get(ar.target) == "all_reduce" and group_name_of(ar) != group_name_of(rs)
+        (ar_wait,) = ar.users
+        between = [n for n in nodes[pos[rs] + 1:pos[wait]] if n.op == "call_function" and TAG not in n.meta]
+        if j + 1 < len(scatters):
+            assert between, f"reduce-scatter {j} is waited right after it is issued: nothing overlaps it"
+            assert pos[ar_wait] > pos[scatters[j + 1]], f"all-reduce {j} is waited before the next bucket's reduction"
+
+
 # stage 3's 2Ψ of gathers needs every unit re-gathered in backward: the MLP's first layer is not
 # (its weight's gradient needs only its input), the GPT's tied embedding / head is
 @pytest.mark.parametrize("name, stage", RUNS)
@@ -74,6 +96,8 @@ def test_bytes_per_mesh_dim_match_the_formulas_and_the_plan(name: str, stage: in
         planned = zerograph.plan(build(name), stage, 2, replicas=2, param_dtype=torch.float32)
         assert {d: dict(c) for d, c in planned.comm_bytes_per_dim.items()} == expected
         assert "comm over replicate dim" in str(planned)
+        if stage == 3:
+            check_two_level_overlap(graphs_of(model)[0]["backward"].graph)
         summary = zerograph.explain(model, opt)  # the dump's summary.md
         assert "rank 1 of 2 (shard dim; x 2 replicas)" in summary
         for dim in ("shard", "replicate"):
