@@ -24,7 +24,10 @@ from .workers_hybrid import MESH_DIMS, hybrid_reload, hybrid_training
 
 ATOL = RTOL = 1e-5  # fp32, as tests/test_parity.py
 STEPS, LR, BATCH = 3, 1e-3, 8  # 2 samples per rank at world size 4
-RUNS = (("mlp", 1), ("mlp", 2), ("gpt", 3))  # the uneven MLP pads every shard; GPT ties wte / lm_head
+# the uneven MLP pads every shard; the graph-break MLP reduces its last layer in an eager frame
+# (Runtime.reduce_grad_eager); GPT ties wte / lm_head. The last run is the one checkpointed.
+RUNS = (("mlp", 1), ("mlp", 2), ("mlp_break", 3), ("gpt", 3))
+FORMULA_RUNS = (("mlp", 1), ("mlp", 2), ("gpt", 3))
 
 
 def _unit_padded(model: torch.nn.Module) -> list[int]:
@@ -72,7 +75,7 @@ def check_two_level_overlap(graph: fx.Graph) -> None:
 
 # stage 3's 2Ψ of gathers needs every unit re-gathered in backward: the MLP's first layer is not
 # (its weight's gradient needs only its input), the GPT's tied embedding / head is
-@pytest.mark.parametrize("name, stage", RUNS)
+@pytest.mark.parametrize("name, stage", FORMULA_RUNS)
 def test_bytes_per_mesh_dim_match_the_formulas_and_the_plan(name: str, stage: int) -> None:
     with fake_rank(4, rank=3):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=MESH_DIMS)
@@ -203,11 +206,28 @@ def test_hybrid_2x2_matches_single_process_training(hybrid_run) -> None:
                 assert placements == (Replicate(), Shard(0)) and shape == (2, 2), key
             stats = run["stats"]
             assert set(stats.comm_bytes_per_dim) == {"shard", "replicate"}
-            assert stats.comm_bytes_per_dim["replicate"]["all_reduce"] > 0
+            # every gradient shard crossed the replicas once, in graphs and in the eager frame alike
+            assert stats.comm_bytes_per_dim["replicate"] == expected_bytes_per_dim(stage, run["padded"], 2, 2, 4)[
+                "replicate"], (name, stage)
         # replicas hold the same shards: rank r and rank r + 2 share the shard coordinate r
         for rank in (0, 1):
             for key, local in results[rank][name, stage]["local"].items():
                 assert torch.equal(local, results[rank + 2][name, stage]["local"][key]), (name, stage, key)
+
+
+@pytest.mark.distributed
+def test_meta_built_model_on_2x2_initialises_and_loads_as_the_ordinary_build(hybrid_run) -> None:
+    results, _ = hybrid_run
+    ordinary = {n: p.detach() for n, p in build("mlp").named_parameters()}
+    for result in results:
+        for kind in ("init", "loaded"):
+            got = result["meta_init"][kind]
+            assert got.keys() == ordinary.keys()
+            for key, value in ordinary.items():
+                assert torch.equal(got[key], value), (kind, key)
+    for rank in (0, 1):  # the replicas drew the same rows
+        for key, local in results[rank]["meta_init"]["local"].items():
+            assert torch.equal(local, results[rank + 2]["meta_init"]["local"][key]), key
 
 
 def _check_loaded(loaded: dict, saved: dict) -> None:

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerograph
+from zerograph.state import runtime_of_model
 
 from .models import build, global_batch, rank_slice
 from .training import train_steps
@@ -45,6 +46,7 @@ def hybrid_training(rank: int, world_size: int, runs: tuple[tuple[str, int], ...
             return model(*rank_slice(global_batch(name, step, batch_size), rank, world_size))
 
         opt, losses = train_steps(model, loss_of, steps, lr, after_backward=keep)
+        rt = runtime_of_model(model)
         out[name, stage] = {
             "losses": losses,
             "params": {n: p.full_tensor() for n, p in model.named_parameters()},
@@ -52,7 +54,9 @@ def hybrid_training(rank: int, world_size: int, runs: tuple[tuple[str, int], ...
             "placements": {n: (tuple(p.placements), p.device_mesh.shape) for n, p in model.named_parameters()},
             "grads": last["grads"],
             "stats": last["stats"],
+            "padded": [sum(rt.layouts[k].padded_numel for k in unit.keys) for unit in rt.units],
         }
+    out["meta_init"] = _meta_init(mesh)
     batch = rank_slice(global_batch(name, steps, batch_size), rank, world_size)
     with torch.no_grad():
         loss_before = model(*batch).item()
@@ -69,6 +73,27 @@ def hybrid_training(rank: int, world_size: int, runs: tuple[tuple[str, int], ...
                         "optimizer": _full_optimizer_state(flat, flat_opt), "loss": loss_before,
                         "loss_after": loss_after, "mesh": tuple(next(flat.parameters()).device_mesh.shape)}
     return out
+
+
+def _meta_init(mesh) -> dict:
+    """The uneven MLP built on meta, compiled on ``mesh`` at stage 3, ``init_weights`` with seed
+    0, and, into a second one, ``load_state_dict`` of the ordinary build's full tensors: both
+    gathered back (full tensors, for a bitwise comparison with ``build("mlp")``)."""
+    from .models import UnevenMLP
+
+    torch._dynamo.reset()
+    with torch.device("meta"):
+        model = UnevenMLP()
+    model = zerograph.compile(model, 3, mesh=mesh, device="cpu")
+    torch.manual_seed(0)  # build("mlp")'s seed
+    zerograph.init_weights(model)
+    with torch.device("meta"):
+        loaded = UnevenMLP()
+    loaded = zerograph.compile(loaded, 3, mesh=mesh, device="cpu")
+    loaded.load_state_dict(build("mlp").state_dict())
+    return {"init": {n: p.full_tensor() for n, p in model.named_parameters()},
+            "loaded": {n: p.full_tensor() for n, p in loaded.named_parameters()},
+            "local": {n: p.to_local().clone() for n, p in model.named_parameters()}}
 
 
 def hybrid_reload(rank: int, world_size: int, name: str, stage: int, ckpt_dir: str) -> dict:
