@@ -204,6 +204,17 @@ def test_hybrid_2x2_matches_single_process_training(hybrid_run) -> None:
                                                msg=f"{name} stage {stage} rank {rank} {kind} {key}")
             for key, (placements, shape) in run["placements"].items():
                 assert placements == (Replicate(), Shard(0)) and shape == (2, 2), key
+            ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in
+                                                             reference["grads"].values()])).item()
+            assert run["grad_norm"] == pytest.approx(ref_norm, rel=RTOL), (name, stage, rank)
+            if rank == 0:  # FSDP2's full_state_dict: full plain tensors on rank 0 only
+                assert {k: v.shape for k, v in run["full_state_dict"].items()} == {
+                    k: v.shape for k, v in build(name).state_dict().items()}
+                for key, value in run["full_state_dict"].items():
+                    if key in run["params"]:
+                        assert torch.equal(value, run["params"][key]), key
+            else:
+                assert run["full_state_dict"] == {}
             stats = run["stats"]
             assert set(stats.comm_bytes_per_dim) == {"shard", "replicate"}
             # every gradient shard crossed the replicas once, in graphs and in the eager frame alike

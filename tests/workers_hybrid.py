@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import zerograph
 from zerograph.state import runtime_of_model
@@ -41,6 +42,9 @@ def hybrid_training(rank: int, world_size: int, runs: tuple[tuple[str, int], ...
             if step == steps - 1:
                 last["grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
                 last["stats"] = zerograph.stats(model, opt)
+                # the global norm over the 2-D DTensor gradients; a max_norm this large scales by 1
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+                last["grad_norm"] = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
         def loss_of(step: int, model=model, name=name) -> torch.Tensor:
             return model(*rank_slice(global_batch(name, step, batch_size), rank, world_size))
@@ -54,6 +58,8 @@ def hybrid_training(rank: int, world_size: int, runs: tuple[tuple[str, int], ...
             "placements": {n: (tuple(p.placements), p.device_mesh.shape) for n, p in model.named_parameters()},
             "grads": last["grads"],
             "stats": last["stats"],
+            "grad_norm": last["grad_norm"],
+            "full_state_dict": zerograph.checkpoint.full_state_dict(model),  # rank 0 only (cpu_offload)
             "padded": [sum(rt.layouts[k].padded_numel for k in unit.keys) for unit in rt.units],
         }
     out["meta_init"] = _meta_init(mesh)
