@@ -278,3 +278,19 @@ def test_world_group_spans_the_mesh() -> None:
         rt = runtime_of_model(zerograph.compile(build("mlp"), 2, mesh=mesh))
         assert dist.get_world_size(rt.world_group) == 4 and rt.world_size == 2 and rt.replicate_size == 2
         assert rt.dp_size == 4
+
+
+def test_gradient_accumulation_without_sync_reduces_once_over_both_dims() -> None:
+    """``no_sync`` micro-batches run no collective; the synced one reduces the sum once, over the
+    shard group and then across the replicas (the flushing graph's reduction is the same two-level
+    one), so the step's bytes per dim are one step's."""
+    with fake_rank(4, rank=0):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=MESH_DIMS)
+        model = zerograph.compile(build("mlp"), 2, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        batch = rank_slice(global_batch("mlp", 0, BATCH), 0, 4)
+        with model.no_sync():
+            model(*batch).backward()
+        model(*batch).backward()
+        stats = zerograph.stats(model, opt)
+        assert stats.comm_bytes_per_dim == expected_bytes_per_dim(2, _unit_padded(model), 2, 2, 4)
