@@ -7,7 +7,9 @@ Post: no marker is left; every trainable parameter's gradient is reduced exactly
 by side; one ``zerograph::pack_shards`` node for a bucket of several parameters) -> ``reduce_scatter_tensor`` (stages
 1-3) or ``all_reduce`` (stage 0 and 0-d parameters,
 buckets of whole gradients) -> ``wait_tensor`` -> divide by N (ranks' gradients are averaged, as DDP does) ->
-copy-out of each shard's rows. A parameter used several times (tied weights) has several markers;
+copy-out of each shard's rows. Hybrid sharding (``ctx.replicate_group``, a 2-D mesh): the
+reduced shard is then all-reduced across the replicate group before the division, which is by
+N = shard ranks x replicas (FSDP2's HSDP; DeepSpeed's MiCS). A parameter used several times (tied weights) has several markers;
 their gradients are summed first and reduced once.
 
 Mixed precision: each full gradient (in ``param_dtype``) is cast to ``reduce_dtype`` in the copy-in,
@@ -82,7 +84,7 @@ def _copy_in(grads: tuple[torch.Tensor, ...], layouts: list[ParamLayout], world_
 
 
 def _reduce_fn(keys: list[int], layouts: list[ParamLayout], local_rows: list[int], world_size: int,
-               group_name: str, scatter: bool, flush: bool):
+               group_name: str, scatter: bool, flush: bool, replicate_group: tuple[str, int] | None = None):
     def reduce(*grads: torch.Tensor) -> list[torch.Tensor]:
         if flush:  # add what the unsynced micro-batches accumulated (already in reduce_dtype)
             grads = tuple(TAKE_UNSYNCED(g, k) for g, k in zip(grads, keys))
@@ -91,7 +93,11 @@ def _reduce_fn(keys: list[int], layouts: list[ParamLayout], local_rows: list[int
             out = funcol.wait_tensor(funcol.reduce_scatter_tensor(to_wire(send), "sum", world_size, group_name))
         else:
             out = funcol.wait_tensor(funcol.all_reduce(to_wire(send), "sum", group_name))
-        out = from_wire(out, send.dtype) / world_size
+        replicas = 1
+        if replicate_group is not None:  # hybrid sharding: the reduced shard summed across replicas
+            replicate_name, replicas = replicate_group
+            out = funcol.wait_tensor(funcol.all_reduce(out, "sum", replicate_name))
+        out = from_wire(out, send.dtype) / (world_size * replicas)
         shards, offset = [], 0
         for layout, rows in zip(layouts, local_rows):
             size = layout.shard_numel if scatter else layout.numel
@@ -160,9 +166,9 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             local_rows = [by_key[k][0].meta["val"].shape[0] if scatter else 0 for k in keys]
             flush = mode == GRAD_FLUSH  # the flush's copy-in names the keys: no template shared across buckets
             fn = _reduce_fn(keys, layouts, local_rows, ctx.world_size, ctx.group_name, scatter,
-                            flush=flush)
+                            flush=flush, replicate_group=ctx.replicate_group)
             template = None if flush else ("reduce", layout_template(layouts), tuple(local_rows), ctx.world_size,
-                                           ctx.group_name, scatter)
+                                           ctx.group_name, scatter, ctx.replicate_group)
             shards = splice(graph, fn, summed, before=point, tag=bucket_tag("reduce", layouts), template=template)
             reductions += 1
         for key, shard in zip(keys, shards):

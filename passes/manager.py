@@ -17,7 +17,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from zerograph.errors import ConfigError, PassError
 from zerograph.ops import REDUCE_GRAD, UNSHARD
-from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer
+from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer, group_name_of
 
 from ._fx import count_targets, is_alias_of_input
 from .activation_partition import activation_partition
@@ -198,13 +198,15 @@ def check_no_saved_gathers(fwd: fx.GraphModule) -> None:
             raise PassError(f"stage 3 forward saves gathered parameter {saved.name} for backward")
 
 
-def collective_volume(graph: fx.Graph) -> list[tuple[str, int, int]]:
-    """``[(kind, full_numel, itemsize)]`` of every collective in the graph, in graph order."""
+def collective_volume(graph: fx.Graph) -> list[tuple[str, int, int, str | None]]:
+    """``[(kind, full_numel, itemsize, group_name)]`` of every collective in the graph, in graph
+    order; ``group_name`` is the process group it runs over (hybrid sharding: the shard or the
+    replicate group)."""
     volume = []
     for node in graph.nodes:
         kind = COLLECTIVE_KINDS.get(node.target)
         if kind is None:
             continue
         val = full_buffer(node)
-        volume.append((kind, val.numel(), val.element_size()))
+        volume.append((kind, val.numel(), val.element_size(), group_name_of(node)))
     return volume

@@ -83,7 +83,9 @@ class ZeroGraphBackend:
                            tuple(runtime.units), schedule=config.schedule, memory=config.memory,
                            activations=dataclasses.replace(config.activations, group=None),
                            activation_group=config.activations.group_for_passes(),
-                           buffer_pool=_pool_for(self.lowering, runtime))
+                           buffer_pool=_pool_for(self.lowering, runtime),
+                           replicate_group=(None if runtime.replicate_group is None
+                                            else (runtime.replicate_group_name, runtime.replicate_size)))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         check_no_parameter_writes(gm.graph, self.runtime.layouts)
@@ -335,8 +337,9 @@ def _account(runtime: Runtime, gm: fx.GraphModule, compiled: Callable, backward:
 
     def call(args: list[Any]) -> Any:
         runtime.check_schedule(schedule)
-        for kind, numel, itemsize in volume:
-            runtime.current.add(kind, numel, itemsize, runtime.world_size)
+        for kind, numel, itemsize, group_name in volume:
+            dim, size = runtime.comm_dim(group_name)
+            runtime.current.add(kind, numel, itemsize, size, dim)
         runtime.current.graphs.add(graph_id)
         if backward:
             runtime.backward_ran = True

@@ -48,6 +48,7 @@ def build_report(runtime: Any, captured: Any, stats: Any | None) -> dict[str, An
                     for u in r["units"]:
                         rows[u]["released"].append({**where, "node": r["node"], "position": r["position"]})
     report: dict[str, Any] = {"rank": rank, "world_size": runtime.world_size, "stage": runtime.stage,
+                              "replicas": runtime.replicate_size,
                               "graphs": len(captured.graphs), "units": rows, "passes": _pass_times(captured)}
     if stats is not None:
         report["totals"] = _totals(stats)
@@ -75,7 +76,9 @@ def _totals(stats: Any) -> dict[str, Any]:
             "comm_psi": moved / psi if psi else 0.0, "paper_comm_psi": paper_psi,
             "paper_comm_elements": paper_psi * psi, "comm_bytes": dict(stats.comm_bytes),
             "resident_bytes": dict(stats.resident_bytes), "formula_bytes": dict(stats.formula_bytes),
-            "transient_bytes": dict(stats.transient_bytes)}
+            "transient_bytes": dict(stats.transient_bytes),
+            "comm_elements_per_dim": {d: dict(c) for d, c in stats.comm_elements_per_dim.items()},
+            "comm_bytes_per_dim": {d: dict(c) for d, c in stats.comm_bytes_per_dim.items()}}
 
 
 def _where(events: Sequence[Mapping[str, Any]], many_graphs: bool, describe: Callable[[Mapping[str, Any]], str]) -> str:
@@ -103,7 +106,9 @@ def _reduced_at(e: Mapping[str, Any]) -> str:
 def summary_markdown(report: Mapping[str, Any]) -> str:
     """``summary.md`` from ``build_report``'s data."""
     many = report["graphs"] > 1
-    lines = [f"# zerograph summary: rank {report['rank']} of {report['world_size']}, stage {report['stage']}", ""]
+    replicas = report.get("replicas", 1)
+    of = f"{report['world_size']}" + (f" (shard dim; x {replicas} replicas)" if replicas > 1 else "")
+    lines = [f"# zerograph summary: rank {report['rank']} of {of}, stage {report['stage']}", ""]
     if not report["graphs"]:
         lines += ["No graph has been captured yet: run a step first.", ""]
     lines += [
@@ -137,6 +142,12 @@ def summary_markdown(report: Mapping[str, Any]) -> str:
     for kind, elements in totals["comm_elements"].items():
         if elements:
             lines.append(f"| {kind} | {elements:,} elements, {totals['comm_bytes'][kind]:,} bytes sent | |")
+    per_dim = totals.get("comm_bytes_per_dim", {})
+    if len(per_dim) > 1:  # hybrid sharding: each collective counted on the mesh dim it ran over
+        for dim, sent in per_dim.items():
+            elements = totals["comm_elements_per_dim"][dim]
+            kinds = ", ".join(f"{k} {elements[k]:,} elements / {sent[k]:,} bytes" for k in sent if sent[k])
+            lines.append(f"| over the {dim} dim | {kinds} | |")
     for key, held in totals["resident_bytes"].items():
         formula = totals["formula_bytes"].get(key)
         transient = totals["transient_bytes"].get(key)
