@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="zerograph Config.bucket_bytes (bytes)")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch, sequences (split over ranks)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence; sets the GPT's block_size (default its size's)")
+    parser.add_argument("--n-layer", type=int, help="blocks of the GPT example (default its size's)")
+    parser.add_argument("--n-embd", type=int, help="width of the GPT example (default its size's)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seeds the model init and the batches")
     parser.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
@@ -128,8 +130,9 @@ def validate_args(args: argparse.Namespace) -> None:
     for name in ("nproc", "steps", "batch_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.seq_len is not None and args.seq_len < 1:
-        raise ConfigError(f"--seq-len must be >= 1, got {args.seq_len}")
+    for name in ("seq_len", "n_layer", "n_embd"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("warmup", "profile_steps", "prefetch_depth", "bucket_bytes"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -139,10 +142,15 @@ def validate_args(args: argparse.Namespace) -> None:
     world_size = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
     if ":" in args.model:
         load_factory(args.model)  # its batches are its own: --batch-size and --seq-len do not apply
+        if args.n_layer is not None or args.n_embd is not None:
+            raise ConfigError("--n-layer / --n-embd change the GPT example's size; a module:factory builds its own")
     else:
         sizes = example_gpt().SIZES
         if args.model not in sizes:
             raise ConfigError(f"--model: unknown GPT size {args.model!r}; known: {sorted(sizes)} (or module:factory)")
+        heads = sizes[args.model].n_head
+        if args.n_embd is not None and args.n_embd % heads:
+            raise ConfigError(f"--n-embd {args.n_embd} must be a multiple of the {args.model} GPT's {heads} heads")
         if args.batch_size % world_size:
             raise ConfigError(f"--batch-size {args.batch_size} must be divisible by the number of ranks "
                               f"{world_size} (--nproc): the ranks take equal parts of the global batch")

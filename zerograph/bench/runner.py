@@ -87,7 +87,7 @@ def measure_all(args: argparse.Namespace, device: torch.device) -> dict | None:
     """Measure every system of ``args.systems`` in order; rank 0 returns the whole result."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     specs = parse_systems(args.systems, args.prefetch_depth, args.bucket_bytes)
-    workload = load_workload(args.model, args.batch_size, args.seq_len, args.seed)
+    workload = load_workload(args.model, args.batch_size, args.seq_len, args.seed, args.n_layer, args.n_embd)
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     clusters = clusters_for(args, device) if args.simulate else []  # this machine first
     reference = shapes_only(workload)
@@ -110,8 +110,8 @@ def measure_all(args: argparse.Namespace, device: torch.device) -> dict | None:
         "command": "zerograph bench " + args.command_line,
         "machine": machine_description(device, world_size, load_start),
         "model": model_info,
-        "settings": {k: getattr(args, k) for k in ("steps", "warmup", "profile_steps", "batch_size", "seq_len",
-                                                   "lr", "seed", "prefetch_depth", "bucket_bytes")},
+        "settings": {k: getattr(args, k) for k in ("steps", "warmup", "profile_steps", "batch_size", "seq_len", "n_layer",
+                                                   "n_embd", "lr", "seed", "prefetch_depth", "bucket_bytes")},
         "definitions": DEFINITIONS,
         "systems": systems,
         "loss_check": loss_check(systems),

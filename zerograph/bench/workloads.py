@@ -33,11 +33,15 @@ class Workload:
     description: dict
 
 
-def load_workload(model: str, batch_size: int, seq_len: int | None, seed: int) -> Workload:
-    """The GPT example at a named size, or a user's ``module:factory``. Raises ``ConfigError``."""
+def load_workload(model: str, batch_size: int, seq_len: int | None, seed: int, n_layer: int | None = None,
+                  n_embd: int | None = None) -> Workload:
+    """The GPT example at a named size (``seq_len``, ``n_layer``, ``n_embd`` replace its
+    block_size, blocks and width when given), or a user's ``module:factory``. Raises ``ConfigError``."""
     if ":" in model:
+        if n_layer is not None or n_embd is not None:
+            raise ConfigError("--n-layer / --n-embd change the GPT example's size; a module:factory builds its own")
         return _factory_workload(model)
-    return _gpt_workload(model, batch_size, seq_len, seed)
+    return _gpt_workload(model, batch_size, seq_len, seed, n_layer, n_embd)
 
 
 def example_gpt() -> Any:
@@ -47,11 +51,15 @@ def example_gpt() -> Any:
     return gpt
 
 
-def _gpt_workload(size: str, batch_size: int, seq_len: int | None, seed: int) -> Workload:
+def _gpt_workload(size: str, batch_size: int, seq_len: int | None, seed: int, n_layer: int | None,
+                  n_embd: int | None) -> Workload:
     gpt = example_gpt()
     if size not in gpt.SIZES:
         raise ConfigError(f"unknown GPT size {size!r}; known: {sorted(gpt.SIZES)} (or module:factory)")
-    cfg = gpt.SIZES[size] if seq_len is None else dataclasses.replace(gpt.SIZES[size], block_size=seq_len)
+    changes = {k: v for k, v in (("block_size", seq_len), ("n_layer", n_layer), ("n_embd", n_embd)) if v is not None}
+    cfg = dataclasses.replace(gpt.SIZES[size], **changes)
+    if cfg.n_embd % cfg.n_head:
+        raise ConfigError(f"--n-embd {cfg.n_embd} must be a multiple of the {size} GPT's {cfg.n_head} heads")
 
     def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if batch_size % world_size:

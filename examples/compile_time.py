@@ -1,0 +1,108 @@
+"""First-step (compile) time against depth: zerograph's eager and Inductor lowerings beside FSDP2 +
+``torch.compile``, cold and warm, side by side (issue 16's table).
+
+    python examples/compile_time.py --blocks 4,16,32,64 --json compile_time.json
+
+Each (system, depth) runs ``zerograph bench`` in a fresh process group of ``--nproc`` CPU ranks
+(gloo) on a narrow GPT (``--n-embd``, default 64), so no in-process cache of an earlier run helps
+it. *Cold*: a new, empty Inductor cache directory (``TORCHINDUCTOR_CACHE_DIR``); *warm*: the same
+command again on the cache the cold run left, which is what a restart from a checkpoint sees
+(PyTorch's FX graph cache and AOTAutograd cache; the eager lowering has no cache across
+processes, so its warm run is measured as a control). Reported per run: the first step's seconds
+(compile included, the slowest rank), the median / min / max of the timed steps, and the peak
+memory over the baseline (the bench's definitions). Nothing here is asserted: it measures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+SYSTEMS = {"zerograph eager": "zerograph-s3", "zerograph inductor": "zerograph-s3-inductor",
+           "FSDP2 + torch.compile": "fsdp2-compile"}
+
+
+def run_bench(system: str, blocks: int, args: argparse.Namespace, cache_dir: str) -> dict:
+    """One ``zerograph bench`` launch of ``system`` at ``blocks`` blocks; its JSON record."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
+        path = out.name
+    command = [sys.executable, "-m", "zerograph.bench", "--model", "tiny", "--n-layer", str(blocks),
+               "--n-embd", str(args.n_embd), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
+               "--nproc", str(args.nproc), "--steps", str(args.steps), "--warmup", "1", "--profile-steps", "1",
+               "--systems", system, "--json", path]
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, OMP_NUM_THREADS="1")
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+    with open(path) as f:
+        record = json.load(f)["systems"][system]
+    os.unlink(path)
+    return {"first_step_s": record["warmup_s"][0], "median_s": record["median_s"], "min_s": record["min_s"],
+            "max_s": record["max_s"], "peak_memory_bytes": record["peak_memory_bytes"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--blocks", default="4,16,32,64", help="comma-separated depths")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of: {', '.join(SYSTEMS)}")
+    parser.add_argument("--inductor-max-blocks", type=int, default=32,
+                        help="skip zerograph's Inductor lowering above this depth (it costs ~2 s per block)")
+    parser.add_argument("--no-warm", action="store_true", help="cold runs only")
+    parser.add_argument("--n-embd", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", dest="json_path", help="write every figure here")
+    args = parser.parse_args()
+    blocks = [int(b) for b in args.blocks.split(",")]
+    names = [s.strip() for s in args.systems.split(",")]
+    results: dict[str, dict[int, dict]] = {name: {} for name in names}
+    for name in names:
+        for depth in blocks:
+            if name == "zerograph inductor" and depth > args.inductor_max_blocks:
+                continue
+            with tempfile.TemporaryDirectory(prefix="zg-inductor-cache-") as cache:
+                row = {"cold": run_bench(SYSTEMS[name], depth, args, cache)}
+                if not args.no_warm:
+                    row["warm"] = run_bench(SYSTEMS[name], depth, args, cache)
+            results[name][depth] = row
+            print(f"{name:22s} {depth:3d} blocks: first step cold {row['cold']['first_step_s']:.1f} s"
+                  + (f", warm {row['warm']['first_step_s']:.1f} s" if "warm" in row else ""), file=sys.stderr, flush=True)
+    print(table(results, blocks))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+def table(results: dict[str, dict[int, dict]], blocks: list[int]) -> str:
+    """Markdown: first step cold / warm per depth and system, then the steady step and peak memory."""
+    lines = ["| system | " + " | ".join(f"{b} blocks: first step cold / warm (s)" for b in blocks)
+             + " | step at the deepest, median (min-max) ms | peak memory at the deepest (MB) |",
+             "|---|" + "---:|" * len(blocks) + "---:|---:|"]
+    for name, rows in results.items():
+        cells = []
+        for b in blocks:
+            row = rows.get(b)
+            if row is None:
+                cells.append("-")
+                continue
+            warm = f" / {row['warm']['first_step_s']:.1f}" if "warm" in row else ""
+            cells.append(f"{row['cold']['first_step_s']:.1f}{warm}")
+        deepest = rows[max(rows)]["cold"] if rows else None
+        step = (f"{1e3 * deepest['median_s']:.0f} ({1e3 * deepest['min_s']:.0f}-{1e3 * deepest['max_s']:.0f})"
+                if deepest else "-")
+        memory = f"{deepest['peak_memory_bytes'] / 1e6:.0f}" if deepest else "-"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {step} | {memory} |")
+    firsts = {name: {b: r["cold"]["first_step_s"] for b, r in rows.items()} for name, rows in results.items()}
+    for name, by_depth in firsts.items():
+        if len(by_depth) > 1:
+            low, high = min(by_depth), max(by_depth)
+            lines.append(f"\n{name}: first step at {high} blocks / at {low} blocks = "
+                         f"{by_depth[high] / by_depth[low]:.2f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
