@@ -63,9 +63,44 @@ def _compile_gpt(blocks: int) -> torch.nn.Module:
     return model
 
 
-def _traces_and_code(blocks: int, monkeypatch: pytest.MonkeyPatch, limit: int) -> tuple[int, dict[str, str]]:
+class _Block(torch.nn.Module):
+    def __init__(self, width: int, bias: bool, extra: bool) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, width, bias=bias)
+        self.out = torch.nn.Linear(width, 16)
+        self.gate = torch.nn.Parameter(torch.ones(16)) if extra else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.out(torch.relu(self.fc(x)))
+        return x + (y * self.gate if self.gate is not None else y)
+
+
+class _LookAlikes(torch.nn.Module):
+    """Blocks of one class that differ: in width, in a bias, in an extra parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(32, True, False), _Block(32, True, False), _Block(48, True, False),
+                                           _Block(32, False, False), _Block(32, True, True), _Block(32, True, False)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def _compile_look_alikes(blocks: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = zerograph.compile(_LookAlikes(), 3)
+    model(torch.randn(4, 16)).backward()
+    return model
+
+
+def _traces_and_code(blocks: int, monkeypatch: pytest.MonkeyPatch, limit: int,
+                     build=None) -> tuple[int, dict[str, str]]:
     """Splice traces (``make_fx`` calls) and the final graphs' code of a stage-3 GPT of ``blocks``
-    blocks, with at most ``limit`` templates kept per compile (0: every splice traces)."""
+    blocks (or ``build(blocks)``'s model), with at most ``limit`` templates kept per compile (0:
+    every splice traces)."""
     traces = 0
     real = _fx.make_fx
 
@@ -77,7 +112,7 @@ def _traces_and_code(blocks: int, monkeypatch: pytest.MonkeyPatch, limit: int) -
     monkeypatch.setattr(_fx, "make_fx", counting)
     monkeypatch.setattr(_fx, "TEMPLATE_LIMIT", limit)
     with fake_rank(2):
-        record = graphs_of(_compile_gpt(blocks))[0]
+        record = graphs_of((build or _compile_gpt)(blocks))[0]
         # the buffer pool's number differs from model to model; all else must match
         code = {kind: re.sub(r"pool_buffer\.default\(\d+,", "pool_buffer.default(POOL,", record[kind].code)
                 for kind in ("forward", "backward")}
@@ -94,6 +129,16 @@ def test_identical_blocks_share_splice_traces_and_graphs_are_unchanged(monkeypat
     assert traces_8 == traces_2, (traces_2, traces_8)
     assert untemplated_8 > traces_8 + 8  # without templates every block's gather and reduction trace anew
     assert code_8 == plain_code_8
+
+
+def test_look_alike_blocks_get_their_own_splices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of one class that differ in width, bias or an extra parameter share no template
+    they should not: the graphs equal those built without templates, and fewer traces are made
+    only for the repeated identical blocks."""
+    traces, code = _traces_and_code(6, monkeypatch, _fx.TEMPLATE_LIMIT, _compile_look_alikes)
+    untemplated, plain_code = _traces_and_code(6, monkeypatch, 0, _compile_look_alikes)
+    assert code == plain_code
+    assert traces < untemplated
 
 
 def test_summary_shows_each_pass_time_per_graph() -> None:
