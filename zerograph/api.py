@@ -110,6 +110,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
         uninitialised = loading.UninitialisedTracker(list(model.named_parameters()) + fresh)
     runtime = Runtime(group, stage, layouts, unit_objs, timeout_s=config.timeout_s, device=device)
     runtime.shards = {layout.key: model.get_parameter(layout.fqn) for layout in layouts}
+    runtime.gather_quantization = config.gather_quantization  # graph breaks' eager gathers quantize too
     for name, param in originals.items():
         param._zerograph_replaced = name  # type: ignore[attr-defined]
     _install_optimizer_guard()

@@ -29,6 +29,7 @@ from .buffer_pool import BufferPool
 from .errors import CollectiveError, ProcessGroupError, ScheduleMismatchError
 from .fake import is_fake_world
 from .kernels.ops import to_wire
+from .kernels.quantize import BLOCK, PACK_QUANTIZED, UNPACK_DEQUANTIZED, quantizes
 from .sharding import ParamLayout, Unit
 from .vocab import COLLECTIVE_KINDS, COLLECTIVES, GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, TAG, all_gather_single, full_buffer
 
@@ -148,6 +149,7 @@ class Runtime:
         self.unsynced: dict[int, torch.Tensor] = {}  # key -> full gradient summed while unsynced (reduce_dtype)
         self.buffer_pool = BufferPool()  # the comm buffers ``buffer_reuse`` assigns graphs to
         self.shards: dict[int, torch.Tensor] = {}  # key -> the model's parameter (DTensor shard); set by compile
+        self.gather_quantization: str | None = None  # Config.gather_quantization; set by compile
         registry.register(layouts, self)  # what the markers' implementations look their keys up in
 
     # -- step accounting -------------------------------------------------------------------
@@ -358,6 +360,9 @@ class Runtime:
         """All-gather one parameter outside a graph. ``shard``: (local_rows, *rest) -> full shape,
         in ``param_dtype`` (cast before sending, as the graphs' copy-in does)."""
         layout = self.layouts[key]
+        if (self.gather_quantization is not None and layout.sharded and self.world_size > 1
+                and quantizes([layout.shard_numel], layout.param_dtype)):
+            return self._unshard_quantized_eager(shard, key)
         shard = shard.to(layout.param_dtype)
         if not layout.sharded or self.world_size == 1:
             return shard.clone()
@@ -367,6 +372,17 @@ class Runtime:
                     lambda: all_gather_single(to_wire(gathered.view(-1)), to_wire(padded.reshape(-1)), group=self.group))
         self.current.add("all_gather", gathered.numel(), gathered.element_size(), self.world_size)
         return gathered[: layout.shape[0]].clone()
+
+    def _unshard_quantized_eager(self, shard: torch.Tensor, key: int) -> torch.Tensor:
+        """``unshard_eager`` with ``gather_quantization``: the graphs' quantized copy-in, all-gather of
+        bytes and dequantizing copy-out (``passes/insert_allgather.py``), for one parameter."""
+        layout = self.layouts[key]
+        send = PACK_QUANTIZED([shard], [layout.chunk_rows], layout.param_dtype, BLOCK)  # (rank_bytes,) uint8
+        gathered = send.new_empty(self.world_size * send.numel())
+        self._eager("all_gather", key, lambda: all_gather_single(gathered, send, group=self.group))
+        self.current.add("all_gather", gathered.numel(), gathered.element_size(), self.world_size)
+        return UNPACK_DEQUANTIZED(gathered, self.world_size, [layout.chunk_rows], [layout.shape[0]],
+                                  [layout.row_numel], layout.param_dtype, BLOCK).view(layout.shape)
 
     def reduce_grad_eager(self, grad: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> torch.Tensor:
         """Average one full gradient across ranks outside a graph: reduce-scatter to this rank's

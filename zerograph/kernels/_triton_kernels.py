@@ -106,3 +106,56 @@ def launch_unpack(src, dst, world_size: int, rank_stride: int, col_offset: int, 
     grid = (triton.cdiv(shard_numel, COPY_BLOCK), world_size)
     _unpack_kernel[grid](src, dst, rank_stride, col_offset, shard_numel, dst.numel(),
                          BLOCK=COPY_BLOCK, num_warps=COPY_WARPS)
+
+
+# ------------------------------------------------------------------ block-wise int8 (qwZ gathers)
+# One program per quantization block of QUANT_BLOCK elements; must equal kernels.quantize.BLOCK.
+
+@triton.jit
+def _quantize_kernel(src_ptr, q_ptr, s_ptr, n, padded, q_offset, s_offset, BLOCK: tl.constexpr):
+    # One shard, block `pid`: elements k < n are the shard's, n <= k < padded are zero padding.
+    # scale = absmax / 127; q = floor(x * 127 / absmax + 0.5) in [-127, 127] (symmetric; 0 for an
+    # all-zero block). IEEE-rounded divisions (div_rn) so compiled Triton matches the reference.
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(src_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    absmax = tl.max(tl.abs(x), axis=0)
+    den = tl.where(absmax > 0.0, absmax, 1.0)
+    y = tl.div_rn(x * 127.0, tl.zeros_like(x) + den)
+    q = tl.minimum(tl.maximum(tl.floor(y + 0.5), -127.0), 127.0)
+    tl.store(q_ptr + q_offset + offs, q.to(tl.int8), mask=offs < padded)
+    tl.store(s_ptr + s_offset + pid, tl.div_rn(absmax, 127.0))
+
+
+@triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, dst_ptr, rank_bytes, q_col, s_col, shard_numel, numel, BLOCK: tl.constexpr):
+    # One parameter; axis 1 is the rank. Rank r's int8 chunk sits at q[r*rank_bytes + q_col : ... +
+    # shard_numel], its fp32 scales at s[(r*rank_bytes + s_col) / 4 + block]; the chunk is element
+    # range [r*shard_numel, (r+1)*shard_numel) of the full tensor, whose tail beyond `numel` is padding.
+    pid = tl.program_id(0).to(tl.int64)
+    rank = tl.program_id(1).to(tl.int64)
+    k = pid * BLOCK + tl.arange(0, BLOCK)
+    dst = rank * shard_numel + k
+    mask = (k < shard_numel) & (dst < numel)
+    q = tl.load(q_ptr + rank * rank_bytes + q_col + k, mask=mask, other=0).to(tl.float32)
+    s = tl.load(s_ptr + (rank * rank_bytes + s_col) // 4 + pid)
+    tl.store(dst_ptr + dst, (q * s).to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+QUANT_BLOCK, QUANT_WARPS = 256, 2
+
+
+def launch_quantize(src, q, s, padded: int, q_offset: int, s_offset: int) -> None:
+    if padded == 0:
+        return
+    grid = (triton.cdiv(padded, QUANT_BLOCK),)
+    _quantize_kernel[grid](src if src.numel() else s, q, s, src.numel(), padded, q_offset, s_offset,
+                           BLOCK=QUANT_BLOCK, num_warps=QUANT_WARPS)
+
+
+def launch_dequantize(q, s, dst, world_size: int, rank_bytes: int, q_col: int, s_col: int, shard_numel: int) -> None:
+    if shard_numel == 0 or dst.numel() == 0:
+        return
+    grid = (triton.cdiv(shard_numel, QUANT_BLOCK), world_size)
+    _dequantize_kernel[grid](q, s, dst, rank_bytes, q_col, s_col, shard_numel, dst.numel(),
+                             BLOCK=QUANT_BLOCK, num_warps=QUANT_WARPS)
