@@ -7,7 +7,8 @@ slice, so the run is the same as single-process training on the global batch. Ea
 the loss, tokens/s, each rank's resident model-state bytes beside the ZeRO paper's formula for the
 stage, and the step's communication volume beside the paper's 2Ψ (stages 0-2) / 3Ψ (stage 3), and
 the bytes each rank sent per collective kind. With ``--gather-quantization int8`` (ZeRO++'s qwZ) the
-all-gathers move bytes (int8 values and fp32 scales), so their part of the Ψ multiple counts bytes.
+all-gathers move bytes (int8 values and fp32 scales), so their part of the Ψ multiple counts bytes;
+likewise the reduce-scatters with ``--reduce-quantization int8`` (qgZ).
 """
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ def main() -> None:
                    help="auto: Inductor on CUDA, eager on CPU")
     p.add_argument("--gather-quantization", choices=["int8"], default=None,
                    help="all-gather parameters as block-wise int8 + fp32 scales (ZeRO++ qwZ); default: unquantized")
+    p.add_argument("--reduce-quantization", choices=["int8"], default=None,
+                   help="reduce-scatter gradients as an all-to-all of int8 blocks + fp32 scales, summed in fp32 "
+                        "(ZeRO++ qgZ, one hop); default: unquantized")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -80,7 +84,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     model = zerograph.compile(model, stage=args.stage, config=zerograph.Config(
-        lowering=args.lowering, gather_quantization=args.gather_quantization))
+        lowering=args.lowering, gather_quantization=args.gather_quantization,
+        reduce_quantization=args.reduce_quantization))
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the world size {world}")

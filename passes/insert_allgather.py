@@ -117,7 +117,7 @@ def _quantized_gather_fn(layouts: list[ParamLayout], world_size: int, group_name
     chunk_rows = [layout.chunk_rows for layout in layouts]
 
     def gather(*shards: torch.Tensor) -> list[torch.Tensor]:
-        send = PACK_QUANTIZED(list(shards), chunk_rows, dtype, BLOCK)  # (rank_bytes,) uint8
+        send = PACK_QUANTIZED(list(shards), chunk_rows, 1, dtype, BLOCK)  # (rank_bytes,) uint8
         gathered = funcol.wait_tensor(funcol.all_gather_into_tensor(send, world_size, group_name))
         flat = UNPACK_DEQUANTIZED(gathered, world_size, chunk_rows, [layout.shape[0] for layout in layouts],
                                   [layout.row_numel for layout in layouts], dtype, BLOCK)  # (sum numel,)

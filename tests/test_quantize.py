@@ -128,7 +128,7 @@ def test_quantize_reference_is_symmetric_absmax_int8() -> None:
 
 def test_ops_trace_to_one_node_each_with_the_wire_shapes() -> None:
     shards = [torch.randn(150, 512), torch.randn(150)]
-    send = make_fx(lambda a, b: PACK_QUANTIZED([a, b], [150, 150], torch.bfloat16, BLOCK), tracing_mode="fake")(*shards)
+    send = make_fx(lambda a, b: PACK_QUANTIZED([a, b], [150, 150], 1, torch.bfloat16, BLOCK), tracing_mode="fake")(*shards)
     (node,) = [n for n in send.graph.nodes if n.op == "call_function"]
     layout = wire_layout([150 * 512, 150], 2)
     assert node.meta["val"].dtype == torch.uint8 and node.meta["val"].shape == (layout.rank_bytes,)
@@ -141,27 +141,37 @@ def test_ops_trace_to_one_node_each_with_the_wire_shapes() -> None:
         UNPACK_DEQUANTIZED(gathered[:-4], 2, [150, 150], [300, 300], [512, 1], torch.bfloat16, BLOCK)
 
 
+@pytest.mark.parametrize("field", ["gather_quantization", "reduce_quantization"])
 @pytest.mark.parametrize("value", ["int4", "fp8", True, "INT8"])
-def test_config_rejects_unknown_quantization(value: object) -> None:
-    with pytest.raises(ConfigError, match=r"gather_quantization must be one of \(None, 'int8'\)"):
-        zerograph.Config(gather_quantization=value)
-    assert zerograph.Config(gather_quantization="int8").gather_quantization == "int8"
-    assert zerograph.Config().gather_quantization is None
+def test_config_rejects_unknown_quantization(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=rf"{field} must be one of \(None, 'int8'\)"):
+        zerograph.Config(**{field: value})
+    assert getattr(zerograph.Config(**{field: "int8"}), field) == "int8"
+    assert getattr(zerograph.Config(), field) is None
 
 
 # ------------------------------------------------------------- accounting: one rank of a fake world
 
-def one_step_stats(rank: int, world: int, quantization: str | None, param_dtype: torch.dtype | None) -> dict:
+def one_step_stats(rank: int, world: int, quantization: str | None, param_dtype: torch.dtype | None,
+                   reduce_quantization: str | None = None) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 300), nn.Linear(300, 2))  # shards: 150 x 512 (quantized), 150 (raw), ...
     model = zerograph.compile(model, stage=3, config=zerograph.Config(
-        gather_quantization=quantization, param_dtype=param_dtype, reduce_dtype=torch.float32))
+        gather_quantization=quantization, reduce_quantization=reduce_quantization, param_dtype=param_dtype,
+        reduce_dtype=torch.float32))
     model(torch.randn(4, 512)).sum().backward()
     record = graphs_of(model)[0]
     gathers = [n for n in record["forward"].graph.nodes if COLLECTIVE_KINDS.get(n.target) == "all_gather"]
+    reductions = [n for n in record["backward"].graph.nodes if COLLECTIVE_KINDS.get(n.target) == "reduce_scatter"]
     return {"stats": zerograph.stats(model), "gather_dtypes": [str(n.meta["val"].dtype) for n in gathers],
-            "reduce_dtypes": [str(n.args[0].meta["val"].dtype) for n in record["backward"].graph.nodes
-                              if COLLECTIVE_KINDS.get(n.target) == "reduce_scatter"]}
+            "reduce_dtypes": [str(n.args[0].meta["val"].dtype) for n in reductions],
+            "reduce_ops": [str(n.target) for n in reductions]}
+
+
+def wire_bytes(shard_numel: int, raw_numel: int, itemsize: int) -> int:
+    """One rank's quantized buffer of a quantized shard and a raw one, 4-byte aligned sections."""
+    raw = -(-raw_numel * itemsize // 4) * 4
+    return raw + 4 * -(-shard_numel // BLOCK) + -(-shard_numel // 4) * 4
 
 
 @pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
@@ -175,11 +185,7 @@ def test_stats_count_the_bytes_on_the_wire(param_dtype: torch.dtype | None) -> N
     quant = run_as_rank(one_step_stats, world, "int8", param_dtype)
     assert set(quant["gather_dtypes"]) == {"torch.uint8"} and set(quant["reduce_dtypes"]) == {"torch.float32"}
 
-    def wire(shard_numel: int, raw_numel: int) -> int:  # one rank's send buffer, 4-byte aligned sections
-        raw = -(-raw_numel * itemsize // 4) * 4
-        return raw + 4 * -(-shard_numel // BLOCK) + -(-shard_numel // 4) * 4
-
-    gathered = {1: world * wire(150 * 512, 150), 2: world * wire(1 * 300, 1)}  # unit -> bytes per gather
+    gathered = {1: world * wire_bytes(150 * 512, 150, itemsize), 2: world * wire_bytes(1 * 300, 1, itemsize)}
     full = {1: (300 * 512 + 300) * itemsize, 2: (2 * 300 + 2) * itemsize}
     # unit 1 is gathered in forward only (its backward needs no weight: the input wants no
     # gradient), unit 2 in forward and again in backward
@@ -189,6 +195,23 @@ def test_stats_count_the_bytes_on_the_wire(param_dtype: torch.dtype | None) -> N
     ratio = quant["stats"].comm_bytes["all_gather"] / plain["stats"].comm_bytes["all_gather"]
     assert ratio == pytest.approx(0.25 if param_dtype is None else 0.5, abs=0.01)
     assert quant["stats"].comm_bytes["reduce_scatter"] == plain["stats"].comm_bytes["reduce_scatter"]
+
+
+def test_quantized_reductions_count_the_bytes_on_the_wire() -> None:
+    """qgZ at stage 3, N = 2: each unit's reduction is one all-to-all of N quantized chunks (each
+    a rank's rows of every gradient: int8 + fp32 scales, sub-block shards raw in fp32); a rank
+    sends (N-1)/N of it. The all-gathers are untouched."""
+    world = 2
+    plain = run_as_rank(one_step_stats, world, None, None)
+    quant = run_as_rank(one_step_stats, world, None, None, "int8")
+    assert quant["reduce_ops"] == ["_c10d_functional.all_to_all_single.default"] * 2
+    assert set(quant["reduce_dtypes"]) == {"torch.uint8"}
+    sent = world * (wire_bytes(150 * 512, 150, 4) + wire_bytes(300, 1, 4)) * (world - 1) // world
+    assert quant["stats"].comm_bytes["reduce_scatter"] == sent
+    assert plain["stats"].comm_bytes["reduce_scatter"] == (300 * 512 + 300 + 600 + 2) * 4 * (world - 1) // world
+    assert quant["stats"].comm_bytes["reduce_scatter"] / plain["stats"].comm_bytes["reduce_scatter"] == pytest.approx(
+        0.25, abs=0.01)
+    assert quant["stats"].comm_bytes["all_gather"] == plain["stats"].comm_bytes["all_gather"]
 
 
 # ------------------------------------------------------------------------ training, 2 gloo ranks
@@ -205,15 +228,20 @@ def runs() -> dict:
     return out
 
 
+def case_id(case) -> str:
+    name, stage, gather, reduce = case
+    return f"{name}-stage{stage}" + (f"-gather_{gather}" if gather else "") + (f"-reduce_{reduce}" if reduce else "")
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", [c for c in CASES if c[2] == "int8"], ids=lambda c: f"{c[0]}-stage{c[1]}")
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] or c[3]], ids=case_id)
 def test_quantized_training_matches_the_emulation(runs, case) -> None:
-    name, _, _ = case
-    result, emulated = runs[case], emulated_training(name, 2)
-    plain = plain_first_grads(name)  # the tolerance below tells quantized weights from exact ones
+    name, _, gather, reduce = case
+    result, emulated = runs[case], emulated_training(name, 2, gather is not None, reduce is not None)
+    plain = plain_first_grads(name)  # the tolerance below tells quantized arithmetic from exact
     assert max((g - plain[n]).norm() / g.norm() for n, g in emulated["first_grads"].items()) > 100 * RTOL
     assert result["losses"][0] == pytest.approx(emulated["losses"][0], rel=RTOL, abs=ATOL)
-    for pname, grad in emulated["first_grads"].items():  # exact reduction at the dequantized weights
+    for pname, grad in emulated["first_grads"].items():  # the same reduction, of the same gradients
         torch.testing.assert_close(result["first_grads"][pname], grad, rtol=RTOL, atol=ATOL, msg=pname)
     assert result["losses"] == pytest.approx(emulated["losses"], rel=LATER_RTOL)
     for pname, p in emulated["params"].items():  # master weights: exact AdamW on those gradients
@@ -222,13 +250,16 @@ def test_quantized_training_matches_the_emulation(runs, case) -> None:
 
 @pytest.mark.distributed
 def test_quantized_losses_within_tolerance_of_unquantized(runs) -> None:
-    plain, quant = runs["gpt", 3, None], runs["gpt", 3, "int8"]
-    assert quant["losses"] == pytest.approx(plain["losses"], rel=VS_UNQUANTIZED_RTOL)
-    assert quant["losses"] != plain["losses"]  # the weights really went through int8
-    sent_plain, sent_quant = plain["stats"].comm_bytes, quant["stats"].comm_bytes
-    assert sent_quant["reduce_scatter"] == sent_plain["reduce_scatter"] > 0
+    plain, gathers, reductions = runs["gpt", 3, None, None], runs["gpt", 3, "int8", None], runs["gpt", 3, None, "int8"]
+    sent_plain = plain["stats"].comm_bytes
+    for quant in (gathers, reductions):
+        assert quant["losses"] == pytest.approx(plain["losses"], rel=VS_UNQUANTIZED_RTOL)
+        assert quant["losses"] != plain["losses"]  # the values really went through int8
     # the tiny GPT (width 16) has many sub-block shards that travel raw: measured 0.34
-    assert 0.25 < sent_quant["all_gather"] / sent_plain["all_gather"] < 0.4
+    assert gathers["stats"].comm_bytes["reduce_scatter"] == sent_plain["reduce_scatter"] > 0
+    assert 0.25 < gathers["stats"].comm_bytes["all_gather"] / sent_plain["all_gather"] < 0.4
+    assert reductions["stats"].comm_bytes["all_gather"] == sent_plain["all_gather"] > 0
+    assert 0.25 < reductions["stats"].comm_bytes["reduce_scatter"] / sent_plain["reduce_scatter"] < 0.4
 
 
 # ---------------------------------------------------- Triton (interpreter) vs references, subprocesses
@@ -250,10 +281,14 @@ def check_quantize_triton() -> None:
 
     assert isinstance(_triton_kernels._quantize_kernel, InterpretedFunction)
     shards = [torch.randn(150, 512), torch.randn(150)]
-    want_op = PACK_QUANTIZED(shards, [150, 150], torch.float32, BLOCK)  # the CPU kernel: the reference
+    # qgZ's copy-in: bf16 gradients, 3 destination chunks of 100 rows, the raw ones sent in fp32
+    grads = [torch.randn(299, 512).bfloat16(), torch.randn(299).bfloat16()]
+    want_ops = [PACK_QUANTIZED(shards, [150, 150], 1, torch.float32, BLOCK),  # the CPU kernel: the reference
+                PACK_QUANTIZED(grads, [100, 100], 3, torch.float32, BLOCK)]
     reference = qmod.pack_quantized_reference
     _refuse(qmod, "pack_quantized_reference")  # from here on, a fallback to it fails
-    assert torch.equal(qmod._pack_quantized_cuda(shards, [150, 150], torch.float32, BLOCK), want_op)
+    assert torch.equal(qmod._pack_quantized_cuda(shards, [150, 150], 1, torch.float32, BLOCK), want_ops[0])
+    assert torch.equal(qmod._pack_quantized_cuda(grads, [100, 100], 3, torch.float32, BLOCK), want_ops[1])
     for dtype in FLOATS:
         for world in (1, 2, 3, 5):
             params = sample_params(dtype) + [torch.randn(13, 40).to(dtype).t()]  # non-contiguous
@@ -276,7 +311,7 @@ def check_dequantize_triton() -> None:
 
     assert isinstance(_triton_kernels._dequantize_kernel, InterpretedFunction)
     args = ([150, 150], [300, 300], [512, 1], torch.float32, BLOCK)
-    gathered = torch.cat([PACK_QUANTIZED([torch.randn(150, 512), torch.randn(150)], [150, 150], torch.float32, BLOCK)
+    gathered = torch.cat([PACK_QUANTIZED([torch.randn(150, 512), torch.randn(150)], [150, 150], 1, torch.float32, BLOCK)
                           for _ in range(2)])
     want_op = UNPACK_DEQUANTIZED(gathered, 2, *args)  # the CPU kernel: the reference
     reference = qmod.unpack_dequantized_reference
@@ -299,7 +334,37 @@ def check_dequantize_triton() -> None:
     print("ok dequantize_triton")
 
 
-CHECKS = {"quantize_triton": check_quantize_triton, "dequantize_triton": check_dequantize_triton}
+def check_dequantize_sum_triton() -> None:
+    """dequantize_sum (Triton) vs its reference: bitwise (fp32 sums in rank order, raw chunks of
+    each dtype included), and the op's CUDA kernel path vs its CPU one."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from zerograph.kernels import _triton_kernels
+    from zerograph.kernels import quantize as qmod
+
+    assert isinstance(_triton_kernels._dequantize_sum_kernel, InterpretedFunction)
+    args = ([100, 100], [512, 1], torch.float32, BLOCK)
+    received = torch.cat([PACK_QUANTIZED([torch.randn(100, 512), torch.randn(100)], [100, 100], 1, torch.float32,
+                                         BLOCK) for _ in range(3)])
+    want_op = qmod.DEQUANTIZE_SUM(received, 3, *args)  # the CPU kernel: the reference
+    reference = qmod.dequantize_sum_reference
+    _refuse(qmod, "dequantize_sum_reference")
+    assert torch.equal(qmod._dequantize_sum_cuda(received, 3, *args), want_op)
+    for dtype in FLOATS:
+        for world in (1, 2, 3, 5):
+            params = sample_params(dtype)
+            per_rank, numels = shards_of(params, world)  # as if each rank sent this rank its chunk
+            layout = wire_layout(numels, dtype.itemsize)
+            received = torch.cat([pack_quantized_reference(s, layout, dtype) for s in per_rank])
+            total = sum(numels)
+            got = qmod.dequantize_sum(received, world, layout, dtype, torch.full((total,), 7.0))
+            want = reference(received, world, layout, dtype, torch.empty(total))
+            assert torch.equal(got, want), (dtype, world)
+    print("ok dequantize_sum_triton")
+
+
+CHECKS = {"quantize_triton": check_quantize_triton, "dequantize_triton": check_dequantize_triton,
+          "dequantize_sum_triton": check_dequantize_sum_triton}
 
 
 @pytest.mark.slow

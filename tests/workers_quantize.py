@@ -57,24 +57,41 @@ def batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return global_batch(name, step, BATCH)
 
 
+def roundtrip(piece: torch.Tensor, shard_numel: int) -> torch.Tensor:
+    """``piece`` (one rank's row chunk, flattened, maybe short) through int8 and back, as the
+    kernels do with a padded shard of ``shard_numel`` elements; unchanged below one block."""
+    if shard_numel < BLOCK:
+        return piece.clone()
+    q, scales = quantize_reference(piece, shard_numel)
+    q = torch.nn.functional.pad(q.float(), [0, scales.numel() * BLOCK - shard_numel])
+    return (q.view(-1, BLOCK) * scales[:, None]).view(-1)[: piece.numel()]
+
+
+def _chunks(p: torch.Tensor, world_size: int) -> tuple[list[torch.Tensor], int]:
+    chunk = -(-p.shape[0] // world_size)
+    return [p[r * chunk : (r + 1) * chunk].reshape(-1) for r in range(world_size)], chunk * math.prod(p.shape[1:])
+
+
 def dequantized(p: torch.Tensor, world_size: int) -> torch.Tensor:
     """What the quantized all-gather hands forward for parameter ``p`` (full fp32 tensor)."""
-    rows = p.shape[0]
-    chunk = -(-rows // world_size)
-    row_numel = math.prod(p.shape[1:])
-    shard_numel = chunk * row_numel
-    if shard_numel < BLOCK:
-        return p.clone()  # small shards travel unquantized
-    pieces = []
-    for r in range(world_size):
-        piece = p[r * chunk : (r + 1) * chunk].reshape(-1)  # may be short or empty
-        q, scales = quantize_reference(piece, shard_numel)
-        q = torch.nn.functional.pad(q.float(), [0, scales.numel() * BLOCK - shard_numel])
-        pieces.append((q.view(-1, BLOCK) * scales[:, None]).view(-1)[: piece.numel()])
-    return torch.cat(pieces).view(p.shape)
+    pieces, shard_numel = _chunks(p, world_size)
+    return torch.cat([roundtrip(piece, shard_numel) for piece in pieces]).view(p.shape)
 
 
-def emulated_training(name: str, world_size: int) -> dict:
+def reduced(grads: list[torch.Tensor], world_size: int) -> torch.Tensor:
+    """What the quantized reduce-scatter hands each rank, all ranks' shards together: per
+    destination chunk, the fp32 sum in rank order of every rank's dequantized chunk, over N."""
+    per_source = [_chunks(g, world_size) for g in grads]  # [(chunks, shard_numel)] per source rank
+    out = []
+    for d in range(world_size):
+        total = torch.zeros_like(per_source[0][0][d])
+        for chunks, shard_numel in per_source:
+            total = total + roundtrip(chunks[d], shard_numel)
+        out.append(total / world_size)
+    return torch.cat(out).view(grads[0].shape)
+
+
+def emulated_training(name: str, world_size: int, gather: bool, reduce: bool) -> dict:
     master = build(name)
     compute = build(name)
     opt = torch.optim.AdamW(master.parameters(), lr=LR)
@@ -82,16 +99,22 @@ def emulated_training(name: str, world_size: int) -> dict:
     for step in range(STEPS):
         with torch.no_grad():
             for p, c in zip(master.parameters(), compute.parameters()):
-                c.copy_(dequantized(p, world_size))
-        loss = compute(*batch(name, step))
-        loss.backward()
-        for p, c in zip(master.parameters(), compute.parameters()):
-            p.grad, c.grad = c.grad, None
+                c.copy_(dequantized(p, world_size) if gather else p)
+        per_rank, rank_losses = [], []
+        for r in range(world_size):  # each rank's gradient of its own slice
+            loss = compute(*rank_slice(batch(name, step), r, world_size))
+            loss.backward()
+            per_rank.append([c.grad for c in compute.parameters()])
+            rank_losses.append(loss.item())
+            compute.zero_grad(set_to_none=True)
+        for i, p in enumerate(master.parameters()):
+            grads = [g[i] for g in per_rank]
+            p.grad = reduced(grads, world_size) if reduce else sum(grads[1:], grads[0]) / world_size
         if step == 0:
             first_grads = {n: p.grad.clone() for n, p in master.named_parameters()}
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(sum(rank_losses) / world_size)
     return {"losses": losses, "first_grads": first_grads,
             "params": {n: p.detach().clone() for n, p in master.named_parameters()}}
 
@@ -103,9 +126,10 @@ def plain_first_grads(name: str) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def train(rank: int, world_size: int, name: str, stage: int, quantization: str | None) -> dict:
+def train(rank: int, world_size: int, name: str, stage: int, gather: str | None, reduce: str | None) -> dict:
     torch._dynamo.reset()
-    model = zerograph.compile(build(name), stage=stage, config=zerograph.Config(gather_quantization=quantization))
+    config = zerograph.Config(gather_quantization=gather, reduce_quantization=reduce)
+    model = zerograph.compile(build(name), stage=stage, config=config)
     seen: dict = {}
 
     def after_backward(step: int, opt: torch.optim.Optimizer) -> None:
@@ -119,7 +143,9 @@ def train(rank: int, world_size: int, name: str, stage: int, quantization: str |
             "params": {n: p.full_tensor().clone() for n, p in model.named_parameters()}}
 
 
-CASES = (("gpt", 3, None), ("gpt", 3, "int8"), ("gpt", 1, "int8"), ("mlp_break_big", 3, "int8"))
+# (model, stage, gather_quantization, reduce_quantization)
+CASES = (("gpt", 3, None, None), ("gpt", 3, "int8", None), ("gpt", 1, "int8", None), ("mlp_break_big", 3, "int8", None),
+         ("gpt", 3, None, "int8"), ("gpt", 2, "int8", "int8"), ("mlp_break_big", 3, None, "int8"))
 
 
 def quantize_runs(rank: int, world_size: int) -> dict:
@@ -133,4 +159,4 @@ def quantize_runs(rank: int, world_size: int) -> dict:
     return out
 
 
-__all__ = ["CASES", "QMAX", "STEPS", "dequantized", "emulated_training", "plain_first_grads", "quantize_runs"]
+__all__ = ["CASES", "QMAX", "STEPS", "dequantized", "reduced", "emulated_training", "plain_first_grads", "quantize_runs"]

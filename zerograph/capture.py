@@ -84,7 +84,8 @@ class ZeroGraphBackend:
                            activations=dataclasses.replace(config.activations, group=None),
                            activation_group=config.activations.group_for_passes(),
                            buffer_pool=_pool_for(self.lowering, runtime),
-                           gather_quantization=config.gather_quantization)
+                           gather_quantization=config.gather_quantization,
+                           reduce_quantization=config.reduce_quantization)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         check_no_parameter_writes(gm.graph, self.runtime.layouts)

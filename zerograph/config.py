@@ -88,6 +88,13 @@ class Config:
             A forward approximation: gradients are reduced at full precision and the master
             shards stay exact. Shards of fewer than 256 elements (norms, biases) and parameters
             that are not fp32/bf16/fp16 are gathered unquantized (``zerograph.kernels.quantize``).
+        reduce_quantization: ``None`` (default) reduce-scatters gradients in ``reduce_dtype``;
+            ``"int8"`` (ZeRO++'s qgZ, section 3.3, in one hop): each rank quantizes every other
+            rank's chunk of its full gradients by blocks (int8 + one fp32 scale per 256
+            elements), one all-to-all exchanges them, and each rank dequantizes the N chunks of
+            its own shard and sums them in fp32. About a quarter of the bytes of an fp32
+            reduce-scatter. Stages 1-3 (stage 0's all-reduce is left alone); small shards and
+            non-float gradients as for ``gather_quantization``.
 
     Raises:
         ConfigError: a field of the wrong type or range, an unknown keyword, a policy given both
@@ -104,13 +111,15 @@ class Config:
     memory: MemoryPolicy = MemoryPolicy()
     activations: ActivationPolicy = ActivationPolicy()
     gather_quantization: str | None = None
+    reduce_quantization: str | None = None
 
     def __init__(self, *, unit_classes: tuple[type[nn.Module], ...] | None = None,
                  lowering: Literal["auto", "eager", "inductor"] = "auto", timeout_s: float = 300.0,
                  dump_dir: str | None = None, disabled_passes: tuple[str, ...] = (),
                  mixed_precision: MixedPrecisionPolicy | None = None, schedule: SchedulePolicy | None = None,
                  memory: MemoryPolicy | None = None, activations: ActivationPolicy | None = None,
-                 gather_quantization: str | None = None, **flat: Any) -> None:
+                 gather_quantization: str | None = None, reduce_quantization: str | None = None,
+                 **flat: Any) -> None:
         given = {"mixed_precision": mixed_precision, "schedule": schedule, "memory": memory,
                  "activations": activations}
         for name, value in flat.items():
@@ -129,14 +138,16 @@ class Config:
             object.__setattr__(self, policy, value)
         for name, value in (("unit_classes", unit_classes), ("lowering", lowering), ("timeout_s", timeout_s),
                             ("dump_dir", dump_dir), ("disabled_passes", disabled_passes),
-                            ("gather_quantization", gather_quantization)):
+                            ("gather_quantization", gather_quantization),
+                            ("reduce_quantization", reduce_quantization)):
             object.__setattr__(self, name, value)
         self._check()
 
     def _check(self) -> None:
-        if self.gather_quantization is not None and self.gather_quantization not in GATHER_QUANTIZATIONS:
-            raise ConfigError(f"Config.gather_quantization must be one of {(None, *GATHER_QUANTIZATIONS)}, "
-                              f"got {self.gather_quantization!r}")
+        for field in ("gather_quantization", "reduce_quantization"):
+            value = getattr(self, field)
+            if value is not None and value not in GATHER_QUANTIZATIONS:
+                raise ConfigError(f"Config.{field} must be one of {(None, *GATHER_QUANTIZATIONS)}, got {value!r}")
         if self.lowering not in LOWERINGS:
             raise ConfigError(f"Config.lowering must be one of {LOWERINGS}, got {self.lowering!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:

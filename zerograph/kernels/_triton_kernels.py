@@ -159,3 +159,56 @@ def launch_dequantize(q, s, dst, world_size: int, rank_bytes: int, q_col: int, s
     grid = (triton.cdiv(shard_numel, QUANT_BLOCK), world_size)
     _dequantize_kernel[grid](q, s, dst, rank_bytes, q_col, s_col, shard_numel, dst.numel(),
                              BLOCK=QUANT_BLOCK, num_warps=QUANT_WARPS)
+
+
+# ------------------------------------------------------ block-wise int8 reduction (qgZ reduce-scatters)
+
+@triton.jit
+def _dequantize_sum_kernel(q_ptr, s_ptr, dst_ptr, world_size, rank_bytes, q_col, s_col, dst_offset, shard_numel,
+                           BLOCK: tl.constexpr):
+    # One parameter, block `pid` of this rank's shard: the sum over source ranks r (in rank order,
+    # in fp32) of q_r * scale_r, rank r's int8 chunk at q[r*rank_bytes + q_col ...], its scales at
+    # s[(r*rank_bytes + s_col) / 4 + block].
+    pid = tl.program_id(0).to(tl.int64)
+    k = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = k < shard_numel
+    q_off = q_col + k
+    s_off = s_col // 4 + pid
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for _ in range(0, world_size):
+        q = tl.load(q_ptr + q_off, mask=mask, other=0).to(tl.float32)
+        acc += q * tl.load(s_ptr + s_off)
+        q_off += rank_bytes
+        s_off += rank_bytes // 4
+    tl.store(dst_ptr + dst_offset + k, acc, mask=mask)
+
+
+@triton.jit
+def _sum_raw_kernel(src_ptr, dst_ptr, world_size, rank_stride, col, dst_offset, shard_numel, BLOCK: tl.constexpr):
+    # One raw (unquantized) parameter: the fp32 sum over source ranks of src[r*rank_stride + col + k].
+    pid = tl.program_id(0).to(tl.int64)
+    k = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = k < shard_numel
+    off = col + k
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for _ in range(0, world_size):
+        acc += tl.load(src_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        off += rank_stride
+    tl.store(dst_ptr + dst_offset + k, acc, mask=mask)
+
+
+def launch_dequantize_sum(q, s, dst, world_size: int, rank_bytes: int, q_col: int, s_col: int, dst_offset: int,
+                          shard_numel: int) -> None:
+    if shard_numel == 0:
+        return
+    grid = (triton.cdiv(shard_numel, QUANT_BLOCK),)
+    _dequantize_sum_kernel[grid](q, s, dst, world_size, rank_bytes, q_col, s_col, dst_offset, shard_numel,
+                                 BLOCK=QUANT_BLOCK, num_warps=QUANT_WARPS)
+
+
+def launch_sum_raw(src, dst, world_size: int, rank_stride: int, col: int, dst_offset: int, shard_numel: int) -> None:
+    if shard_numel == 0:
+        return
+    grid = (triton.cdiv(shard_numel, COPY_BLOCK),)
+    _sum_raw_kernel[grid](src, dst, world_size, rank_stride, col, dst_offset, shard_numel,
+                          BLOCK=COPY_BLOCK, num_warps=COPY_WARPS)

@@ -1,4 +1,4 @@
-"""Block-wise int8 all-gathers (ZeRO++'s qwZ): quantize in the copy-in, dequantize in the copy-out.
+"""Block-wise int8 collectives (ZeRO++'s qwZ and qgZ): quantize in the copy-in, dequantize in the copy-out.
 
 Each rank quantizes its own shards independently, so the all-gather moves bytes and every rank's
 chunk of the gathered buffer carries its own scales. One rank's send buffer (``rank_bytes``
@@ -25,12 +25,18 @@ Functions, each with a plain-torch ``*_reference`` of the same signature (dispat
 * :func:`unpack_dequantized` - the gathered buffer -> full parameters (fused dequantize + unpack:
   one int8 read, one write in ``dtype``; a raw parameter goes through the ``unpack`` kernel).
 
-and the registered operators ``zerograph::pack_quantized`` / ``zerograph::unpack_dequantized``
-that ``passes/insert_allgather.py`` puts in graphs (CPU kernel: the references; CUDA: Triton; fake:
-shapes), with the same argument conventions as ``pack_shards`` / ``unpack_gathered`` (``ops.py``).
+* :func:`dequantize_sum` - a quantized reduce-scatter's received chunks -> their fp32 sum (qgZ:
+  one int8 read per rank and element, fp32 accumulation in registers, one fp32 write).
 
-Source: ZeRO++ (Wang et al., arXiv 2306.10209) section 3.1, quantized weight communication (qwZ):
-block-based symmetric int8 quantization of the weights for the forward all-gather.
+and the registered operators ``zerograph::pack_quantized`` / ``zerograph::unpack_dequantized``
+that ``passes/insert_allgather.py`` puts in graphs, and ``zerograph::pack_quantized`` (one
+chunk per destination rank) / ``zerograph::dequantize_sum`` that ``passes/insert_reduce_scatter.py``
+puts around an all-to-all (CPU kernel: the references; CUDA: Triton; fake: shapes), with the same
+argument conventions as ``pack_shards`` / ``unpack_gathered`` (``ops.py``).
+
+Source: ZeRO++ (Wang et al., arXiv 2306.10209) sections 3.1 (qwZ, block-based symmetric int8
+quantization of the weights for the forward all-gather) and 3.3 (qgZ, quantized gradients
+exchanged by all-to-all and reduced at full precision; here in one hop, not hierarchically).
 """
 from __future__ import annotations
 
@@ -43,7 +49,8 @@ import torch.nn.functional as F
 
 from ._common import TRITON_FLOAT_DTYPES, check_launchable, same_device, triton_kernels, want_triton
 
-__all__ = ["BLOCK", "GATHER_QUANTIZATIONS", "PACK_QUANTIZED", "UNPACK_DEQUANTIZED", "WireLayout", "pack_quantized",
+__all__ = ["BLOCK", "DEQUANTIZE_SUM", "GATHER_QUANTIZATIONS", "PACK_QUANTIZED", "QUANTIZABLE_DTYPES",
+           "UNPACK_DEQUANTIZED", "WireLayout", "dequantize_sum", "dequantize_sum_reference", "pack_quantized",
            "pack_quantized_reference", "quantizes", "unpack_dequantized", "unpack_dequantized_reference",
            "wire_layout"]
 
@@ -51,6 +58,7 @@ GATHER_QUANTIZATIONS = ("int8",)  # Config.gather_quantization's values besides 
 BLOCK = 256  # elements per quantization block (one fp32 scale each); the Triton kernels' QUANT_BLOCK
 SCALE_BYTES = 4  # fp32 scales
 QMAX = 127.0  # symmetric int8: [-127, 127], -128 unused
+QUANTIZABLE_DTYPES = TRITON_FLOAT_DTYPES  # fp32, bf16, fp16: what the kernels read and write
 
 
 def _align4(nbytes: int) -> int:
@@ -112,7 +120,7 @@ def quantizes(shard_numels: Sequence[int], dtype: torch.dtype, block: int = BLOC
     """Whether a bucket of ``dtype`` shards is worth a quantized all-gather: a float dtype the
     kernels handle (fp32, bf16, fp16) and at least one shard of a block or more. Otherwise the
     all-gather moves ``dtype`` as without quantization (integer, bool, complex, fp64 untouched)."""
-    return dtype in TRITON_FLOAT_DTYPES and any(int(n) >= block for n in shard_numels)
+    return dtype in QUANTIZABLE_DTYPES and any(int(n) >= block for n in shard_numels)
 
 
 # -------------------------------------------------------------------------------------- copy-in
@@ -302,45 +310,59 @@ def _layout_of(shapes_rest: Sequence[int], chunk_rows: Sequence[int], dtype: tor
     return wire_layout([c * n for c, n in zip(chunk_rows, shapes_rest)], dtype.itemsize, block)
 
 
-def _check_op(shards: Sequence[torch.Tensor], chunk_rows: Sequence[int]) -> list[int]:
-    if len(shards) == 0 or len(chunk_rows) != len(shards):
-        raise ValueError(f"pack_quantized: {len(shards)} tensors and {len(chunk_rows)} chunk_rows; "
-                         "pass one chunk_rows per tensor, at least one")
+def _check_op(shards: Sequence[torch.Tensor], chunk_rows: Sequence[int], world_size: int) -> list[int]:
+    if len(shards) == 0 or len(chunk_rows) != len(shards) or world_size < 1:
+        raise ValueError(f"pack_quantized: {len(shards)} tensors, {len(chunk_rows)} chunk_rows, world_size "
+                         f"{world_size}; pass one chunk_rows per tensor, at least one, and world_size >= 1")
     for i, (t, c) in enumerate(zip(shards, chunk_rows)):
-        if t.dim() == 0 or t.shape[0] > c:
+        if t.dim() == 0 or t.shape[0] > world_size * c:
             raise ValueError(f"pack_quantized: tensor {i} has shape {tuple(t.shape)}: want 1-D or more, "
-                             f"at most chunk_rows {c} rows")
+                             f"at most world_size x chunk_rows = {world_size} x {c} rows")
     return [math.prod(t.shape[1:]) for t in shards]
 
 
+def _pieces(shards: Sequence[torch.Tensor], chunk_rows: Sequence[int], world_size: int) -> list[list[torch.Tensor]]:
+    """Per destination rank ``r``, its row chunk ``t[r*c : (r+1)*c]`` of every tensor (views, maybe short or empty)."""
+    return [[t[r * c : (r + 1) * c] for t, c in zip(shards, chunk_rows)] for r in range(world_size)]
+
+
 @torch.library.custom_op("zerograph::pack_quantized", mutates_args=())
-def pack_quantized_op(shards: list[torch.Tensor], chunk_rows: list[int], dtype: torch.dtype,
+def pack_quantized_op(shards: list[torch.Tensor], chunk_rows: list[int], world_size: int, dtype: torch.dtype,
                       block: int) -> torch.Tensor:
-    """This rank's quantized all-gather send buffer: shard ``i`` padded to ``chunk_rows[i]`` rows,
-    quantized by blocks of ``block`` elements or sent raw in ``dtype`` (``wire_layout``).
+    """Quantized send buffers, rank-major: for each ``r < world_size``, the row chunk ``r`` (of
+    ``chunk_rows[i]`` rows, zero-padded) of every tensor, quantized by blocks of ``block`` elements
+    or sent raw in ``dtype`` (``wire_layout``). ``world_size=1``: an all-gather's send buffer (the
+    tensors are this rank's shards); ``N``: an all-to-all's (the tensors are full gradients, chunk
+    ``r`` goes to rank ``r``), as ``zerograph::pack_shards`` lays out plain buffers.
 
     Returns:
-        ``(wire_layout([chunk_rows[i] * row_numel_i], dtype.itemsize, block).rank_bytes,)`` uint8.
+        ``(world_size * wire_layout([chunk_rows[i] * row_numel_i], dtype.itemsize, block).rank_bytes,)`` uint8.
 
     Raises:
-        ValueError: no tensors, a 0-d tensor, more rows than ``chunk_rows``, mismatched lengths.
+        ValueError: no tensors, a 0-d tensor, more rows than ``world_size * chunk_rows``, mismatched lengths.
         TypeError: a tensor that is not fp32/bf16/fp16.
     """
-    layout = _layout_of(_check_op(shards, chunk_rows), chunk_rows, dtype, block)
-    return pack_quantized_reference(shards, layout, dtype)
+    layout = _layout_of(_check_op(shards, chunk_rows, world_size), chunk_rows, dtype, block)
+    out = torch.empty(world_size * layout.rank_bytes, dtype=torch.uint8, device=shards[0].device)
+    for r, pieces in enumerate(_pieces(shards, chunk_rows, world_size)):
+        pack_quantized_reference(pieces, layout, dtype, out=out[r * layout.rank_bytes : (r + 1) * layout.rank_bytes])
+    return out
 
 
 @pack_quantized_op.register_kernel("cuda")
-def _pack_quantized_cuda(shards, chunk_rows, dtype, block):
+def _pack_quantized_cuda(shards, chunk_rows, world_size, dtype, block):
     # Triton for fp32/bf16/fp16; called directly on CPU tensors under TRITON_INTERPRET=1 by the tests.
-    layout = _layout_of(_check_op(shards, chunk_rows), chunk_rows, dtype, block)
-    return pack_quantized(shards, layout, dtype)
+    layout = _layout_of(_check_op(shards, chunk_rows, world_size), chunk_rows, dtype, block)
+    out = torch.empty(world_size * layout.rank_bytes, dtype=torch.uint8, device=shards[0].device)
+    for r, pieces in enumerate(_pieces(shards, chunk_rows, world_size)):
+        pack_quantized(pieces, layout, dtype, out=out[r * layout.rank_bytes : (r + 1) * layout.rank_bytes])
+    return out
 
 
 @pack_quantized_op.register_fake
-def _pack_quantized_fake(shards, chunk_rows, dtype, block):
-    layout = _layout_of(_check_op(shards, chunk_rows), chunk_rows, dtype, block)
-    return shards[0].new_empty(layout.rank_bytes, dtype=torch.uint8)
+def _pack_quantized_fake(shards, chunk_rows, world_size, dtype, block):
+    layout = _layout_of(_check_op(shards, chunk_rows, world_size), chunk_rows, dtype, block)
+    return shards[0].new_empty(world_size * layout.rank_bytes, dtype=torch.uint8)
 
 
 def _unpack_plan(gathered, world_size, chunk_rows, rows, row_numels, dtype, block):
@@ -392,5 +414,128 @@ def _unpack_dequantized_fake(gathered, world_size, chunk_rows, rows, row_numels,
     return out
 
 
+# ---------------------------------------------------------------- reduction (qgZ): dequantize + sum
+
+def dequantize_sum_reference(received: torch.Tensor, world_size: int, layout: WireLayout, dtype: torch.dtype,
+                             out: torch.Tensor) -> torch.Tensor:
+    """Plain-torch :func:`dequantize_sum` (same arguments and result)."""
+    _check_sum(received, world_size, layout, out)
+    by_rank = received.view(world_size, layout.rank_bytes)  # (N sources, rank_bytes)
+    offset = 0
+    for i, n in enumerate(layout.shard_numels):
+        at = layout.offsets[i]
+        if layout.quantized[i]:
+            nblocks, s = layout.blocks(i), layout.scale_offsets[i]
+            q = by_rank[:, at : at + n].view(torch.int8).to(torch.float32)  # (N, shard_numel)
+            scales = by_rank[:, s : s + SCALE_BYTES * nblocks].view(torch.float32)  # (N, blocks)
+            q = F.pad(q, [0, nblocks * layout.block - n]).view(world_size, nblocks, layout.block)
+            parts = (q * scales[:, :, None]).view(world_size, -1)[:, :n]  # (N, shard_numel) fp32
+        else:
+            parts = by_rank[:, at : at + n * layout.itemsize].view(dtype).to(torch.float32)  # (N, shard_numel)
+        total = torch.zeros(n, dtype=torch.float32, device=received.device)
+        for r in range(world_size):  # in rank order, as the kernel adds
+            total = total + parts[r]
+        out[offset : offset + n].copy_(total)
+        offset += n
+    return out
+
+
+def _check_sum(received, world_size: int, layout: WireLayout, out) -> None:
+    if world_size < 1:
+        raise ValueError(f"dequantize_sum: world_size must be >= 1, got {world_size}")
+    if received.dtype != torch.uint8 or received.dim() != 1 or received.numel() != world_size * layout.rank_bytes:
+        raise ValueError(f"dequantize_sum: received must be 1-D uint8 of world_size x {layout.rank_bytes} bytes, "
+                         f"got {received.dtype} {tuple(received.shape)}")
+    total = sum(layout.shard_numels)
+    if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != total:
+        raise ValueError(f"dequantize_sum: out must be 1-D fp32 of {total} elements, got {out.dtype} {tuple(out.shape)}")
+    same_device([received, out], "dequantize_sum")
+
+
+def dequantize_sum(received: torch.Tensor, world_size: int, layout: WireLayout, dtype: torch.dtype,
+                   out: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """Sum, in fp32, the ranks' quantized chunks of this rank's shard (an all-to-all's output).
+
+    Args:
+        received: 1-D uint8 of ``world_size * layout.rank_bytes``: source rank ``r``'s buffer
+            (its chunk ``this rank`` of every gradient, as :func:`pack_quantized` built it) ``r``-th.
+        world_size: ranks N.
+        layout: the buffers' ``WireLayout`` (``shard_numels``: this rank's padded shard of each parameter).
+        dtype: the dtype raw (small) chunks were sent in.
+        out: 1-D fp32 of ``sum(layout.shard_numels)``: parameter ``i``'s padded shard at
+            ``sum(shard_numels[:i])``, the sum over ranks (in rank order) of the dequantized chunks.
+        use_triton: as :func:`zerograph.kernels.pack`'s.
+
+    Returns:
+        ``out``, written.
+
+    Raises:
+        ValueError: sizes that do not match the layout, or tensors on several devices.
+        TypeError: ``use_triton=True`` with a dtype other than fp32/bf16/fp16 or non-contiguous tensors.
+        RuntimeError: Triton forced on CPU tensors without the Triton interpreter.
+    """
+    tensors = [received, out]
+    eligible = dtype in TRITON_FLOAT_DTYPES and all(t.is_contiguous() for t in tensors)
+    if not want_triton(tensors, use_triton, eligible, "dtype must be fp32/bf16/fp16 and tensors contiguous"):
+        return dequantize_sum_reference(received, world_size, layout, dtype, out)
+    _check_sum(received, world_size, layout, out)
+    kernels = triton_kernels()
+    assert layout.block == kernels.QUANT_BLOCK, "the Triton kernels are built for BLOCK-element blocks"
+    check_launchable(kernels._dequantize_sum_kernel, tensors)
+    q, s, raw = received.view(torch.int8), received.view(torch.float32), received.view(dtype)
+    offset = 0
+    for i, n in enumerate(layout.shard_numels):
+        at = layout.offsets[i]
+        if layout.quantized[i]:
+            kernels.launch_dequantize_sum(q, s, out, world_size, layout.rank_bytes, at, layout.scale_offsets[i],
+                                          offset, n)
+        else:
+            kernels.launch_sum_raw(raw, out, world_size, layout.rank_bytes // layout.itemsize, at // layout.itemsize,
+                                   offset, n)
+        offset += n
+    return out
+
+
+@torch.library.custom_op("zerograph::dequantize_sum", mutates_args=())
+def dequantize_sum_op(received: torch.Tensor, world_size: int, chunk_rows: list[int], row_numels: list[int],
+                      dtype: torch.dtype, block: int) -> torch.Tensor:
+    """The quantized reduce-scatter's copy-out (qgZ): ``received`` holds, from each of
+    ``world_size`` ranks in rank order, a ``zerograph::pack_quantized`` chunk of this rank's rows
+    of every gradient; returns their sum in fp32, ``(sum_i chunk_rows[i] * row_numels[i],)``,
+    parameter ``i``'s padded shard after the ones before it (``reduce_scatter_tensor``'s output layout).
+
+    Raises:
+        ValueError: lists of different lengths or empty, or ``received`` not of the layout's size.
+    """
+    layout = _sum_layout(received, world_size, chunk_rows, row_numels, dtype, block)
+    out = received.new_empty(sum(layout.shard_numels), dtype=torch.float32)
+    return dequantize_sum_reference(received, world_size, layout, dtype, out)
+
+
+@dequantize_sum_op.register_kernel("cuda")
+def _dequantize_sum_cuda(received, world_size, chunk_rows, row_numels, dtype, block):
+    layout = _sum_layout(received, world_size, chunk_rows, row_numels, dtype, block)
+    out = received.new_empty(sum(layout.shard_numels), dtype=torch.float32)
+    return dequantize_sum(received, world_size, layout, dtype, out)
+
+
+@dequantize_sum_op.register_fake
+def _dequantize_sum_fake(received, world_size, chunk_rows, row_numels, dtype, block):
+    layout = _sum_layout(received, world_size, chunk_rows, row_numels, dtype, block)
+    return received.new_empty(sum(layout.shard_numels), dtype=torch.float32)
+
+
+def _sum_layout(received, world_size, chunk_rows, row_numels, dtype, block) -> WireLayout:
+    if len(chunk_rows) != len(row_numels) or not row_numels or world_size < 1:
+        raise ValueError(f"dequantize_sum: {len(chunk_rows)} chunk_rows and {len(row_numels)} row_numels, world_size "
+                         f"{world_size}; pass one of each per parameter, at least one")
+    layout = _layout_of(row_numels, chunk_rows, dtype, block)
+    if received.dim() != 1 or received.numel() != world_size * layout.rank_bytes:
+        raise ValueError(f"dequantize_sum: received must be 1-D of world_size x {layout.rank_bytes} bytes, "
+                         f"got {tuple(received.shape)}")
+    return layout
+
+
 PACK_QUANTIZED = torch.ops.zerograph.pack_quantized.default
+DEQUANTIZE_SUM = torch.ops.zerograph.dequantize_sum.default
 UNPACK_DEQUANTIZED = torch.ops.zerograph.unpack_dequantized.default
