@@ -153,6 +153,12 @@ def test_config_rejects_unknown_quantization(field: str, value: object) -> None:
     assert getattr(zerograph.Config(), field) is None
 
 
+@pytest.mark.parametrize("field", ["gather_quantization", "reduce_quantization"])
+def test_compile_refuses_quantization_at_stage_0(field: str) -> None:
+    with pytest.raises(ConfigError, match="stages 1-3"):
+        zerograph.compile(nn.Linear(4, 4), stage=0, config=zerograph.Config(**{field: "int8"}))
+
+
 # ------------------------------------------------------------- accounting: one rank of a fake world
 
 def one_step_stats(rank: int, world: int, quantization: str | None, param_dtype: torch.dtype | None,

@@ -21,7 +21,7 @@ from torch import nn
 
 from .costmodel import CostModel
 from .errors import ConfigError
-from .kernels.quantize import GATHER_QUANTIZATIONS
+from .kernels.quantize import QUANTIZATIONS
 from .passes.manager import check_disabled_passes
 from .policies import ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, SchedulePolicy, check_module_classes
 
@@ -93,8 +93,8 @@ class Config:
             rank's chunk of its full gradients by blocks (int8 + one fp32 scale per 256
             elements), one all-to-all exchanges them, and each rank dequantizes the N chunks of
             its own shard and sums them in fp32. About a quarter of the bytes of an fp32
-            reduce-scatter. Stages 1-3 (stage 0's all-reduce is left alone); small shards and
-            non-float gradients as for ``gather_quantization``.
+            reduce-scatter. Small shards and non-float gradients as for ``gather_quantization``.
+            Both options are for stages 1-3: ``zerograph.compile`` refuses them at stage 0.
 
     Raises:
         ConfigError: a field of the wrong type or range, an unknown keyword, a policy given both
@@ -146,8 +146,8 @@ class Config:
     def _check(self) -> None:
         for field in ("gather_quantization", "reduce_quantization"):
             value = getattr(self, field)
-            if value is not None and value not in GATHER_QUANTIZATIONS:
-                raise ConfigError(f"Config.{field} must be one of {(None, *GATHER_QUANTIZATIONS)}, got {value!r}")
+            if value is not None and value not in QUANTIZATIONS:
+                raise ConfigError(f"Config.{field} must be one of {(None, *QUANTIZATIONS)}, got {value!r}")
         if self.lowering not in LOWERINGS:
             raise ConfigError(f"Config.lowering must be one of {LOWERINGS}, got {self.lowering!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:

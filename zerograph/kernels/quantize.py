@@ -1,8 +1,10 @@
 """Block-wise int8 collectives (ZeRO++'s qwZ and qgZ): quantize in the copy-in, dequantize in the copy-out.
 
 Each rank quantizes its own shards independently, so the all-gather moves bytes and every rank's
-chunk of the gathered buffer carries its own scales. One rank's send buffer (``rank_bytes``
-bytes, a multiple of 4; the gathered buffer is ``world_size`` of them, rank-major)::
+chunk of the gathered buffer carries its own scales. For a reduce-scatter (qgZ) each rank builds
+one such buffer per destination rank (its rows of every gradient) and an all-to-all exchanges
+them. One buffer (``rank_bytes`` bytes, a multiple of 4; the gathered or received buffer is
+``world_size`` of them, rank-major)::
 
     [ raw: small shards in `dtype` | pad to 4 | scales: fp32, one per block | int8 payload | pad to 4 ]
 
@@ -23,8 +25,7 @@ Functions, each with a plain-torch ``*_reference`` of the same signature (dispat
 * :func:`pack_quantized` - this rank's shards -> its send buffer (fused pad + cast/quantize: one
   read of each element, one int8 write; a raw shard goes through the ``pack`` kernel);
 * :func:`unpack_dequantized` - the gathered buffer -> full parameters (fused dequantize + unpack:
-  one int8 read, one write in ``dtype``; a raw parameter goes through the ``unpack`` kernel).
-
+  one int8 read, one write in ``dtype``; a raw parameter goes through the ``unpack`` kernel);
 * :func:`dequantize_sum` - a quantized reduce-scatter's received chunks -> their fp32 sum (qgZ:
   one int8 read per rank and element, fp32 accumulation in registers, one fp32 write).
 
@@ -49,12 +50,12 @@ import torch.nn.functional as F
 
 from ._common import TRITON_FLOAT_DTYPES, check_launchable, same_device, triton_kernels, want_triton
 
-__all__ = ["BLOCK", "DEQUANTIZE_SUM", "GATHER_QUANTIZATIONS", "PACK_QUANTIZED", "QUANTIZABLE_DTYPES",
+__all__ = ["BLOCK", "DEQUANTIZE_SUM", "QUANTIZATIONS", "PACK_QUANTIZED", "QUANTIZABLE_DTYPES",
            "UNPACK_DEQUANTIZED", "WireLayout", "dequantize_sum", "dequantize_sum_reference", "pack_quantized",
            "pack_quantized_reference", "quantizes", "unpack_dequantized", "unpack_dequantized_reference",
            "wire_layout"]
 
-GATHER_QUANTIZATIONS = ("int8",)  # Config.gather_quantization's values besides None
+QUANTIZATIONS = ("int8",)  # Config.gather_quantization's and reduce_quantization's values besides None
 BLOCK = 256  # elements per quantization block (one fp32 scale each); the Triton kernels' QUANT_BLOCK
 SCALE_BYTES = 4  # fp32 scales
 QMAX = 127.0  # symmetric int8: [-127, 127], -128 unused
