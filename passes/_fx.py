@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -30,31 +30,58 @@ def group_markers(markers: Sequence[fx.Node], ctx: Any) -> list[list[fx.Node]]:
     return list(groups.values())
 
 
+def layout_template(layouts: Sequence[Any]) -> tuple:
+    """The part of ``layouts`` (``ParamLayout``) a copy-in / copy-out depends on: all but the
+    parameter's identity (key, name, unit), so identical blocks share a ``splice`` template."""
+    return tuple(dataclasses.replace(layout, key=0, fqn="", unit=0) for layout in layouts)
+
+
 def bucket_tag(role: str, layouts: Sequence[Any]) -> dict[str, Any]:
     """The tag of a collective's nodes: its role, first unit and every unit it moves."""
     units = list(dict.fromkeys(layout.unit for layout in layouts))
     return {"role": role, "unit": units[0], "units": units}
 
 
+TEMPLATE_LIMIT = 512  # traced replacements kept per fake mode (a model has a few distinct shapes per pass)
+# Kept on the fake mode itself (one per compile: its joint, forward and backward graphs share it):
+# the templates' fake values point at their mode, so a table keyed by mode would keep every mode alive.
+_TEMPLATES_ATTR = "_zerograph_splice_templates"
+
+
 def splice(graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], *, before: fx.Node,
-           tag: dict[str, Any] | None = None) -> Any:
+           tag: dict[str, Any] | None = None, template: Hashable | None = None) -> Any:
     """Trace ``fn`` on the fake values of ``args`` and insert its ops before ``before``.
 
     Replacement code is written as an ordinary tensor function and traced to aten ops (Inductor's
     fx_passes do the same), so every inserted node carries ``meta["val"]`` for the partitioner and
     later passes. Returns ``fn``'s output structure with the new nodes in place of tensors.
+
+    ``template``: a hashable naming everything ``fn`` computes from besides its arguments (the
+    layouts' shapes and dtypes, the world size, the group), or ``None``. With one, the traced
+    graph is kept per (fake mode, template, the arguments' shapes, strides and dtypes) and a later
+    splice of the same key copies it instead of tracing again, so identical blocks cost one trace,
+    not one each. The copies share the template's fake values (read-only metadata of the one
+    fake mode they belong to). ``fn`` must not depend on anything the key leaves out, e.g. a
+    marker key baked into an op's arguments.
     """
     vals = [a.meta["val"] for a in args]
     fake_mode = detect_fake_mode(vals)
     assert fake_mode is not None, "graph nodes carry no fake values"
-    with fake_mode:
-        traced = make_fx(fn, pre_dispatch=False)(*vals)
+    signature = _input_signature(vals)
+    cache_key = (template, signature) if template is not None and signature is not None else None
+    cache: dict[Hashable, fx.Graph] = fake_mode.__dict__.setdefault(_TEMPLATES_ATTR, {})
+    traced = cache.get(cache_key) if cache_key is not None else None
+    if traced is None:
+        with fake_mode:
+            traced = make_fx(fn, pre_dispatch=False)(*vals).graph
+        if cache_key is not None and len(cache) < TEMPLATE_LIMIT:
+            cache[cache_key] = traced
     env: dict[fx.Node, fx.Node] = {}
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    placeholders = [n for n in traced.nodes if n.op == "placeholder"]
     env.update(zip(placeholders, args))
     result: Any = None
     with graph.inserting_before(before):
-        for node in traced.graph.nodes:
+        for node in traced.nodes:
             if node.op == "placeholder":
                 continue
             if node.op == "output":
@@ -66,6 +93,20 @@ def splice(graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], *, 
                 new.meta[TAG] = dict(tag)
             env[node] = new
     return result
+
+
+def _input_signature(vals: Sequence[Any]) -> tuple | None:
+    """What a trace of a function of ``vals`` can depend on in them: each tensor's shape, stride,
+    storage offset, dtype and device; ``None`` (not cacheable) when a size is symbolic."""
+    signature = []
+    for val in vals:
+        if not isinstance(val, torch.Tensor):
+            return None
+        sizes = (*val.shape, *val.stride(), val.storage_offset())
+        if not all(isinstance(s, int) for s in sizes):
+            return None
+        signature.append((sizes, val.dim(), val.dtype, val.device, val.requires_grad))
+    return tuple(signature)
 
 
 def is_alias_of_input(node: fx.Node) -> bool:
@@ -84,14 +125,62 @@ def position(graph: fx.Graph) -> dict[fx.Node, int]:
     return {node: i for i, node in enumerate(graph.nodes)}
 
 
-def hoist_before(node: fx.Node, point: fx.Node, order: dict[fx.Node, int]) -> None:
+class NodeOrder:
+    """Positions of a graph's nodes that stay valid while a pass moves and inserts nodes:
+    ``order[a] < order[b]`` exactly when ``a`` comes before ``b``.
+
+    A pass that moves nodes and then compares positions again would otherwise recompute
+    ``position(graph)`` after each move, O(n) each time and O(n^2) in all. Here a moved node
+    takes the midpoint of its new neighbours' positions (``moved``, O(1)), a node the order has
+    not seen (inserted since) is placed between its nearest known neighbours when first read,
+    and the graph is renumbered (O(n)) only when floats leave no room between two neighbours.
+    """
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph = graph
+        self._pos: dict[fx.Node, float] = {}
+        self.renumber()
+
+    def renumber(self) -> None:
+        self._pos = {node: float(i) for i, node in enumerate(self.graph.nodes)}
+
+    def __getitem__(self, node: fx.Node) -> float:
+        pos = self._pos.get(node)
+        if pos is None:
+            self.moved(node)
+            pos = self._pos[node]
+        return pos
+
+    def moved(self, node: fx.Node) -> None:
+        """Record that ``node`` now sits where it is in the graph (after a move or an insert)."""
+        self._pos.pop(node, None)
+        run = [node]  # node and the unknown nodes around it, placed evenly between known ones
+        before = node.prev
+        while before.op != "root" and before not in self._pos:
+            run.insert(0, before)
+            before = before.prev
+        after = node.next
+        while after.op != "root" and after not in self._pos:
+            run.append(after)
+            after = after.next
+        low = self._pos[before] if before.op != "root" else -1.0
+        high = self._pos[after] if after.op != "root" else low + len(run) + 1.0
+        step = (high - low) / (len(run) + 1)
+        if not low < low + step < high - step * 0.5:  # no room left between the neighbours
+            self.renumber()
+            return
+        for i, n in enumerate(run, start=1):
+            self._pos[n] = low + step * i
+
+
+def hoist_before(node: fx.Node, point: fx.Node, order: NodeOrder) -> None:
     """Move ``node`` (and, recursively, its inputs) before ``point`` if it sits after it."""
     if order[node] < order[point] or node.op == "placeholder":
         return
     for inp in node.all_input_nodes:
         hoist_before(inp, point, order)
     point.prepend(node)
-    order[node] = order[point] - 0.5  # type: ignore[assignment]
+    order.moved(node)
 
 
 def count_targets(graph: fx.Graph) -> dict[str, int]:
@@ -214,23 +303,26 @@ def _tagged_descendants(wait: fx.Node, role: str) -> set[fx.Node]:
     return chain
 
 
-def move_before(nodes: Sequence[fx.Node], point: fx.Node) -> None:
-    """Move ``nodes`` (in their given order) to just before ``point``."""
+def move_before(nodes: Sequence[fx.Node], point: fx.Node, order: NodeOrder | None = None) -> None:
+    """Move ``nodes`` (in their given order) to just before ``point``, keeping ``order`` current."""
     for node in nodes:
         if node is not point:
             point.prepend(node)
+            if order is not None:
+                order.moved(node)
 
 
-def sink_to_first_use(nodes: Sequence[fx.Node], limit: fx.Node | None = None) -> None:
+def sink_to_first_use(nodes: Sequence[fx.Node], limit: fx.Node | None = None, order: NodeOrder | None = None) -> None:
     """Move each of ``nodes`` down to just before its earliest user (or ``limit``, whichever is
-    first), last node first, so that a chain stays in dependency order."""
+    first), last node first, so that a chain stays in dependency order. ``order``: the graph's
+    ``NodeOrder`` when the caller sinks many chains (built here otherwise)."""
     nodes = list(nodes)
     if not nodes:
         return
-    order: dict[fx.Node, float] = dict(position(nodes[0].graph))  # moving a node keeps the others' relative order
+    order = order or NodeOrder(nodes[0].graph)
     for node in reversed(nodes):
         candidates = list(node.users) + ([limit] if limit is not None else [])
         first = min(candidates, key=order.__getitem__)
         if order[first] > order[node] and first.prev is not node:  # only ever down
             first.prepend(node)
-            order[node] = (order.get(node.prev, -1.0) + order[first]) / 2
+            order.moved(node)

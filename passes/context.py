@@ -37,6 +37,10 @@ class PassContext:
             reduces gradients (``"int8"``: quantized all-to-all + fp32 sum).
         buffer_pool: the number of the runtime's ``BufferPool`` that ``buffer_reuse`` takes comm
             buffers from (an int in the graph, never the pool itself); ``None``: no pooling.
+        replicate_group: hybrid sharding (a 2-D mesh ``(replicate, shard)``): ``(group_name,
+            size)`` of the replicate group, across which each reduced gradient shard is
+            all-reduced; ``group_name`` / ``world_size`` are then the shard group's. ``None``:
+            one group (no mesh, a 1-D one, or a replicate dim of one rank).
     """
 
     graph_kind: GraphKind
@@ -50,6 +54,7 @@ class PassContext:
     activations: ActivationPolicy = ActivationPolicy()
     activation_group: tuple[str, int] | None = None
     buffer_pool: int | None = None
+    replicate_group: tuple[str, int] | None = None
     gather_quantization: str | None = None
     reduce_quantization: str | None = None
 

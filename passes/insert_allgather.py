@@ -52,7 +52,7 @@ from zerograph.ops import UNSHARD
 from zerograph.sharding import ParamLayout
 from zerograph.vocab import TAG
 
-from ._fx import bucket_tag, group_markers, hoist_before, is_alias_of_input, position, splice
+from ._fx import NodeOrder, bucket_tag, group_markers, hoist_before, is_alias_of_input, layout_template, splice
 from .context import PassContext, PassResult
 from .contract import contract
 
@@ -152,6 +152,7 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False)
     recompute = ctx.stage == 3 and ctx.graph_kind == "joint"
     gathers = 0
+    order = NodeOrder(graph)  # hoists move shards' views up; splices insert before the markers
     for markers in plan:
         keys = list(dict.fromkeys(m.args[1] for m in markers))
         layouts = [ctx.layouts[k] for k in keys]
@@ -159,13 +160,13 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             _replace_by_local_copies(graph, markers, ctx)
             continue
         first = markers[0]
-        order = position(graph)
         shard_of = {m.args[1]: m.args[0] for m in markers}
         for shard in shard_of.values():  # a shard's to_local view may sit after the unit's first use
             hoist_before(shard, first, order)
         fulls = splice(graph, _gather_fn(layouts, ctx.world_size, ctx.group_name, ctx.gather_quantization),
-                       [shard_of[k] for k in keys], before=first,
-                       tag=bucket_tag("gather", layouts))
+                       [shard_of[k] for k in keys], before=first, tag=bucket_tag("gather", layouts),
+                       template=("gather", layout_template(layouts), ctx.world_size, ctx.group_name,
+                                 ctx.gather_quantization))
         full_of = dict(zip(keys, fulls))
         for marker in markers:
             marker.replace_all_uses_with(full_of[marker.args[1]])
@@ -193,7 +194,7 @@ def _replace_by_local_copies(graph: fx.Graph, markers: list[fx.Node], ctx: PassC
         elif key in cast_of:
             full = cast_of[key]
         else:
-            full = cast_of[key] = splice(graph, _cast_fn(dtype), [shard], before=marker)
+            full = cast_of[key] = splice(graph, _cast_fn(dtype), [shard], before=marker, template=("cast", dtype))
         marker.replace_all_uses_with(full)
         graph.erase_node(marker)
 

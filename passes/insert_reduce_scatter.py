@@ -7,7 +7,9 @@ Post: no marker is left; every trainable parameter's gradient is reduced exactly
 by side; one ``zerograph::pack_shards`` node for a bucket of several parameters) -> ``reduce_scatter_tensor`` (stages
 1-3) or ``all_reduce`` (stage 0 and 0-d parameters,
 buckets of whole gradients) -> ``wait_tensor`` -> divide by N (ranks' gradients are averaged, as DDP does) ->
-copy-out of each shard's rows. A parameter used several times (tied weights) has several markers;
+copy-out of each shard's rows. Hybrid sharding (``ctx.replicate_group``, a 2-D mesh): the
+reduced shard is then all-reduced across the replicate group before the division, which is by
+N = shard ranks x replicas (FSDP2's HSDP; DeepSpeed's MiCS). A parameter used several times (tied weights) has several markers;
 their gradients are summed first and reduced once.
 
 Mixed precision: each full gradient (in ``param_dtype``) is cast to ``reduce_dtype`` in the copy-in,
@@ -53,7 +55,7 @@ from zerograph.ops import ACCUMULATE_UNSYNCED, REDUCE_GRAD, TAKE_UNSYNCED, grad_
 from zerograph.sharding import ParamLayout
 from zerograph.vocab import GRAD_ACCUMULATE, GRAD_FLUSH
 
-from ._fx import bucket_tag, group_markers, position, sink_below_inputs, splice
+from ._fx import bucket_tag, group_markers, layout_template, position, sink_below_inputs, splice
 from .context import PassContext, PassResult
 from .contract import contract
 
@@ -114,21 +116,28 @@ def _quantizes_reduction(layouts: list[ParamLayout], quantization: str | None, s
 
 
 def _reduce_fn(keys: list[int], layouts: list[ParamLayout], local_rows: list[int], world_size: int,
-               group_name: str, scatter: bool, flush: bool, quantization: str | None = None):
+               group_name: str, scatter: bool, flush: bool, replicate_group: tuple[str, int] | None = None,
+               quantization: str | None = None):
     quantized = _quantizes_reduction(layouts, quantization, scatter)
 
     def reduce(*grads: torch.Tensor) -> list[torch.Tensor]:
         if flush:  # add what the unsynced micro-batches accumulated (already in reduce_dtype)
             grads = tuple(TAKE_UNSYNCED(g, k) for g, k in zip(grads, keys))
         if quantized:  # Config.reduce_quantization: fp32 sums of int8 chunks
-            out = _quantized_reduce_scatter(grads, layouts, world_size, group_name) / world_size
+            out = _quantized_reduce_scatter(grads, layouts, world_size, group_name)
+            moved = out.dtype
         else:
             send = _copy_in(grads, layouts, world_size, scatter)
             if scatter:  # complex reduces as its real view (to_wire): the sum of each part
                 out = funcol.wait_tensor(funcol.reduce_scatter_tensor(to_wire(send), "sum", world_size, group_name))
             else:
                 out = funcol.wait_tensor(funcol.all_reduce(to_wire(send), "sum", group_name))
-            out = from_wire(out, send.dtype) / world_size
+            moved = send.dtype
+        replicas = 1
+        if replicate_group is not None:  # hybrid sharding: the reduced shard summed across replicas
+            replicate_name, replicas = replicate_group
+            out = funcol.wait_tensor(funcol.all_reduce(out, "sum", replicate_name))
+        out = from_wire(out, moved) / (world_size * replicas)
         shards, offset = [], 0
         for layout, rows in zip(layouts, local_rows):
             size = layout.shard_numel if scatter else layout.numel
@@ -165,6 +174,7 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False)
     output = graph.find_nodes(op="output")[0]
     reductions = accumulations = 0
+    order = position(graph)  # splices insert new nodes only: the old ones keep their relative order
     for markers in plan:
         if not ctx.communicates:
             _replace_by_local_copies(graph, markers, ctx)
@@ -172,7 +182,6 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         modes = {grad_mode_of(m) for m in markers}
         assert len(modes) == 1, f"one forward traces one grad_mode, found {modes}"
         mode = modes.pop()
-        order = position(graph)
         by_key: dict[int, list[fx.Node]] = {}
         for marker in markers:
             by_key.setdefault(marker.args[1], []).append(marker)
@@ -186,7 +195,8 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         for key, layout in zip(keys, layouts):  # tied parameters: one gradient per parameter, summed first
             key_grads = [m.args[0] for m in by_key[key]]
             summed.append(key_grads[0] if len(key_grads) == 1 else
-                          splice(graph, _sum_fn(layout.reduce_dtype), key_grads, before=point))
+                          splice(graph, _sum_fn(layout.reduce_dtype), key_grads, before=point,
+                                 template=("sum", layout.reduce_dtype)))
         if mode == GRAD_ACCUMULATE:
             shards = splice(graph, _accumulate_fn(keys), summed, before=point,
                             tag=bucket_tag("accumulate", layouts))
@@ -194,9 +204,13 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         else:
             scatter = layouts[0].sharded  # plan_reductions keeps sharded and replicated apart
             local_rows = [by_key[k][0].meta["val"].shape[0] if scatter else 0 for k in keys]
+            flush = mode == GRAD_FLUSH  # the flush's copy-in names the keys: no template shared across buckets
             fn = _reduce_fn(keys, layouts, local_rows, ctx.world_size, ctx.group_name, scatter,
-                            flush=mode == GRAD_FLUSH, quantization=ctx.reduce_quantization)
-            shards = splice(graph, fn, summed, before=point, tag=bucket_tag("reduce", layouts))
+                            flush=flush, replicate_group=ctx.replicate_group,
+                            quantization=ctx.reduce_quantization)
+            template = None if flush else ("reduce", layout_template(layouts), tuple(local_rows), ctx.world_size,
+                                           ctx.group_name, scatter, ctx.replicate_group, ctx.reduce_quantization)
+            shards = splice(graph, fn, summed, before=point, tag=bucket_tag("reduce", layouts), template=template)
             reductions += 1
         for key, shard in zip(keys, shards):
             first, *others = by_key[key]

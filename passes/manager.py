@@ -13,10 +13,11 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from zerograph.errors import ConfigError, PassError
 from zerograph.ops import REDUCE_GRAD, UNSHARD
-from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer
+from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer, group_name_of
 
 from ._fx import count_targets, is_alias_of_input
 from .activation_partition import activation_partition
@@ -60,6 +61,9 @@ def pipeline(kind: str) -> list[Pass]:
 
 
 GRAPH_KINDS = ("joint", "forward", "inference", "backward")
+# the key of ``GraphModule.meta`` where ``run_pipeline`` leaves its record: nodes in and out and
+# each pass's wall-clock seconds (what the dump's summary shows under "Compile time")
+PASS_TIMES = "zerograph_passes"
 
 
 def pass_names() -> set[str]:
@@ -94,7 +98,11 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *
     problem = pipeline_problem(ctx.graph_kind, passes, disabled)
     if problem is not None:
         raise PassError(problem)
+    gm = lazily_recompiled(gm)
+    nodes_in = len(gm.graph.nodes)
+    seconds: dict[str, float] = {}
     dump = _open_dump(dump_dir, ctx, gm)
+    logged = log.isEnabledFor(logging.INFO)
     done: list[str] = []
     for number, pass_fn in enumerate(passes, start=1):
         name = pass_fn.__name__
@@ -103,7 +111,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *
             if dump is not None:
                 dump.disabled(number, name)
             continue
-        before = count_targets(gm.graph)
+        before = count_targets(gm.graph) if logged else {}
         start = time.perf_counter()
         try:
             result = pass_fn(gm, ctx)
@@ -115,13 +123,28 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *
         except Exception as exc:
             raise PassError(f"pass {name!r} failed on the {ctx.graph_kind} graph (after {done or 'no passes'}): {exc}") from exc
         done.append(name)
-        after = count_targets(gm.graph)
+        seconds[name] = time.perf_counter() - start
+        gm = lazily_recompiled(gm)  # a pass may hand back a new module
+        after = count_targets(gm.graph) if logged else {}
         log.info("%s graph: pass %d %s %s in %.1f ms, nodes %d -> %d", ctx.graph_kind, number, name,
                  result.counts, 1e3 * (time.perf_counter() - start), sum(before.values()), sum(after.values()))
         if dump is not None:
             dump.after_pass(number, name, gm, result.modified, seconds=time.perf_counter() - start)
     check_markers_expanded(gm.graph, ctx, done)
-    return gm
+    gm.meta[PASS_TIMES] = {"nodes_in": nodes_in, "nodes_out": len(gm.graph.nodes), "seconds": seconds}
+    return gm  # its code is generated when first read or run; the eager lowering generates its own
+
+
+def lazily_recompiled(gm: fx.GraphModule) -> _LazyGraphModule:
+    """``gm`` as a ``torch.fx`` lazy graph module: a pass's ``gm.recompile()`` then only marks its
+    Python code stale, and the code is generated once, when something reads or runs it (a dump, a
+    test), instead of after every pass: on a deep model that codegen is most of a pass's time, and
+    the joint graph's code is never needed (the partitioner reads its graph)."""
+    if isinstance(gm, _LazyGraphModule):
+        return gm
+    lazy = _LazyGraphModule(gm, gm.graph, class_name=type(gm).__name__)
+    lazy.meta.update(gm.meta)
+    return lazy
 
 
 def _open_dump(dump_dir: str | None, ctx: PassContext, gm: fx.GraphModule):
@@ -175,13 +198,15 @@ def check_no_saved_gathers(fwd: fx.GraphModule) -> None:
             raise PassError(f"stage 3 forward saves gathered parameter {saved.name} for backward")
 
 
-def collective_volume(graph: fx.Graph) -> list[tuple[str, int, int]]:
-    """``[(kind, full_numel, itemsize)]`` of every collective in the graph, in graph order."""
+def collective_volume(graph: fx.Graph) -> list[tuple[str, int, int, str | None]]:
+    """``[(kind, full_numel, itemsize, group_name)]`` of every collective in the graph, in graph
+    order; ``group_name`` is the process group it runs over (hybrid sharding: the shard or the
+    replicate group)."""
     volume = []
     for node in graph.nodes:
         kind = COLLECTIVE_KINDS.get(node.target)
         if kind is None:
             continue
         val = full_buffer(node)
-        volume.append((kind, val.numel(), val.element_size()))
+        volume.append((kind, val.numel(), val.element_size(), group_name_of(node)))
     return volume

@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from zerograph.vocab import COLLECTIVE_KINDS, TAG
 
-from ._fx import Collective, find_collectives, hoist_before, is_alias_of_input, move_before, position
+from ._fx import Collective, NodeOrder, find_collectives, hoist_before, is_alias_of_input, move_before
 from .context import PassContext, PassResult
 from .contract import contract
 
@@ -78,10 +78,9 @@ def is_free_view(node: fx.Node) -> bool:
     return node.op == "placeholder"
 
 
-def earliest_point(issue: list[fx.Node], graph: fx.Graph) -> fx.Node:
+def earliest_point(issue: list[fx.Node], graph: fx.Graph, order: NodeOrder) -> fx.Node:
     """The node right after the last input the copy-in chain reads from outside itself, not
     counting views of graph inputs (they move up with the chain)."""
-    order = position(graph)
     fixed = [inp for inp in outside_inputs(issue) if inp.op != "placeholder" and not is_free_view(inp)]
     last = max(fixed, key=order.__getitem__, default=None)
     if last is None:
@@ -92,17 +91,17 @@ def earliest_point(issue: list[fx.Node], graph: fx.Graph) -> fx.Node:
 @contract(requires=("gathers",))
 def prefetch(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
-    order = position(graph)
+    order = NodeOrder(graph)  # kept current through the moves: one O(n) numbering for the pass
     gathers = sorted((c for c in find_collectives(graph) if c.role == "gather"),
                      key=lambda c: order[c.wait])
     moved = 0
     for i, gather in enumerate(gathers):
-        earliest = earliest_point(gather.issue, graph)
+        earliest = earliest_point(gather.issue, graph, order)
         if i < ctx.schedule.prefetch_depth and within_budget(gathers[: i + 1], ctx.schedule.max_inflight_bytes):
             # nothing earlier to overlap with but what precedes the first use; hoist, but never
             # above a collective issued before it: copy-ins differ by rank (padding), so only
             # collectives may order collectives, or ranks could issue them in different orders
-            point = max(earliest, after_previous_start(gather, graph), key=position(graph).__getitem__)
+            point = max(earliest, after_previous_start(gather, graph), key=order.__getitem__)
         else:
             d = prefetch_distance(gathers, i, ctx.schedule.prefetch_depth, ctx.schedule.max_inflight_bytes)
             if d < min(ctx.schedule.prefetch_depth, i):
@@ -111,12 +110,11 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                           min(ctx.schedule.prefetch_depth, i),
                           sum(g.full_bytes for g in gathers[i - d - 1: i + 1]), ctx.schedule.max_inflight_bytes)
             point = copy_out_end(gathers[i - d]).next if d else gather.wait
-        order = position(graph)
         if order[earliest] > order[point]:  # a shard is made late (never for placeholders)
             log.debug("%s graph: gather %d (units %s) cannot start before %s, which its copy-in reads",
                       ctx.graph_kind, i, gather.units, earliest.name)
             point = earliest
-        inputs = set(outside_inputs(gather.issue))
+        inputs = dict.fromkeys(outside_inputs(gather.issue))  # ordered: the same hoists on every rank and run
         while point in inputs:  # landed on a view the chain reads: go below it
             point = point.next
         if point in gather.issue:  # already there
@@ -125,7 +123,7 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             moved += 1
         for view in (inp for inp in inputs if inp.op != "placeholder"):
             hoist_before(view, point, order)  # only free views can sit below ``point``
-        move_before(gather.issue, point)
+        move_before(gather.issue, point, order)
     if moved:
         gm.recompile()
     return PassResult(gm, bool(moved), {"prefetched": moved, "gathers": len(gathers)})

@@ -14,6 +14,11 @@ Post: the same nodes, reordered; every start still precedes its wait, every wait
   backward compute and is waited before reduction ``j + 1`` is issued (as FSDP2 does).
   At stage 1 the reductions all come after backward's compute, so there is nothing to hide them
   behind but each other; the bound keeps their buffers from piling up there.
+- Two-level reductions (hybrid sharding: a bucket's reduce-scatter in the shard group, then the
+  all-reduce of its result across replicas): the reduce-scatter is bounded as above, its wait
+  and the all-reduce's start sink together to that bound; the all-reduce's wait sinks to its
+  first use, at most to the next bucket's bound, so each level stays in flight during a bucket's
+  backward and at most one all-reduce (shard-sized) is left in flight beside the reduce-scatters.
 A wait stays right after its start only where nothing independent exists between them.
 
 Source: PyTorch Inductor's ``reorder_compute_and_comm_for_overlap`` (``torch/_inductor/comms.py``);
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ._fx import Collective, find_collectives, position, sink_to_first_use
+from ._fx import Collective, NodeOrder, find_collectives, sink_to_first_use
 from .context import PassContext, PassResult
 from .contract import contract
 
@@ -53,12 +58,25 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not collectives:
         return PassResult(gm, False)
     before = [n.name for n in graph.nodes]
+    order = NodeOrder(graph)  # one numbering, kept current through every sink
     for gather in (c for c in collectives if c.role == "gather"):
-        sink_to_first_use(gather.finish)
-    order = position(graph)
+        sink_to_first_use(gather.finish, order=order)
     reductions = sorted((c for c in collectives if c.role == "reduce"), key=lambda c: order[c.start])
-    for reduction, limit in zip(reductions, reduction_limits(reductions, ctx)):
-        sink_to_first_use(reduction.finish, limit)
+    # a reduction whose copy-in holds another's start is that one's second level (hybrid sharding)
+    starts = {c.start: c for c in reductions}
+    second = {id(starts[node]): c for c in reductions for node in c.issue if node in starts and starts[node] is not c}
+    seconds = {id(c) for c in second.values()}
+    reductions = [c for c in reductions if id(c) not in seconds]
+    limits = reduction_limits(reductions, ctx)
+    for j, (reduction, limit) in enumerate(zip(reductions, limits)):
+        follow = second.get(id(reduction))
+        if follow is None:
+            sink_to_first_use(reduction.finish, limit, order=order)
+            continue
+        sink_to_first_use(follow.finish, limits[j + 1] if j + 1 < len(limits) else None, order=order)
+        follow_finish = set(follow.finish)
+        first_level = [n for n in reduction.finish if n not in follow_finish]  # its wait .. the next start
+        sink_to_first_use(first_level, limit, order=order)
     changed = [n.name for n in graph.nodes] != before
     if changed:
         gm.recompile()

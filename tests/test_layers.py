@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("passes", ["zerograph.costmodel", "zerograph.passes*"]),
     ("config", ["zerograph.config"]),
     ("execution", ["zerograph.runtime", "zerograph.capture"]),
-    ("api", ["zerograph.api", "zerograph.replicas"]),
+    ("api", ["zerograph.api", "zerograph.replicas", "zerograph.hybrid"]),
     ("reporting", ["zerograph.stats", "zerograph.plan", "zerograph.checkpoint", "zerograph.timeline",
                    "zerograph.traces", "zerograph.profile", "zerograph.optim", "zerograph.init",
                    "zerograph.dump*"]),

@@ -22,6 +22,7 @@ from . import loading
 from .capture import CapturedGraphs, ZeroGraphBackend
 from .config import Config, check_stage
 from .errors import ConfigError, ProcessGroupError, ShardingError, UnshardedParameterError, ZeroGraphError
+from .hybrid import hybrid_groups
 from .policies import MixedPrecisionPolicy
 from .registry import next_key
 from .replicas import sync_replicas
@@ -32,7 +33,8 @@ from .state import STATE_ATTR, ZeroGraphState, state_of
 log = logging.getLogger(__name__)
 
 def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | None = None,
-            config: Config | None = None, device: torch.device | str | int | None = None) -> nn.Module:
+            mesh: DeviceMesh | None = None, config: Config | None = None,
+            device: torch.device | str | int | None = None) -> nn.Module:
     """Shard ``model`` for ZeRO stage ``stage`` and capture its forward and backward as graphs.
 
     The model is changed in place and returned (as ``torch.distributed.fsdp.fully_shard`` does): its
@@ -59,6 +61,16 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
         stage: 0 (DDP), 1 (P_os), 2 (P_os+g) or 3 (P_os+g+p), ZeRO paper (arXiv 1910.02054) section 5.
         process_group: ranks that shard the model; default the world group. When no group is
             initialised, one is created from the torchrun environment, or a one-rank group.
+        mesh: instead of ``process_group``, a ``DeviceMesh`` as FSDP2's ``fully_shard(mesh=...)``
+            takes it. 1-D: the same as ``process_group=mesh.get_group()``. 2-D: hybrid sharding
+            (FSDP2's HSDP, DeepSpeed's MiCS), dims ``(replicate, shard)`` in that order (FSDP2's
+            convention; unnamed, or named ``("replicate", "shard")`` or torchtitan's
+            ``("dp_replicate", "dp_shard")``): parameters, gradients and optimizer states are
+            sharded over the shard dim and replicated over the replicate dim (each parameter a
+            ``DTensor`` on ``mesh`` with placements ``(Replicate(), Shard(0))``); all-gathers and
+            reduce-scatters run within the shard group, and each reduced gradient shard is then
+            all-reduced across the replicate group, so gradients are averaged over all N = R x S
+            ranks (DDP's semantics). Stages 1-3 only; the mesh must span the whole default group.
         config: ``zerograph.Config``; defaults apply when ``None``.
         device: where a meta-built model's shards and buffers are allocated. ``None``: CUDA's
             current device when the process group is NCCL (or, with no group yet, when CUDA is
@@ -73,7 +85,13 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
             a model's real parameters); the model was compiled already, or it is a part of a
             compiled model (its parameters are ``DTensor`` shards already); a module with sparse
             gradients (``nn.Embedding(sparse=True)``, at every stage).
-        ProcessGroupError: the group does not match the launch (``WORLD_SIZE``), or this rank is not in it.
+        ProcessGroupError: the group does not match the launch (``WORLD_SIZE``), or this rank is not in it;
+            a ``mesh`` whose size is not the world size.
+        ConfigError (also for ``mesh``): ``mesh`` not a ``DeviceMesh``, given together with
+            ``process_group``, of 3 or more dims, with dims named other than ``(replicate, shard)``,
+            of another device type than the model's, with a shard dim of one rank and replicas
+            (nothing to shard: use stage 0 over ``process_group``); a 2-D mesh at stage 0 (DDP
+            replicates everything: pass ``process_group``, or a 1-D mesh, instead).
 
     Collective: every rank of the group takes group rank 0's parameters and buffers (``replicas.py``).
 
@@ -98,10 +116,22 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
                           "gradients): leave them None at stage 0")
     _check_not_sharded(model)
     _check_no_sparse_gradients(model)
+    if mesh is not None and process_group is not None:
+        raise ConfigError("zerograph.compile takes a process_group or a mesh, not both: pass the 2-D DeviceMesh "
+                          "alone (its shard dim's group shards, its replicate dim's group replicates)")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise ConfigError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if mesh is not None and mesh.ndim == 1:  # FSDP2's 1-D mesh: plain sharding over its group
+        process_group, mesh = mesh.get_group(), None
     device, meta_built = _target_device(model, device, process_group)
     group = _resolve_group(process_group, device, config)
-    sync_replicas(model, group, device)  # every rank starts from rank 0's values, as with DDP (replicas.py)
-    mesh = DeviceMesh.from_group(group, device.type)
+    replicate_group = None
+    if mesh is not None:  # hybrid sharding: ``group`` becomes the shard group (hybrid.py)
+        group, replicate_group = hybrid_groups(mesh, stage, device)
+    world_group = dist.group.WORLD if replicate_group is not None else group
+    sync_replicas(model, world_group, device)  # every rank starts from rank 0's values, as with DDP (replicas.py)
+    if mesh is None:
+        mesh = DeviceMesh.from_group(group, device.type)
     originals = {name: p for name, p in model.named_parameters()}
     units = find_units(model, config.unit_classes)
     precision = config.mixed_precision
@@ -113,7 +143,8 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     if meta_built:  # every shard and meta buffer is empty until an init or a load writes it
         fresh = loading.allocate_meta_buffers_(model, device)
         uninitialised = loading.UninitialisedTracker(list(model.named_parameters()) + fresh)
-    runtime = Runtime(group, stage, layouts, unit_objs, timeout_s=config.timeout_s, device=device)
+    runtime = Runtime(group, stage, layouts, unit_objs, timeout_s=config.timeout_s, device=device,
+                      replicate_group=replicate_group, world_group=world_group)
     runtime.shards = {layout.key: model.get_parameter(layout.fqn) for layout in layouts}
     runtime.gather_quantization = config.gather_quantization  # graph breaks' eager gathers quantize too
     runtime.reduce_quantization = config.reduce_quantization  # and their reductions
@@ -138,8 +169,9 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
                                                   "set_requires_gradient_sync": set_requires_gradient_sync,
                                                   "no_sync": no_sync,
                                                   "load_state_dict": loading.load_state_dict})
-    log.info("zerograph: stage %d, world size %d, %d units, %d parameters (%d elements)", stage,
-             runtime.world_size, len(unit_objs), len(layouts), sum(layout.numel for layout in layouts))
+    log.info("zerograph: stage %d, world size %d (x %d replicas), %d units, %d parameters (%d elements)", stage,
+             runtime.world_size, runtime.replicate_size, len(unit_objs), len(layouts),
+             sum(layout.numel for layout in layouts))
     return model
 
 

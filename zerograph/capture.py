@@ -84,6 +84,8 @@ class ZeroGraphBackend:
                            activations=dataclasses.replace(config.activations, group=None),
                            activation_group=config.activations.group_for_passes(),
                            buffer_pool=_pool_for(self.lowering, runtime),
+                           replicate_group=(None if runtime.replicate_group is None
+                                            else (runtime.replicate_group_name, runtime.replicate_size)),
                            gather_quantization=config.gather_quantization,
                            reduce_quantization=config.reduce_quantization)
 
@@ -337,8 +339,9 @@ def _account(runtime: Runtime, gm: fx.GraphModule, compiled: Callable, backward:
 
     def call(args: list[Any]) -> Any:
         runtime.check_schedule(schedule)
-        for kind, numel, itemsize in volume:
-            runtime.current.add(kind, numel, itemsize, runtime.world_size)
+        for kind, numel, itemsize, group_name in volume:
+            dim, size = runtime.comm_dim(group_name)
+            runtime.current.add(kind, numel, itemsize, size, dim)
         runtime.current.graphs.add(graph_id)
         if backward:
             runtime.backward_ran = True

@@ -228,7 +228,7 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[str, 
 def _group_of(model: nn.Module) -> dist.ProcessGroup:
     runtime = state_of(model).runtime
     runtime.check_group()
-    return runtime.group
+    return runtime.world_group  # every rank of the mesh (hybrid sharding: replicas write once, DCP dedups)
 
 
 def _gather(group: dist.ProcessGroup, value: Any, what: str) -> list[Any]:

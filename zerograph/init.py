@@ -98,7 +98,7 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
             if p is not None:
                 holders.setdefault(key_of[id(p)], []).append((mod, name))
     pending = _pending_keys(model, key_of)
-    pending, rng_diverged = _agree(runtime.group, pending, device)
+    pending, rng_diverged = _agree(runtime.world_group, pending, device)  # replicas too
     rng_start = _rng_state(device)
     written = {key: versions(p) for key, p in shard_of.items()}  # what our own copies leave
 

@@ -90,6 +90,17 @@ class Plan:
         units: ``(name, parameter count)`` per unit, the root unit (``"<root>"``, parameters
             outside every unit) first, then the units in module order, as ``zerograph.compile``
             groups them.
+        replicas: R, the replicate dim of a 2-D mesh (hybrid sharding); 1 without one. Then
+            ``world_size`` is the shard dim's S: memory is sharded over S, gradients averaged
+            over R x S ranks.
+        comm_bytes_per_dim: ``{"shard": {kind: bytes}, "replicate": {kind: bytes}}``, bytes one
+            rank sends per step over each mesh dim with ring algorithms, as ``zerograph.stats``
+            counts them (``(n-1)/n`` of the full padded buffer per all-gather or reduce-scatter
+            over a group of n, twice that per all-reduce; one collective per unit, each rounded
+            down to a byte), in ``param_dtype``. Shard dim: stage 0, all-reduce 2Ψ; stages 1-2,
+            all-gather Ψ + reduce-scatter Ψ; stage 3, all-gather 2Ψ + reduce-scatter Ψ (Ψ
+            padded to S rows each, in bytes of ``param_dtype``, times ``(S-1)/S``). Replicate
+            dim (R > 1): all-reduce of this rank's reduced gradient shard, 2 (Ψ/S) (R-1)/R.
     """
 
     stage: int
@@ -108,12 +119,15 @@ class Plan:
     bucket_bytes: int
     total_with_overheads: int
     units: tuple[tuple[str, int], ...]
+    replicas: int = 1
+    comm_bytes_per_dim: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         psi = self.psi
         rows: list[tuple[str, str]] = [
             ("stage", str(self.stage)),
-            ("N (world size)", str(self.world_size)),
+            ("N (world size)", str(self.world_size) if self.replicas == 1 else
+             f"{self.world_size * self.replicas} = {self.replicas} replicas x {self.world_size} shards"),
             ("Ψ (parameters)", f"{psi:,}" + (f" ({_sig3(psi / 1e9)}B)" if psi >= 10**8 else "")),
             ("optimizer", f"{self.optimizer}, K = {self.optimizer_bytes_per_param} B/param"),
             ("dtypes", f"param/grad {_dtype_name(self.param_dtype)}, master {_dtype_name(self.master_dtype)}"),
@@ -130,6 +144,8 @@ class Plan:
         ]
         for key in ("all_gather", "reduce_scatter", "all_reduce", "total"):
             rows.append((f"comm {key} [elements]", _in_psi(self.comm_elements_per_step[key], psi)))
+        for dim, counts in self.comm_bytes_per_dim.items():
+            rows.append((f"comm over {dim} dim [bytes/rank]", f"{sum(counts.values()):,}"))
         width = max(len(name) for name, _ in rows)
         lines = ["zerograph plan (ZeRO, arXiv 1910.02054; GB = 1e9 bytes)"]
         lines += [f"  {name:<{width}}  {value}" for name, value in rows]
@@ -149,6 +165,7 @@ def plan(
     psi: int | None = None,
     unit_numels: Sequence[int] | None = None,
     unit_classes: tuple[type[nn.Module], ...] | None = None,
+    replicas: int = 1,
 ) -> Plan:
     """Plan the per-rank memory and per-step communication of ZeRO stage ``stage`` on ``world_size`` ranks.
 
@@ -174,6 +191,8 @@ def plan(
         unit_classes: with a model only: module classes whose outermost instances are the units,
             as ``zerograph.Config.unit_classes``; default the children of the largest
             ``nn.ModuleList`` / ``nn.Sequential``.
+        replicas: R, the replicate dim of hybrid sharding (``compile(mesh=2-D mesh)``), >= 1;
+            ``world_size`` is then the shard dim S. Stages 1-3 only when R > 1.
 
     Returns:
         A frozen ``Plan``; ``str(plan)`` is a readable table.
@@ -185,6 +204,10 @@ def plan(
             given for the other mode or summing above ``psi``.
     """
     stage, world_size = _check_stage(stage), _check_count("world_size", world_size, minimum=1)
+    replicas = _check_count("replicas", replicas, minimum=1)
+    if replicas > 1 and stage == 0:
+        raise ConfigError("replicas > 1 (hybrid sharding) needs stage 1-3: stage 0 replicates everything "
+                          "(plan it with world_size = every rank)")
     optimizer, n_buffers = _check_optimizer(optimizer)
     param_dtype = _check_dtype("param_dtype", param_dtype)
     master_dtype = _check_dtype("master_dtype", master_dtype)
@@ -243,7 +266,10 @@ def plan(
     else:
         comm["reduce_scatter"] = gathered
         comm["all_gather"] = (2 if stage == 3 else 1) * gathered
+    if replicas > 1:  # each rank's reduced gradient shard, all-reduced across the replicas
+        comm["all_reduce"] = 2 * -(-gathered // n)
     comm["total"] = sum(comm.values())
+    comm_bytes = _comm_bytes_per_dim(stage, n, replicas, unit_padded, p_bytes)
 
     sharded_bytes = {0: 0, 1: k_bytes, 2: p_bytes + k_bytes, 3: 2 * p_bytes + k_bytes}[stage]
     padding = -(-pad_elements * sharded_bytes // n)
@@ -279,7 +305,30 @@ def plan(
         bucket_bytes=bucket,
         total_with_overheads=total_with,
         units=tuple(zip(unit_names, unit_numel)),
+        replicas=replicas,
+        comm_bytes_per_dim=types.MappingProxyType({d: types.MappingProxyType(c) for d, c in comm_bytes.items()}),
     )
+
+
+def _comm_bytes_per_dim(stage: int, shards: int, replicas: int, unit_padded: list[int],
+                        itemsize: int) -> dict[str, dict[str, int]]:
+    """Bytes one rank sends per step per mesh dim, one collective per unit (``Plan.comm_bytes_per_dim``)."""
+
+    def ring(numel: int, group: int) -> int:  # one all-gather / reduce-scatter of a full buffer
+        return numel * itemsize * (group - 1) // group
+
+    units = [u for u in unit_padded if u]
+    shard = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    if stage == 0:
+        shard["all_reduce"] = sum(ring(2 * u, shards) for u in units)
+    else:
+        shard["all_gather"] = (2 if stage == 3 else 1) * sum(ring(u, shards) for u in units)
+        shard["reduce_scatter"] = sum(ring(u, shards) for u in units)
+    out = {"shard": shard}
+    if replicas > 1:
+        out["replicate"] = {"all_gather": 0, "reduce_scatter": 0,
+                            "all_reduce": sum(ring(2 * (u // shards), replicas) for u in units)}
+    return out
 
 
 # ----------------------------------------------------------------------------- parameter discovery

@@ -31,7 +31,18 @@ from .fake import is_fake_world
 from .kernels.ops import to_wire
 from .kernels.quantize import BLOCK, DEQUANTIZE_SUM, PACK_QUANTIZED, QUANTIZABLE_DTYPES, UNPACK_DEQUANTIZED, quantizes
 from .sharding import ParamLayout, Unit
-from .vocab import COLLECTIVE_KINDS, COLLECTIVES, GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC, TAG, all_gather_single, full_buffer
+from .vocab import (
+    COLLECTIVE_KINDS,
+    COLLECTIVES,
+    GRAD_ACCUMULATE,
+    GRAD_FLUSH,
+    GRAD_SYNC,
+    REPLICATE_DIM,
+    SHARD_DIM,
+    TAG,
+    all_gather_single,
+    full_buffer,
+)
 
 
 @dataclasses.dataclass
@@ -47,16 +58,30 @@ class CommCounter:
     elements: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(COLLECTIVES, 0))
     bytes: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(COLLECTIVES, 0))
     graphs: set[int] = dataclasses.field(default_factory=set)  # captured graphs (compile order) that ran
+    # the same per mesh dim (``MESH_DIMS``): dim -> kind -> elements / bytes; ``elements`` and
+    # ``bytes`` above are their sums over the dims
+    dim_elements: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    dim_bytes: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
-    def add(self, kind: str, full_numel: int, itemsize: int, world_size: int) -> None:
+    def add(self, kind: str, full_numel: int, itemsize: int, world_size: int, dim: str = SHARD_DIM) -> None:
+        """Count one collective of ``kind`` over a group of ``world_size`` ranks on mesh dim ``dim``."""
         factor = 2 if kind == "all_reduce" else 1
-        self.elements[kind] += factor * full_numel
-        self.bytes[kind] += factor * full_numel * itemsize * (world_size - 1) // world_size
+        elements = factor * full_numel
+        sent = factor * full_numel * itemsize * (world_size - 1) // world_size
+        self.elements[kind] += elements
+        self.bytes[kind] += sent
+        self.dim_elements.setdefault(dim, dict.fromkeys(COLLECTIVES, 0))[kind] += elements
+        self.dim_bytes.setdefault(dim, dict.fromkeys(COLLECTIVES, 0))[kind] += sent
 
     def merge(self, other: "CommCounter") -> None:
         for kind in COLLECTIVES:
             self.elements[kind] += other.elements[kind]
             self.bytes[kind] += other.bytes[kind]
+        for mine, theirs in ((self.dim_elements, other.dim_elements), (self.dim_bytes, other.dim_bytes)):
+            for dim, counts in theirs.items():
+                into = mine.setdefault(dim, dict.fromkeys(COLLECTIVES, 0))
+                for kind in COLLECTIVES:
+                    into[kind] += counts[kind]
         self.graphs |= other.graphs
 
 
@@ -126,17 +151,32 @@ class Runtime:
 
     ``timeout_s`` (seconds) bounds the wait of the schedule check; ``device`` holds its tensors
     (CPU for gloo, the rank's GPU for NCCL).
+
+    Hybrid sharding (a 2-D mesh, ``(replicate, shard)``): ``group`` is this rank's shard group
+    (``world_size``, ``rank`` and the layouts are the shard dim's); ``replicate_group`` the ranks
+    holding the same shards, across which reduced gradient shards are all-reduced;
+    ``world_group`` every rank of the mesh (the schedule check and checkpoints run over it).
+    Without a mesh both default to ``group`` alone (no replicate group).
     """
 
     def __init__(self, group: dist.ProcessGroup, stage: int, layouts: list[ParamLayout], units: list[Unit], *,
-                 timeout_s: float = 300.0, device: torch.device | str = "cpu"):
+                 timeout_s: float = 300.0, device: torch.device | str = "cpu",
+                 replicate_group: dist.ProcessGroup | None = None, world_group: dist.ProcessGroup | None = None):
         self.group = group
+        self.world_group = world_group or group
+        # a replicate dim of one rank reduces nothing: treated as none (no collective, no accounting)
+        if replicate_group is not None and dist.get_world_size(replicate_group) == 1:
+            replicate_group = None
+        self.replicate_group = replicate_group
+        self.replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        self.replicate_group_name = None if replicate_group is None else replicate_group.group_name
         self.timeout_s = timeout_s  # bound on the schedule check's wait (seconds)
         self.device = torch.device(device)  # where the schedule check's tensors live (CUDA for NCCL)
         self._graphs_seen = 0
         self.group_name = group.group_name
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.dp_size = self.world_size * self.replicate_size  # N: ranks whose gradients are averaged
         self.fake_world = is_fake_world(group)  # zerograph.fake_world: no peers, collectives move no data
         self.stage = stage
         self.layouts = {layout.key: layout for layout in layouts}
@@ -199,33 +239,35 @@ class Runtime:
                 first rank that differs from it disagree (kind, size, dtype, unit).
             CollectiveError: the exchange failed or timed out (a peer rank is gone or stuck).
         """
-        if self.world_size == 1 or not schedule.entries or self.fake_world:
+        size = dist.get_world_size(self.world_group)  # every rank of the mesh: replicas must agree too
+        if size == 1 or not schedule.entries or self.fake_world:
             return
         mine = torch.tensor([schedule.digest, len(schedule.entries)], dtype=torch.int64, device=self.device)
-        everyone = torch.empty(self.world_size * 2, dtype=torch.int64, device=self.device)  # (N * 2,)
+        everyone = torch.empty(size * 2, dtype=torch.int64, device=self.device)  # (N * 2,)
         start = time.monotonic()
         try:
-            work = all_gather_single(everyone, mine, group=self.group, async_op=True)
+            work = all_gather_single(everyone, mine, group=self.world_group, async_op=True)
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
             raise CollectiveError(self.failure_message(f"the schedule check before {schedule.label}",
                                                        schedule, exc, time.monotonic() - start)) from exc
-        digests = everyone.view(self.world_size, 2)[:, 0].tolist()
+        digests = everyone.view(size, 2)[:, 0].tolist()
         if any(d != digests[0] for d in digests):
             self._raise_mismatch(schedule, digests)
 
     def _raise_mismatch(self, schedule: CommSchedule, digests: list[int]) -> None:
         """Every rank saw the same digests, so every rank comes here and raises the same message."""
-        peers: list = [None] * self.world_size
+        peers: list = [None] * len(digests)
         try:  # the error path only: the full schedules, to name the difference
-            dist.all_gather_object(peers, (schedule.label, schedule.entries), group=self.group)
+            dist.all_gather_object(peers, (schedule.label, schedule.entries), group=self.world_group)
         except RuntimeError as exc:
             what = "exchanging schedules after a mismatch"
             raise CollectiveError(self.failure_message(what, schedule, exc, 0.0)) from exc
         other = next(r for r, d in enumerate(digests) if d != digests[0])
         same = [r for r, d in enumerate(digests) if d == digests[0]]
         raise ScheduleMismatchError(self._describe_mismatch(peers[0], other, peers[other])
-                                    + f" (ranks with rank 0's schedule: {same}; this is rank {self.rank})")
+                                    + f" (ranks with rank 0's schedule: {same}; this is rank "
+                                    f"{dist.get_rank(self.world_group)})")
 
     def _describe_mismatch(self, first: tuple, other: int, second: tuple) -> str:
         (label_a, a), (label_b, b) = first, second
@@ -392,7 +434,7 @@ class Runtime:
         size 1 nothing is worth keeping: every mode hands the gradient straight to the shard)."""
         layout = self.layouts[key]
         self.backward_ran = True
-        if self.world_size == 1:
+        if self.dp_size == 1:
             return grad.to(layout.reduce_dtype).to(layout.dtype, copy=True)
         if grad_mode == GRAD_ACCUMULATE:
             return self.accumulate_unsynced(grad, key)
@@ -401,7 +443,8 @@ class Runtime:
             out = grad.contiguous().clone()
             self._eager("all_reduce", key, lambda: dist.all_reduce(out, group=self.group))
             self.current.add("all_reduce", out.numel(), out.element_size(), self.world_size)
-            return out.div_(self.world_size).to(layout.dtype)
+            self._all_reduce_replicas(out, key)
+            return out.div_(self.dp_size).to(layout.dtype)
         if (self.reduce_quantization is not None and grad.dtype in QUANTIZABLE_DTYPES
                 and quantizes([layout.shard_numel], layout.reduce_dtype)):
             return self._reduce_quantized_eager(grad, key)
@@ -411,7 +454,22 @@ class Runtime:
         self._eager("reduce_scatter", key, lambda: dist.reduce_scatter_tensor(
             to_wire(out.view(-1)), to_wire(padded.reshape(-1)), group=self.group))
         self.current.add("reduce_scatter", padded.numel(), padded.element_size(), self.world_size)
-        return out[: layout.rank_rows[self.rank]].div_(self.world_size).to(layout.dtype, copy=True)
+        self._all_reduce_replicas(out, key)
+        return out[: layout.rank_rows[self.rank]].div_(self.dp_size).to(layout.dtype, copy=True)
+
+    def _all_reduce_replicas(self, out: torch.Tensor, key: int) -> None:
+        """Hybrid sharding: sum ``out`` (a reduced shard, in place) over the replicate group."""
+        if self.replicate_group is None:
+            return
+        self._eager("all_reduce", key, lambda: dist.all_reduce(to_wire(out.view(-1)), group=self.replicate_group))
+        self.current.add("all_reduce", out.numel(), out.element_size(), self.replicate_size, REPLICATE_DIM)
+
+    def comm_dim(self, group_name: str) -> tuple[str, int]:
+        """``(mesh dim, group size)`` of the group a graph's collective names: the replicate dim
+        for the replicate group, else the shard dim (the model's group; a 1-D mesh's only dim)."""
+        if group_name is not None and group_name == self.replicate_group_name:
+            return REPLICATE_DIM, self.replicate_size
+        return SHARD_DIM, self.world_size
 
     def _reduce_quantized_eager(self, grad: torch.Tensor, key: int) -> torch.Tensor:
         """``reduce_grad_eager`` with ``reduce_quantization``: the graphs' quantized all-to-all and
@@ -422,8 +480,9 @@ class Runtime:
         self._eager("reduce_scatter", key, lambda: dist.all_to_all_single(received, send, group=self.group))
         self.current.add("reduce_scatter", send.numel(), send.element_size(), n)
         out = DEQUANTIZE_SUM(received, n, [layout.chunk_rows], [layout.row_numel], layout.reduce_dtype, BLOCK)
-        out = out.view(layout.chunk_rows, *layout.shape[1:])[: layout.rank_rows[self.rank]]
-        return out.div_(n).to(layout.dtype, copy=True)
+        out = out.view(layout.chunk_rows, *layout.shape[1:])
+        self._all_reduce_replicas(out, key)  # hybrid sharding: fp32, unquantized, across replicas
+        return out[: layout.rank_rows[self.rank]].div_(self.dp_size).to(layout.dtype, copy=True)
 
     def _eager(self, kind: str, key: int, collective: Callable[[], Any]) -> None:
         """Run one eager collective; a communication failure becomes a ``CollectiveError`` naming

@@ -251,9 +251,14 @@ def shard_module_(
     are left untouched. A parameter on the meta device gets an uninitialised shard of this rank's
     rows only, allocated on ``device`` (meta-device construction: no full tensor is ever made).
 
+    ``mesh`` is 1-D (the ranks that shard) or 2-D, ``(replicate, shard)`` as FSDP2's HSDP: the
+    shards are cut over its last dim and replicated over the first (placements
+    ``(Replicate(), Shard(0))``), so ``world_size`` in the layouts is the shard dim's size.
+
     Returns the layouts in key order and the units (index 0 is the root unit).
     """
-    world_size, rank = mesh.size(), mesh.get_local_rank()
+    shard_dim = mesh.ndim - 1
+    world_size, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
     sharded = stage >= 1
     owner = _unit_of_modules(model, units)
     new_param_of: dict[int, tuple[nn.Parameter, int]] = {}
@@ -290,16 +295,15 @@ def shard_module_(
 def _make_shard(param: nn.Parameter, layout: ParamLayout, mesh: DeviceMesh, rank: int,
                 device: torch.device | None = None) -> nn.Parameter:
     data = param.detach()
+    # replicated over every mesh dim but the last (HSDP's replicate dim), sharded over the last
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0) if layout.sharded else Replicate()]
     if data.is_meta:  # meta-device construction: allocate this rank's rows only, values come later
         local = torch.empty(layout.local_shape(rank), dtype=data.dtype, device=device)
-        placements = [Shard(0)] if layout.sharded else [Replicate()]
     elif layout.sharded:
         start = rank * layout.chunk_rows
         local = data[start : start + layout.rank_rows[rank]].clone()
-        placements = [Shard(0)]
     else:
         local = data.clone()
-        placements = [Replicate()]
     dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=data.shape, stride=data.stride())
     return nn.Parameter(dt, requires_grad=param.requires_grad)
 

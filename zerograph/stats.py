@@ -55,6 +55,14 @@ class Stats:
             bounds (per graph). Offloaded activations are not counted here.
         offloaded_activation_bytes: bytes of saved activations the step's forward graphs handed
             to backward in host memory instead (``Config.activation_offload``), measured alike.
+        comm_elements_per_dim, comm_bytes_per_dim: ``comm_elements`` and ``comm_bytes`` split
+            by the mesh dim each collective ran over: ``{"shard": {kind: n}, "replicate": {kind:
+            n}}`` (hybrid sharding, ``compile(mesh=2-D mesh)``: gathers and reduce-scatters
+            within the shard group of S ranks, the gradient all-reduce of the reduced shards
+            across the R replicas, bytes at ``(R-1)/R`` of it twice); a 1-D group has only
+            ``"shard"``. Summed over the dims they are ``comm_elements`` / ``comm_bytes``.
+        replicas: R, the replicate dim's size (1 without a 2-D mesh); ``world_size`` is the
+            shard dim's S, so gradients are averaged over ``world_size * replicas`` ranks.
         fake_world: the step ran as one rank of a fake world (``zerograph.fake_world``): bytes
             and counts are this rank's real ones, but no collective moved data, so the values
             the step computed were meaningless. ``str()`` says so on its first line.
@@ -71,6 +79,9 @@ class Stats:
     saved_activation_bytes: int = 0
     offloaded_activation_bytes: int = 0
     fake_world: bool = False
+    comm_elements_per_dim: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    comm_bytes_per_dim: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    replicas: int = 1
 
     def __str__(self) -> str:
         if not self.fake_world:
@@ -166,4 +177,7 @@ def stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> S
     saved = sum(state.captured.saved_activation_bytes.get(graph_id, 0) for graph_id in sorted(step.graphs))
     offloaded = sum(state.captured.offloaded_activation_bytes.get(graph_id, 0) for graph_id in sorted(step.graphs))
     return Stats(rt.stage, rt.world_size, num_params, dict(step.elements), dict(step.bytes), resident,
-                 formula, transient, saved, offloaded, fake_world=rt.fake_world)
+                 formula, transient, saved, offloaded, fake_world=rt.fake_world,
+                 comm_elements_per_dim={d: dict(c) for d, c in step.dim_elements.items()},
+                 comm_bytes_per_dim={d: dict(c) for d, c in step.dim_bytes.items()},
+                 replicas=rt.replicate_size)

@@ -24,6 +24,20 @@ COLLECTIVE_KINDS = {
     torch.ops._c10d_functional.all_to_all_single.default: "reduce_scatter",
 }
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+# The mesh dims a collective runs over (hybrid sharding, FSDP2's 2-D mesh ``(replicate, shard)``):
+# gathers and reduce-scatters within the shard group, the gradient all-reduce across replicas. A
+# 1-D group (no mesh, or a 1-D one) is the shard dim, whatever the stage.
+SHARD_DIM = "shard"
+REPLICATE_DIM = "replicate"
+MESH_DIMS = (REPLICATE_DIM, SHARD_DIM)
+
+
+def group_name_of(collective: fx.Node) -> str | None:
+    """The process-group name a functional collective node runs over (its last argument)."""
+    if "group_name" in collective.kwargs:
+        return collective.kwargs["group_name"]
+    return collective.args[-1] if collective.args and isinstance(collective.args[-1], str) else None
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from zerograph.passes.manager import PASS_TIMES
+
 from .annotate import collectives, releases
 from .manifest import rank_manifest, write_json
 
@@ -46,10 +48,23 @@ def build_report(runtime: Any, captured: Any, stats: Any | None) -> dict[str, An
                     for u in r["units"]:
                         rows[u]["released"].append({**where, "node": r["node"], "position": r["position"]})
     report: dict[str, Any] = {"rank": rank, "world_size": runtime.world_size, "stage": runtime.stage,
-                              "graphs": len(captured.graphs), "units": rows}
+                              "replicas": runtime.replicate_size,
+                              "graphs": len(captured.graphs), "units": rows, "passes": _pass_times(captured)}
     if stats is not None:
         report["totals"] = _totals(stats)
     return report
+
+
+def _pass_times(captured: Any) -> list[dict[str, Any]]:
+    """Per captured graph and kind: nodes before and after its pass pipeline and each pass's
+    seconds (``passes.manager.PASS_TIMES``, recorded whether or not a dump was asked for)."""
+    rows = []
+    for g, record in enumerate(captured.graphs):
+        for kind in ("joint", "forward", "backward", "inference"):
+            times = record[kind].meta.get(PASS_TIMES) if kind in record else None
+            if times is not None:
+                rows.append({"graph": g, "kind": kind, **times})
+    return rows
 
 
 def _totals(stats: Any) -> dict[str, Any]:
@@ -61,7 +76,9 @@ def _totals(stats: Any) -> dict[str, Any]:
             "comm_psi": moved / psi if psi else 0.0, "paper_comm_psi": paper_psi,
             "paper_comm_elements": paper_psi * psi, "comm_bytes": dict(stats.comm_bytes),
             "resident_bytes": dict(stats.resident_bytes), "formula_bytes": dict(stats.formula_bytes),
-            "transient_bytes": dict(stats.transient_bytes)}
+            "transient_bytes": dict(stats.transient_bytes),
+            "comm_elements_per_dim": {d: dict(c) for d, c in stats.comm_elements_per_dim.items()},
+            "comm_bytes_per_dim": {d: dict(c) for d, c in stats.comm_bytes_per_dim.items()}}
 
 
 def _where(events: Sequence[Mapping[str, Any]], many_graphs: bool, describe: Callable[[Mapping[str, Any]], str]) -> str:
@@ -89,7 +106,9 @@ def _reduced_at(e: Mapping[str, Any]) -> str:
 def summary_markdown(report: Mapping[str, Any]) -> str:
     """``summary.md`` from ``build_report``'s data."""
     many = report["graphs"] > 1
-    lines = [f"# zerograph summary: rank {report['rank']} of {report['world_size']}, stage {report['stage']}", ""]
+    replicas = report.get("replicas", 1)
+    of = f"{report['world_size']}" + (f" (shard dim; x {replicas} replicas)" if replicas > 1 else "")
+    lines = [f"# zerograph summary: rank {report['rank']} of {of}, stage {report['stage']}", ""]
     if not report["graphs"]:
         lines += ["No graph has been captured yet: run a step first.", ""]
     lines += [
@@ -108,6 +127,7 @@ def summary_markdown(report: Mapping[str, Any]) -> str:
             f"| {u['shard_bytes']:,} | {_where(u['gathered'], many, _gathered_at)} "
             f"| {_where(u['gathered'], many, _wait_after)} | {_where(u['released'], many, _released_at)} "
             f"| {_where(u['reduced'], many, _reduced_at)} |")
+    lines += _pass_time_lines(report.get("passes", []), many)
     totals = report.get("totals")
     lines.append("")
     if totals is None:
@@ -122,6 +142,12 @@ def summary_markdown(report: Mapping[str, Any]) -> str:
     for kind, elements in totals["comm_elements"].items():
         if elements:
             lines.append(f"| {kind} | {elements:,} elements, {totals['comm_bytes'][kind]:,} bytes sent | |")
+    per_dim = totals.get("comm_bytes_per_dim", {})
+    if len(per_dim) > 1:  # hybrid sharding: each collective counted on the mesh dim it ran over
+        for dim, sent in per_dim.items():
+            elements = totals["comm_elements_per_dim"][dim]
+            kinds = ", ".join(f"{k} {elements[k]:,} elements / {sent[k]:,} bytes" for k in sent if sent[k])
+            lines.append(f"| over the {dim} dim | {kinds} | |")
     for key, held in totals["resident_bytes"].items():
         formula = totals["formula_bytes"].get(key)
         transient = totals["transient_bytes"].get(key)
@@ -129,6 +155,21 @@ def summary_markdown(report: Mapping[str, Any]) -> str:
         paper = f"{formula:,.0f} bytes" if formula is not None else "-"
         lines.append(f"| {key} held at most (sec. 5) | {held:,} bytes{extra} | {paper} |")
     return "\n".join(lines) + "\n"
+
+
+def _pass_time_lines(rows: Sequence[Mapping[str, Any]], many_graphs: bool) -> list[str]:
+    """The "Compile time" table: one row per graph, each pass's milliseconds in pipeline order."""
+    if not rows:
+        return []
+    lines = ["", "## Compile time of the passes", "",
+             "Wall-clock milliseconds of each pass on each graph (the pipeline's order), and the graph's nodes "
+             "before and after it.", "", "| graph | nodes in -> out | total ms | passes (ms) |", "|---|---:|---:|---|"]
+    for row in rows:
+        name = ("g%d " % row["graph"] if many_graphs else "") + row["kind"]
+        passes = ", ".join(f"{p} {1e3 * s:.1f}" for p, s in row["seconds"].items())
+        lines.append(f"| {name} | {row['nodes_in']:,} -> {row['nodes_out']:,} | "
+                     f"{1e3 * sum(row['seconds'].values()):.1f} | {passes} |")
+    return lines
 
 
 _LAST_TOTALS: dict[str, dict[str, Any]] = {}  # rank directory -> totals last written there

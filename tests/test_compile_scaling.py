@@ -1,0 +1,113 @@
+"""Compile work that must not grow with depth faster than the graph does (issue 16): the passes'
+order bookkeeping, the splice templates shared by identical blocks, and the per-pass times the
+dump's summary shows. In process, one rank of a fake world; structure only, never wall-clock."""
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+import torch.fx as fx
+
+import zerograph
+from zerograph.dump.report import build_report, summary_markdown
+from zerograph.models.gpt import GPT, GPTConfig
+from zerograph.passes import _fx
+from zerograph.passes.manager import PASS_TIMES, pipeline
+from zerograph.state import graphs_of, runtime_of_model, state_of
+
+from .distributed import fake_rank
+
+
+def _chain_graph(n: int) -> fx.Graph:
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    nodes = [x]
+    for _ in range(n):
+        nodes.append(graph.call_function(torch.neg, (x,)))
+    graph.output(nodes[-1])
+    return graph
+
+
+def test_node_order_follows_moves_and_inserts() -> None:
+    """After any sequence of moves and inserts, ``NodeOrder`` orders nodes as the graph does."""
+    rng = random.Random(0)
+    graph = _chain_graph(60)
+    order = _fx.NodeOrder(graph)
+    x = next(iter(graph.nodes))
+    for step in range(400):
+        body = [n for n in graph.nodes if n.op == "call_function"]
+        node, point = rng.sample(body, 2)
+        if step % 5 == 0:  # an insert the order has not seen
+            with graph.inserting_before(point):
+                graph.call_function(torch.abs, (x,))
+        else:
+            point.prepend(node)
+            order.moved(node)
+        if step % 40 == 0:  # also the worst case for floats: many moves into one gap
+            for other in body[:30]:
+                point.prepend(other)
+                order.moved(other)
+        truth = _fx.position(graph)
+        ranked = sorted(truth, key=order.__getitem__)
+        assert ranked == list(graph.nodes), f"order diverged from the graph after step {step}"
+
+
+def _compile_gpt(blocks: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=blocks, n_embd=32, n_head=2, block_size=16))
+    model = zerograph.compile(model, 3)
+    idx = torch.randint(0, 256, (2, 16))
+    model(idx, idx).backward()
+    return model
+
+
+def _traces_and_code(blocks: int, monkeypatch: pytest.MonkeyPatch, limit: int) -> tuple[int, dict[str, str]]:
+    """Splice traces (``make_fx`` calls) and the final graphs' code of a stage-3 GPT of ``blocks``
+    blocks, with at most ``limit`` templates kept per compile (0: every splice traces)."""
+    traces = 0
+    real = _fx.make_fx
+
+    def counting(*args, **kwargs):
+        nonlocal traces
+        traces += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_fx, "make_fx", counting)
+    monkeypatch.setattr(_fx, "TEMPLATE_LIMIT", limit)
+    with fake_rank(2):
+        record = graphs_of(_compile_gpt(blocks))[0]
+        # the buffer pool's number differs from model to model; all else must match
+        code = {kind: re.sub(r"pool_buffer\.default\(\d+,", "pool_buffer.default(POOL,", record[kind].code)
+                for kind in ("forward", "backward")}
+    return traces, code
+
+
+def test_identical_blocks_share_splice_traces_and_graphs_are_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPT of 8 blocks traces as many splice replacements as one of 2 (each block's all-gather
+    and reduce-scatter are copies of one template), and its final graphs are exactly those built
+    without templates."""
+    traces_2, _ = _traces_and_code(2, monkeypatch, _fx.TEMPLATE_LIMIT)
+    traces_8, code_8 = _traces_and_code(8, monkeypatch, _fx.TEMPLATE_LIMIT)
+    untemplated_8, plain_code_8 = _traces_and_code(8, monkeypatch, 0)
+    assert traces_8 == traces_2, (traces_2, traces_8)
+    assert untemplated_8 > traces_8 + 8  # without templates every block's gather and reduction trace anew
+    assert code_8 == plain_code_8
+
+
+def test_summary_shows_each_pass_time_per_graph() -> None:
+    with fake_rank(2):
+        model = _compile_gpt(2)
+        record = graphs_of(model)[0]
+        for kind in ("joint", "forward", "backward"):
+            times = record[kind].meta[PASS_TIMES]
+            assert list(times["seconds"]) == [p.__name__ for p in pipeline(kind)]
+            assert all(s >= 0 for s in times["seconds"].values())
+            assert times["nodes_out"] == len(record[kind].graph.nodes)
+        report = build_report(runtime_of_model(model), state_of(model).captured, None)
+        text = summary_markdown(report)
+    assert "## Compile time of the passes" in text
+    assert [(r["kind"], list(r["seconds"])) for r in report["passes"]] == [
+        (kind, [p.__name__ for p in pipeline(kind)]) for kind in ("joint", "forward", "backward")]
+    assert "insert_reduce_scatter" in text.split("## Compile time of the passes")[1]
