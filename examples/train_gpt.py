@@ -5,7 +5,10 @@
 Bytes are tokens (vocab 256). Every rank draws the same global batch from one seed and trains on its
 slice, so the run is the same as single-process training on the global batch. Each log line shows
 the loss, tokens/s, each rank's resident model-state bytes beside the ZeRO paper's formula for the
-stage, and the step's communication volume beside the paper's 2Ψ (stages 0-2) / 3Ψ (stage 3).
+stage, and the step's communication volume beside the paper's 2Ψ (stages 0-2) / 3Ψ (stage 3), and
+the bytes each rank sent per collective kind. With ``--gather-quantization int8`` (ZeRO++'s qwZ) the
+all-gathers move bytes (int8 values and fp32 scales), so their part of the Ψ multiple counts bytes;
+likewise the reduce-scatters with ``--reduce-quantization int8`` (qgZ).
 """
 from __future__ import annotations
 
@@ -66,6 +69,11 @@ def main() -> None:
     p.add_argument("--data-bytes", type=int, default=8_000_000)
     p.add_argument("--lowering", default="auto", choices=["auto", "eager", "inductor"],
                    help="auto: Inductor on CUDA, eager on CPU")
+    p.add_argument("--gather-quantization", choices=["int8"], default=None,
+                   help="all-gather parameters as block-wise int8 + fp32 scales (ZeRO++ qwZ); default: unquantized")
+    p.add_argument("--reduce-quantization", choices=["int8"], default=None,
+                   help="reduce-scatter gradients as an all-to-all of int8 blocks + fp32 scales, summed in fp32 "
+                        "(ZeRO++ qgZ, one hop); default: unquantized")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -75,7 +83,9 @@ def main() -> None:
     cfg = dataclasses.replace(SIZES[args.size], **overrides)
     torch.manual_seed(args.seed)
     model = GPT(cfg)
-    model = zerograph.compile(model, stage=args.stage, config=zerograph.Config(lowering=args.lowering))
+    model = zerograph.compile(model, stage=args.stage, config=zerograph.Config(
+        lowering=args.lowering, gather_quantization=args.gather_quantization,
+        reduce_quantization=args.reduce_quantization))
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the world size {world}")
@@ -116,8 +126,9 @@ def main() -> None:
             dist.all_gather_object(resident, {"resident": stats.resident_bytes, "transient": stats.transient_bytes})
             if rank == 0:
                 volume = sum(stats.comm_elements.values())
+                sent = ", ".join(f"{kind} {n / 2**20:.3f}MiB" for kind, n in stats.comm_bytes.items() if n)
                 print(f"step {step:4d} | loss {mean:.4f} | {tokens_per_step * (step - logged) / elapsed:8.0f} tok/s"
-                      f" | comm {volume / psi:.3f}Ψ (paper {IDEAL_VOLUME[args.stage]}Ψ)", flush=True)
+                      f" | comm {volume / psi:.3f}Ψ (paper {IDEAL_VOLUME[args.stage]}Ψ) | sent {sent}", flush=True)
                 for r, res in enumerate(resident):
                     line = "  ".join(f"{k} {gb(v)} (formula {gb(stats.formula_bytes[k])})"
                                      for k, v in res["resident"].items())

@@ -31,6 +31,10 @@ class PassContext:
             offload, cost_model); the group is ``activation_group``.
         activation_group: ``(group_name, size)`` of the group over which activations are
             replicated (P_a may partition them across it); ``None``: none.
+        gather_quantization: ``Config.gather_quantization`` (``None`` or ``"int8"``): how
+            ``insert_allgather`` encodes parameters on the wire.
+        reduce_quantization: ``Config.reduce_quantization``: how ``insert_reduce_scatter``
+            reduces gradients (``"int8"``: quantized all-to-all + fp32 sum).
         buffer_pool: the number of the runtime's ``BufferPool`` that ``buffer_reuse`` takes comm
             buffers from (an int in the graph, never the pool itself); ``None``: no pooling.
         replicate_group: hybrid sharding (a 2-D mesh ``(replicate, shard)``): ``(group_name,
@@ -51,6 +55,8 @@ class PassContext:
     activation_group: tuple[str, int] | None = None
     buffer_pool: int | None = None
     replicate_group: tuple[str, int] | None = None
+    gather_quantization: str | None = None
+    reduce_quantization: str | None = None
 
     @property
     def communicates(self) -> bool:

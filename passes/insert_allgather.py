@@ -23,9 +23,21 @@ view of it (every view is marked ``MUST_RECOMPUTE``: AOTAutograd's ``recompute_v
 node). At stage 0 or world size 1 the marker becomes its input (shards are full tensors), cast
 to ``param_dtype`` under mixed precision. Without mixed precision no cast is emitted.
 
+With ``Config.gather_quantization="int8"`` (ZeRO++'s qwZ) a bucket of fp32/bf16/fp16 parameters
+of which at least one shard holds a block (256 elements) is gathered quantized instead: copy-in
+``zerograph::pack_quantized`` (each rank's shards as int8 blocks plus fp32 scales, small shards
+raw, in one uint8 send buffer: ``zerograph.kernels.quantize``), an all-gather of those bytes, and
+copy-out ``zerograph::unpack_dequantized`` (each rank's chunk dequantized with its own scales into
+``param_dtype``, parameter-major), then a slice and a view per parameter. Quantize is fused with
+the pack (and dequantize with the unpack) in one kernel launch per parameter. The gradient is
+unaffected: the markers' backward (``reduce_grad``) reduces the full-precision gradient, taken at
+the dequantized weights. Other buckets (integer, bool, complex, fp64, or all shards below a
+block) gather as without quantization.
+
 Source: ZeRO (arXiv 1910.02054) section 5.3 (P_p); FSDP2's copy-in / all-gather / copy-out;
 SimpleFSDP (arXiv 2411.00284) for recompute-tagged gathers; FSDP2's ``MixedPrecisionPolicy``
-(cast before the all-gather, so a bf16 gather moves half the bytes of fp32).
+(cast before the all-gather, so a bf16 gather moves half the bytes of fp32); ZeRO++ (arXiv
+2306.10209) section 3.1 (qwZ).
 """
 from __future__ import annotations
 
@@ -35,6 +47,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED, from_wire, to_wire
+from zerograph.kernels.quantize import BLOCK, PACK_QUANTIZED, UNPACK_DEQUANTIZED, quantizes
 from zerograph.ops import UNSHARD
 from zerograph.sharding import ParamLayout
 from zerograph.vocab import TAG
@@ -95,7 +108,32 @@ def _copy_out(gathered: torch.Tensor, layouts: list[ParamLayout], world_size: in
     return [full[: layout.shape[0]]]
 
 
-def _gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str):
+def _quantized_gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str):
+    """qwZ: the copy-in quantizes each shard by blocks (``zerograph::pack_quantized``: int8 values
+    and fp32 scales in one uint8 send buffer, small shards raw), the all-gather moves those bytes,
+    the copy-out dequantizes each rank's chunk with its own scales into ``param_dtype``
+    (``zerograph::unpack_dequantized``), parameter-major, then a slice and a view per parameter."""
+    dtype = layouts[0].param_dtype
+    chunk_rows = [layout.chunk_rows for layout in layouts]
+
+    def gather(*shards: torch.Tensor) -> list[torch.Tensor]:
+        send = PACK_QUANTIZED(list(shards), chunk_rows, 1, dtype, BLOCK)  # (rank_bytes,) uint8
+        gathered = funcol.wait_tensor(funcol.all_gather_into_tensor(send, world_size, group_name))
+        flat = UNPACK_DEQUANTIZED(gathered, world_size, chunk_rows, [layout.shape[0] for layout in layouts],
+                                  [layout.row_numel for layout in layouts], dtype, BLOCK)  # (sum numel,)
+        outs, offset = [], 0
+        for layout in layouts:
+            outs.append(flat[offset : offset + layout.numel].view(layout.shape))
+            offset += layout.numel
+        return outs
+
+    return gather
+
+
+def _gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str, quantization: str | None = None):
+    if quantization is not None and quantizes([layout.shard_numel for layout in layouts], layouts[0].param_dtype):
+        return _quantized_gather_fn(layouts, world_size, group_name)
+
     def gather(*shards: torch.Tensor) -> list[torch.Tensor]:
         send = _copy_in(shards, layouts)  # (sum shard_numel,)
         # complex and bool travel as reals / bytes (to_wire), come back as themselves
@@ -125,9 +163,10 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         shard_of = {m.args[1]: m.args[0] for m in markers}
         for shard in shard_of.values():  # a shard's to_local view may sit after the unit's first use
             hoist_before(shard, first, order)
-        fulls = splice(graph, _gather_fn(layouts, ctx.world_size, ctx.group_name),
+        fulls = splice(graph, _gather_fn(layouts, ctx.world_size, ctx.group_name, ctx.gather_quantization),
                        [shard_of[k] for k in keys], before=first, tag=bucket_tag("gather", layouts),
-                       template=("gather", layout_template(layouts), ctx.world_size, ctx.group_name))
+                       template=("gather", layout_template(layouts), ctx.world_size, ctx.group_name,
+                                 ctx.gather_quantization))
         full_of = dict(zip(keys, fulls))
         for marker in markers:
             marker.replace_all_uses_with(full_of[marker.args[1]])
@@ -135,7 +174,7 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         gathers += 1
         if recompute:
             _mark_recompute(fulls)
-        elif ctx.graph_kind == "joint" and len(layouts) > 1:
+        elif ctx.graph_kind == "joint" and (len(layouts) > 1 or _unpacked(fulls[0]) is not None):
             # saved for backward: the one unpacked buffer, not each parameter's view of it
             _recompute_views([_unpacked(fulls[0])])
     graph.eliminate_dead_code()
@@ -193,8 +232,11 @@ def _recompute_views(bases: list[fx.Node]) -> None:
                 stack.append(user)
 
 
-def _unpacked(full: fx.Node) -> fx.Node:
-    """The ``unpack_gathered`` node a gathered parameter of a multi-parameter bucket views."""
-    while full.target is not UNPACK_GATHERED:
+def _unpacked(full: fx.Node) -> fx.Node | None:
+    """The ``unpack_gathered`` (or ``unpack_dequantized``) node a gathered parameter views, or
+    ``None`` when it views the gathered buffer itself (a single unquantized parameter)."""
+    while full.target not in (UNPACK_GATHERED, UNPACK_DEQUANTIZED):
+        if full.op != "call_function" or not full.args or not isinstance(full.args[0], fx.Node):
+            return None
         full = full.args[0]
     return full

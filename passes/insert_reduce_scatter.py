@@ -32,9 +32,16 @@ Placement (the stage's promise about full gradients):
 At world size 1 the marker becomes its input (cast through ``reduce_dtype`` to the parameter's dtype
 under mixed precision), whatever the mode: one rank has nothing to synchronise.
 
+With ``Config.reduce_quantization="int8"`` (ZeRO++'s qgZ, in one hop) a sharded bucket of float
+gradients with a shard of at least one block is reduced by ``_quantized_reduce_scatter`` instead:
+``zerograph::pack_quantized`` (rank ``r``'s chunk of every gradient as int8 blocks + fp32 scales),
+``all_to_all_single`` (counted as the bucket's reduce-scatter), ``zerograph::dequantize_sum`` (the
+N chunks of this rank's shard summed in fp32), then ÷N and the copy-out as above.
+
 Source: ZeRO (arXiv 1910.02054) sections 5.1-5.3 and 7 (volume Ψ per reduce-scatter);
 PyTorch DDP's gradient buckets and ``no_sync``; FSDP2's reduce-scatter copy-in,
-``MixedPrecisionPolicy.reduce_dtype`` and ``set_requires_gradient_sync``.
+``MixedPrecisionPolicy.reduce_dtype`` and ``set_requires_gradient_sync``; ZeRO++ (arXiv
+2306.10209) section 3.3 (qgZ).
 """
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from zerograph.kernels.ops import PACK_SHARDS, from_wire, to_wire
+from zerograph.kernels.quantize import BLOCK, DEQUANTIZE_SUM, PACK_QUANTIZED, QUANTIZABLE_DTYPES, quantizes, wire_layout
 from zerograph.ops import ACCUMULATE_UNSYNCED, REDUCE_GRAD, TAKE_UNSYNCED, grad_mode_of
 from zerograph.sharding import ParamLayout
 from zerograph.vocab import GRAD_ACCUMULATE, GRAD_FLUSH
@@ -83,21 +91,53 @@ def _copy_in(grads: tuple[torch.Tensor, ...], layouts: list[ParamLayout], world_
     return padded.reshape(-1)  # (N * chunk numel,)
 
 
+def _quantized_reduce_scatter(grads: tuple[torch.Tensor, ...], layouts: list[ParamLayout], world_size: int,
+                              group_name: str) -> torch.Tensor:
+    """qgZ in one hop: ``(sum shard_numel,)`` fp32, the sum over ranks of this rank's rows of each
+    gradient, as ``reduce_scatter_tensor`` returns them. Copy-in ``zerograph::pack_quantized``
+    (chunk ``r`` of every gradient quantized for rank ``r``), one ``all_to_all_single`` of those
+    bytes, copy-out ``zerograph::dequantize_sum`` (the N received chunks dequantized, summed in fp32).
+
+    Why an all-to-all and not a quantized ring: a ring reduce-scatter would dequantize, add and
+    re-quantize at each of its N - 1 hops (N - 1 quantization errors, and a kernel per hop); the
+    all-to-all sends each rank the same (N-1)/N of the buffer in one hop, quantized once. ZeRO++'s
+    hierarchical version (intra-node, then inter-node) only changes which links carry it."""
+    dtype, chunk_rows = layouts[0].reduce_dtype, [layout.chunk_rows for layout in layouts]
+    rank_bytes = wire_layout([layout.shard_numel for layout in layouts], dtype.itemsize).rank_bytes
+    send = PACK_QUANTIZED(list(grads), chunk_rows, world_size, dtype, BLOCK)  # (N * rank_bytes,) uint8
+    splits = [rank_bytes] * world_size
+    received = funcol.wait_tensor(funcol.all_to_all_single(send, splits, splits, group_name))
+    return DEQUANTIZE_SUM(received, world_size, chunk_rows, [layout.row_numel for layout in layouts], dtype, BLOCK)
+
+
+def _quantizes_reduction(layouts: list[ParamLayout], quantization: str | None, scatter: bool) -> bool:
+    return (quantization is not None and scatter and all(layout.param_dtype in QUANTIZABLE_DTYPES for layout in layouts)
+            and quantizes([layout.shard_numel for layout in layouts], layouts[0].reduce_dtype))
+
+
 def _reduce_fn(keys: list[int], layouts: list[ParamLayout], local_rows: list[int], world_size: int,
-               group_name: str, scatter: bool, flush: bool, replicate_group: tuple[str, int] | None = None):
+               group_name: str, scatter: bool, flush: bool, replicate_group: tuple[str, int] | None = None,
+               quantization: str | None = None):
+    quantized = _quantizes_reduction(layouts, quantization, scatter)
+
     def reduce(*grads: torch.Tensor) -> list[torch.Tensor]:
         if flush:  # add what the unsynced micro-batches accumulated (already in reduce_dtype)
             grads = tuple(TAKE_UNSYNCED(g, k) for g, k in zip(grads, keys))
-        send = _copy_in(grads, layouts, world_size, scatter)
-        if scatter:  # complex reduces as its real view (to_wire): the sum of each part
-            out = funcol.wait_tensor(funcol.reduce_scatter_tensor(to_wire(send), "sum", world_size, group_name))
+        if quantized:  # Config.reduce_quantization: fp32 sums of int8 chunks
+            out = _quantized_reduce_scatter(grads, layouts, world_size, group_name)
+            moved = out.dtype
         else:
-            out = funcol.wait_tensor(funcol.all_reduce(to_wire(send), "sum", group_name))
+            send = _copy_in(grads, layouts, world_size, scatter)
+            if scatter:  # complex reduces as its real view (to_wire): the sum of each part
+                out = funcol.wait_tensor(funcol.reduce_scatter_tensor(to_wire(send), "sum", world_size, group_name))
+            else:
+                out = funcol.wait_tensor(funcol.all_reduce(to_wire(send), "sum", group_name))
+            moved = send.dtype
         replicas = 1
         if replicate_group is not None:  # hybrid sharding: the reduced shard summed across replicas
             replicate_name, replicas = replicate_group
             out = funcol.wait_tensor(funcol.all_reduce(out, "sum", replicate_name))
-        out = from_wire(out, send.dtype) / (world_size * replicas)
+        out = from_wire(out, moved) / (world_size * replicas)
         shards, offset = [], 0
         for layout, rows in zip(layouts, local_rows):
             size = layout.shard_numel if scatter else layout.numel
@@ -166,9 +206,10 @@ def insert_reduce_scatter(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             local_rows = [by_key[k][0].meta["val"].shape[0] if scatter else 0 for k in keys]
             flush = mode == GRAD_FLUSH  # the flush's copy-in names the keys: no template shared across buckets
             fn = _reduce_fn(keys, layouts, local_rows, ctx.world_size, ctx.group_name, scatter,
-                            flush=flush, replicate_group=ctx.replicate_group)
+                            flush=flush, replicate_group=ctx.replicate_group,
+                            quantization=ctx.reduce_quantization)
             template = None if flush else ("reduce", layout_template(layouts), tuple(local_rows), ctx.world_size,
-                                           ctx.group_name, scatter, ctx.replicate_group)
+                                           ctx.group_name, scatter, ctx.replicate_group, ctx.reduce_quantization)
             shards = splice(graph, fn, summed, before=point, tag=bucket_tag("reduce", layouts), template=template)
             reductions += 1
         for key, shard in zip(keys, shards):

@@ -170,6 +170,9 @@ def test_system_names_parse():
     default = bench.parse_system("zerograph-s1", prefetch_depth=3, bucket_bytes=1024)
     assert (default.prefetch_depth, default.bucket_bytes, default.overlap) == (3, 1024, True)
     assert bench.parse_system("fsdp2-compile", 1, 0).compiled
+    quantized = bench.parse_system("zerograph-s3-qw-qg", 1, 0).zerograph_config()
+    assert (quantized.gather_quantization, quantized.reduce_quantization) == ("int8", "int8")
+    assert bench.parse_system("zerograph-s3-qg", 1, 0).zerograph_config().gather_quantization is None
     assert [bench.parse_system(n, 1, 0).paper_volume for n in ("zerograph-s2", "zerograph-s3", "ddp", "fsdp2")] == [2, 3, 2, 3]
     for bad in ("zerograph-s4", "zerograph-s3-fast", "deepspeed"):
         with pytest.raises(ConfigError):

@@ -78,7 +78,8 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
             or their device (move the model with ``.to()`` before compile instead).
 
     Raises:
-        ConfigError: ``stage`` not in 0-3, or a bad ``Config`` field.
+        ConfigError: ``stage`` not in 0-3, a bad ``Config`` field, or ``gather_quantization`` /
+            ``reduce_quantization`` at stage 0.
         ShardingError: parameters on several devices, or partly on the meta device (named); a
             ``device`` that cannot hold the shards (meta, CUDA without CUDA, or not the device of
             a model's real parameters); the model was compiled already, or it is a part of a
@@ -109,6 +110,10 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
         raise ConfigError(f"config must be a zerograph.Config, got {type(config).__name__}: "
                           f"write config=zerograph.Config(...)")
     config = config or Config()
+    if stage == 0 and (config.gather_quantization or config.reduce_quantization):
+        raise ConfigError("Config.gather_quantization and reduce_quantization apply to the all-gathers and "
+                          "reduce-scatters of stages 1-3; stage 0 (DDP) has neither (it all-reduces full "
+                          "gradients): leave them None at stage 0")
     _check_not_sharded(model)
     _check_no_sparse_gradients(model)
     if mesh is not None and process_group is not None:
@@ -141,6 +146,8 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     runtime = Runtime(group, stage, layouts, unit_objs, timeout_s=config.timeout_s, device=device,
                       replicate_group=replicate_group, world_group=world_group)
     runtime.shards = {layout.key: model.get_parameter(layout.fqn) for layout in layouts}
+    runtime.gather_quantization = config.gather_quantization  # graph breaks' eager gathers quantize too
+    runtime.reduce_quantization = config.reduce_quantization  # and their reductions
     for name, param in originals.items():
         param._zerograph_replaced = name  # type: ignore[attr-defined]
     _install_optimizer_guard()

@@ -85,7 +85,9 @@ class ZeroGraphBackend:
                            activation_group=config.activations.group_for_passes(),
                            buffer_pool=_pool_for(self.lowering, runtime),
                            replicate_group=(None if runtime.replicate_group is None
-                                            else (runtime.replicate_group_name, runtime.replicate_size)))
+                                            else (runtime.replicate_group_name, runtime.replicate_size)),
+                           gather_quantization=config.gather_quantization,
+                           reduce_quantization=config.reduce_quantization)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         check_no_parameter_writes(gm.graph, self.runtime.layouts)

@@ -21,6 +21,7 @@ from torch import nn
 
 from .costmodel import CostModel
 from .errors import ConfigError
+from .kernels.quantize import QUANTIZATIONS
 from .passes.manager import check_disabled_passes
 from .policies import ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, SchedulePolicy, check_module_classes
 
@@ -80,6 +81,20 @@ class Config:
         schedule: ``SchedulePolicy`` (bucket_bytes, prefetch_depth, max_inflight_bytes).
         memory: ``MemoryPolicy`` (unshard_budget_bytes, reshard_root_after_forward).
         activations: ``ActivationPolicy`` (budget_bytes, offload, group, cost_model).
+        gather_quantization: ``None`` (default) all-gathers parameters in ``param_dtype``;
+            ``"int8"`` sends each rank's shards as block-wise int8 values plus one fp32 scale per
+            256 elements and dequantizes them into ``param_dtype`` after the gather (ZeRO++'s qwZ,
+            arXiv 2306.10209 section 3.1): about a quarter of the bytes of fp32, half of bf16.
+            A forward approximation: gradients are reduced at full precision and the master
+            shards stay exact. Shards of fewer than 256 elements (norms, biases) and parameters
+            that are not fp32/bf16/fp16 are gathered unquantized (``zerograph.kernels.quantize``).
+        reduce_quantization: ``None`` (default) reduce-scatters gradients in ``reduce_dtype``;
+            ``"int8"`` (ZeRO++'s qgZ, section 3.3, in one hop): each rank quantizes every other
+            rank's chunk of its full gradients by blocks (int8 + one fp32 scale per 256
+            elements), one all-to-all exchanges them, and each rank dequantizes the N chunks of
+            its own shard and sums them in fp32. About a quarter of the bytes of an fp32
+            reduce-scatter. Small shards and non-float gradients as for ``gather_quantization``.
+            Both options are for stages 1-3: ``zerograph.compile`` refuses them at stage 0.
 
     Raises:
         ConfigError: a field of the wrong type or range, an unknown keyword, a policy given both
@@ -95,12 +110,15 @@ class Config:
     schedule: SchedulePolicy = SchedulePolicy()
     memory: MemoryPolicy = MemoryPolicy()
     activations: ActivationPolicy = ActivationPolicy()
+    gather_quantization: str | None = None
+    reduce_quantization: str | None = None
 
     def __init__(self, *, unit_classes: tuple[type[nn.Module], ...] | None = None,
                  lowering: Literal["auto", "eager", "inductor"] = "auto", timeout_s: float = 300.0,
                  dump_dir: str | None = None, disabled_passes: tuple[str, ...] = (),
                  mixed_precision: MixedPrecisionPolicy | None = None, schedule: SchedulePolicy | None = None,
                  memory: MemoryPolicy | None = None, activations: ActivationPolicy | None = None,
+                 gather_quantization: str | None = None, reduce_quantization: str | None = None,
                  **flat: Any) -> None:
         given = {"mixed_precision": mixed_precision, "schedule": schedule, "memory": memory,
                  "activations": activations}
@@ -119,11 +137,17 @@ class Config:
                 value = _policy_from_flat(policy, cls, flat)
             object.__setattr__(self, policy, value)
         for name, value in (("unit_classes", unit_classes), ("lowering", lowering), ("timeout_s", timeout_s),
-                            ("dump_dir", dump_dir), ("disabled_passes", disabled_passes)):
+                            ("dump_dir", dump_dir), ("disabled_passes", disabled_passes),
+                            ("gather_quantization", gather_quantization),
+                            ("reduce_quantization", reduce_quantization)):
             object.__setattr__(self, name, value)
         self._check()
 
     def _check(self) -> None:
+        for field in ("gather_quantization", "reduce_quantization"):
+            value = getattr(self, field)
+            if value is not None and value not in QUANTIZATIONS:
+                raise ConfigError(f"Config.{field} must be one of {(None, *QUANTIZATIONS)}, got {value!r}")
         if self.lowering not in LOWERINGS:
             raise ConfigError(f"Config.lowering must be one of {LOWERINGS}, got {self.lowering!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:

@@ -29,6 +29,7 @@ from .buffer_pool import BufferPool
 from .errors import CollectiveError, ProcessGroupError, ScheduleMismatchError
 from .fake import is_fake_world
 from .kernels.ops import to_wire
+from .kernels.quantize import BLOCK, DEQUANTIZE_SUM, PACK_QUANTIZED, QUANTIZABLE_DTYPES, UNPACK_DEQUANTIZED, quantizes
 from .sharding import ParamLayout, Unit
 from .vocab import (
     COLLECTIVE_KINDS,
@@ -188,6 +189,8 @@ class Runtime:
         self.unsynced: dict[int, torch.Tensor] = {}  # key -> full gradient summed while unsynced (reduce_dtype)
         self.buffer_pool = BufferPool()  # the comm buffers ``buffer_reuse`` assigns graphs to
         self.shards: dict[int, torch.Tensor] = {}  # key -> the model's parameter (DTensor shard); set by compile
+        self.gather_quantization: str | None = None  # Config.gather_quantization; set by compile
+        self.reduce_quantization: str | None = None  # Config.reduce_quantization; set by compile
         registry.register(layouts, self)  # what the markers' implementations look their keys up in
 
     # -- step accounting -------------------------------------------------------------------
@@ -400,6 +403,9 @@ class Runtime:
         """All-gather one parameter outside a graph. ``shard``: (local_rows, *rest) -> full shape,
         in ``param_dtype`` (cast before sending, as the graphs' copy-in does)."""
         layout = self.layouts[key]
+        if (self.gather_quantization is not None and layout.sharded and self.world_size > 1
+                and quantizes([layout.shard_numel], layout.param_dtype)):
+            return self._unshard_quantized_eager(shard, key)
         shard = shard.to(layout.param_dtype)
         if not layout.sharded or self.world_size == 1:
             return shard.clone()
@@ -409,6 +415,17 @@ class Runtime:
                     lambda: all_gather_single(to_wire(gathered.view(-1)), to_wire(padded.reshape(-1)), group=self.group))
         self.current.add("all_gather", gathered.numel(), gathered.element_size(), self.world_size)
         return gathered[: layout.shape[0]].clone()
+
+    def _unshard_quantized_eager(self, shard: torch.Tensor, key: int) -> torch.Tensor:
+        """``unshard_eager`` with ``gather_quantization``: the graphs' quantized copy-in, all-gather of
+        bytes and dequantizing copy-out (``passes/insert_allgather.py``), for one parameter."""
+        layout = self.layouts[key]
+        send = PACK_QUANTIZED([shard], [layout.chunk_rows], 1, layout.param_dtype, BLOCK)  # (rank_bytes,) uint8
+        gathered = send.new_empty(self.world_size * send.numel())
+        self._eager("all_gather", key, lambda: all_gather_single(gathered, send, group=self.group))
+        self.current.add("all_gather", gathered.numel(), gathered.element_size(), self.world_size)
+        return UNPACK_DEQUANTIZED(gathered, self.world_size, [layout.chunk_rows], [layout.shape[0]],
+                                  [layout.row_numel], layout.param_dtype, BLOCK).view(layout.shape)
 
     def reduce_grad_eager(self, grad: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> torch.Tensor:
         """Average one full gradient across ranks outside a graph: reduce-scatter to this rank's
@@ -428,6 +445,9 @@ class Runtime:
             self.current.add("all_reduce", out.numel(), out.element_size(), self.world_size)
             self._all_reduce_replicas(out, key)
             return out.div_(self.dp_size).to(layout.dtype)
+        if (self.reduce_quantization is not None and grad.dtype in QUANTIZABLE_DTYPES
+                and quantizes([layout.shard_numel], layout.reduce_dtype)):
+            return self._reduce_quantized_eager(grad, key)
         padded = _pad_rows(grad, self.world_size * layout.chunk_rows)
         out = grad.new_empty((layout.chunk_rows, *layout.shape[1:]))
         # complex as reals (to_wire): Python's reduce_scatter_tensor, unlike all_reduce, does not view it so
@@ -450,6 +470,19 @@ class Runtime:
         if group_name is not None and group_name == self.replicate_group_name:
             return REPLICATE_DIM, self.replicate_size
         return SHARD_DIM, self.world_size
+
+    def _reduce_quantized_eager(self, grad: torch.Tensor, key: int) -> torch.Tensor:
+        """``reduce_grad_eager`` with ``reduce_quantization``: the graphs' quantized all-to-all and
+        fp32 sum (``passes/insert_reduce_scatter.py``), for one parameter."""
+        layout, n = self.layouts[key], self.world_size
+        send = PACK_QUANTIZED([grad], [layout.chunk_rows], n, layout.reduce_dtype, BLOCK)  # (N * rank_bytes,) uint8
+        received = torch.empty_like(send)
+        self._eager("reduce_scatter", key, lambda: dist.all_to_all_single(received, send, group=self.group))
+        self.current.add("reduce_scatter", send.numel(), send.element_size(), n)
+        out = DEQUANTIZE_SUM(received, n, [layout.chunk_rows], [layout.row_numel], layout.reduce_dtype, BLOCK)
+        out = out.view(layout.chunk_rows, *layout.shape[1:])
+        self._all_reduce_replicas(out, key)  # hybrid sharding: fp32, unquantized, across replicas
+        return out[: layout.rank_rows[self.rank]].div_(self.dp_size).to(layout.dtype, copy=True)
 
     def _eager(self, kind: str, key: int, collective: Callable[[], Any]) -> None:
         """Run one eager collective; a communication failure becomes a ``CollectiveError`` naming

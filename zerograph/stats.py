@@ -28,6 +28,11 @@ class Stats:
         comm_bytes: the same collectives in bytes this rank sent (ring algorithms: (N-1)/N of the
             buffer per all-gather or reduce-scatter, twice that per all-reduce), in the dtype each
             moves: ``Config.param_dtype`` for all-gathers, ``Config.reduce_dtype`` for reductions.
+            With ``Config.gather_quantization`` an all-gather of quantized parameters moves a
+            byte buffer (int8 values, fp32 scales, small shards raw), and with
+            ``Config.reduce_quantization`` a reduce-scatter is an all-to-all of such buffers
+            (counted under ``"reduce_scatter"``): both counts are then of those bytes, exactly
+            what went on the wire.
         resident_bytes: ``"params"``, ``"grads"``, ``"optimizer_states"``: the most bytes of each
             held at once during the step. Params: this rank's shards plus the gathered full
             parameters alive at once (liveness over the compiled graphs); grads: unreduced full

@@ -19,6 +19,9 @@ COLLECTIVE_KINDS = {
     torch.ops._c10d_functional.all_gather_into_tensor_out.default: "all_gather",  # buffer_reuse's
     torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
     torch.ops._c10d_functional.all_reduce.default: "all_reduce",
+    # Config.reduce_quantization's reduce-scatter: an all-to-all of quantized chunks, summed by the
+    # receiver (its input is the full buffer, as a reduce-scatter's)
+    torch.ops._c10d_functional.all_to_all_single.default: "reduce_scatter",
 }
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 

@@ -1,7 +1,7 @@
 """The systems the bench compares: ``--systems`` names parsed into ``SystemSpec``s, and each built.
 
 A system is zerograph at a stage with its schedule options (``zerograph-s<0-3>[-noov][-nopool]
-[-keeproot][-pf<K>][-bb<BYTES>][-inductor]``), DDP, FSDP2 or FSDP2 under ``torch.compile``; see
+[-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg]``), DDP, FSDP2 or FSDP2 under ``torch.compile``; see
 the package docstring for what each modifier changes. ``build_system`` wraps a fresh model in
 one and gives it AdamW; ``train_step`` is the step every system runs.
 
@@ -38,6 +38,8 @@ class SystemSpec:
     bucket_bytes: int = 0
     lowering: str = "eager"
     compiled: bool = False
+    quantized_gathers: bool = False
+    quantized_reductions: bool = False
 
     @property
     def paper_volume(self) -> int:
@@ -48,10 +50,12 @@ class SystemSpec:
     def zerograph_config(self) -> Config:
         return Config(lowering=self.lowering, prefetch_depth=self.prefetch_depth, bucket_bytes=self.bucket_bytes,
                       reshard_root_after_forward=not self.keep_root,
+                      gather_quantization="int8" if self.quantized_gathers else None,
+                      reduce_quantization="int8" if self.quantized_reductions else None,
                       disabled_passes=(() if self.overlap else OVERLAP_PASSES) + (() if self.pool else ("buffer_reuse",)))
 
 
-_ZEROGRAPH_NAME = re.compile(r"^zerograph-s(?P<stage>[0-3])(?P<mods>(?:-(?:noov|nopool|keeproot|inductor|pf\d+|bb\d+))*)$")
+_ZEROGRAPH_NAME = re.compile(r"^zerograph-s(?P<stage>[0-3])(?P<mods>(?:-(?:noov|nopool|keeproot|inductor|qw|qg|pf\d+|bb\d+))*)$")
 
 
 def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpec:
@@ -63,7 +67,7 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
     match = _ZEROGRAPH_NAME.match(name)
     if not match:
         raise ConfigError(f"unknown system {name!r}: expected zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>]"
-                          "[-inductor], ddp, fsdp2 or fsdp2-compile")
+                          "[-inductor][-qw][-qg], ddp, fsdp2 or fsdp2-compile")
     mods = match["mods"].split("-")[1:]
     for mod in mods:
         if mod.startswith("pf"):
@@ -71,7 +75,7 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
         elif mod.startswith("bb"):
             bucket_bytes = int(mod[2:])
     return SystemSpec(name, "zerograph", stage=int(match["stage"]), overlap="noov" not in mods, pool="nopool" not in mods,
-                      keep_root="keeproot" in mods,
+                      keep_root="keeproot" in mods, quantized_gathers="qw" in mods, quantized_reductions="qg" in mods,
                       prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes,
                       lowering="inductor" if "inductor" in mods else "eager")
 

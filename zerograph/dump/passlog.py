@@ -18,7 +18,7 @@ from .annotate import op_counts, readable_python, unit_label
 from .manifest import rank_manifest, write_json
 
 ZEROGRAPH_OPS = ("all_gather_into_tensor", "all_gather_into_tensor_out", "reduce_scatter_tensor", "all_reduce",
-                 "wait_tensor", "unshard", "reduce_grad", "pool_buffer", "pack_shards_out")
+                 "all_to_all_single", "wait_tensor", "unshard", "reduce_grad", "pool_buffer", "pack_shards_out")
 SUMMARY_KINDS = 8          # op kinds named in a one-line change summary (passes.json has them all)
 
 

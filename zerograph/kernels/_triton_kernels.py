@@ -106,3 +106,109 @@ def launch_unpack(src, dst, world_size: int, rank_stride: int, col_offset: int, 
     grid = (triton.cdiv(shard_numel, COPY_BLOCK), world_size)
     _unpack_kernel[grid](src, dst, rank_stride, col_offset, shard_numel, dst.numel(),
                          BLOCK=COPY_BLOCK, num_warps=COPY_WARPS)
+
+
+# ------------------------------------------------------------------ block-wise int8 (qwZ gathers)
+# One program per quantization block of QUANT_BLOCK elements; must equal kernels.quantize.BLOCK.
+
+@triton.jit
+def _quantize_kernel(src_ptr, q_ptr, s_ptr, n, padded, q_offset, s_offset, BLOCK: tl.constexpr):
+    # One shard, block `pid`: elements k < n are the shard's, n <= k < padded are zero padding.
+    # scale = absmax / 127; q = floor(x * 127 / absmax + 0.5) in [-127, 127] (symmetric; 0 for an
+    # all-zero block). IEEE-rounded divisions (div_rn) so compiled Triton matches the reference.
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(src_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    absmax = tl.max(tl.abs(x), axis=0)
+    den = tl.where(absmax > 0.0, absmax, 1.0)
+    y = tl.div_rn(x * 127.0, tl.zeros_like(x) + den)
+    q = tl.minimum(tl.maximum(tl.floor(y + 0.5), -127.0), 127.0)
+    tl.store(q_ptr + q_offset + offs, q.to(tl.int8), mask=offs < padded)
+    tl.store(s_ptr + s_offset + pid, tl.div_rn(absmax, 127.0))
+
+
+@triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, dst_ptr, rank_bytes, q_col, s_col, shard_numel, numel, BLOCK: tl.constexpr):
+    # One parameter; axis 1 is the rank. Rank r's int8 chunk sits at q[r*rank_bytes + q_col : ... +
+    # shard_numel], its fp32 scales at s[(r*rank_bytes + s_col) / 4 + block]; the chunk is element
+    # range [r*shard_numel, (r+1)*shard_numel) of the full tensor, whose tail beyond `numel` is padding.
+    pid = tl.program_id(0).to(tl.int64)
+    rank = tl.program_id(1).to(tl.int64)
+    k = pid * BLOCK + tl.arange(0, BLOCK)
+    dst = rank * shard_numel + k
+    mask = (k < shard_numel) & (dst < numel)
+    q = tl.load(q_ptr + rank * rank_bytes + q_col + k, mask=mask, other=0).to(tl.float32)
+    s = tl.load(s_ptr + (rank * rank_bytes + s_col) // 4 + pid)
+    tl.store(dst_ptr + dst, (q * s).to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+QUANT_BLOCK, QUANT_WARPS = 256, 2
+
+
+def launch_quantize(src, q, s, padded: int, q_offset: int, s_offset: int) -> None:
+    if padded == 0:
+        return
+    grid = (triton.cdiv(padded, QUANT_BLOCK),)
+    _quantize_kernel[grid](src if src.numel() else s, q, s, src.numel(), padded, q_offset, s_offset,
+                           BLOCK=QUANT_BLOCK, num_warps=QUANT_WARPS)
+
+
+def launch_dequantize(q, s, dst, world_size: int, rank_bytes: int, q_col: int, s_col: int, shard_numel: int) -> None:
+    if shard_numel == 0 or dst.numel() == 0:
+        return
+    grid = (triton.cdiv(shard_numel, QUANT_BLOCK), world_size)
+    _dequantize_kernel[grid](q, s, dst, rank_bytes, q_col, s_col, shard_numel, dst.numel(),
+                             BLOCK=QUANT_BLOCK, num_warps=QUANT_WARPS)
+
+
+# ------------------------------------------------------ block-wise int8 reduction (qgZ reduce-scatters)
+
+@triton.jit
+def _dequantize_sum_kernel(q_ptr, s_ptr, dst_ptr, world_size, rank_bytes, q_col, s_col, dst_offset, shard_numel,
+                           BLOCK: tl.constexpr):
+    # One parameter, block `pid` of this rank's shard: the sum over source ranks r (in rank order,
+    # in fp32) of q_r * scale_r, rank r's int8 chunk at q[r*rank_bytes + q_col ...], its scales at
+    # s[(r*rank_bytes + s_col) / 4 + block].
+    pid = tl.program_id(0).to(tl.int64)
+    k = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = k < shard_numel
+    q_off = q_col + k
+    s_off = s_col // 4 + pid
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for _ in range(0, world_size):
+        q = tl.load(q_ptr + q_off, mask=mask, other=0).to(tl.float32)
+        acc += q * tl.load(s_ptr + s_off)
+        q_off += rank_bytes
+        s_off += rank_bytes // 4
+    tl.store(dst_ptr + dst_offset + k, acc, mask=mask)
+
+
+@triton.jit
+def _sum_raw_kernel(src_ptr, dst_ptr, world_size, rank_stride, col, dst_offset, shard_numel, BLOCK: tl.constexpr):
+    # One raw (unquantized) parameter: the fp32 sum over source ranks of src[r*rank_stride + col + k].
+    pid = tl.program_id(0).to(tl.int64)
+    k = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = k < shard_numel
+    off = col + k
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for _ in range(0, world_size):
+        acc += tl.load(src_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        off += rank_stride
+    tl.store(dst_ptr + dst_offset + k, acc, mask=mask)
+
+
+def launch_dequantize_sum(q, s, dst, world_size: int, rank_bytes: int, q_col: int, s_col: int, dst_offset: int,
+                          shard_numel: int) -> None:
+    if shard_numel == 0:
+        return
+    grid = (triton.cdiv(shard_numel, QUANT_BLOCK),)
+    _dequantize_sum_kernel[grid](q, s, dst, world_size, rank_bytes, q_col, s_col, dst_offset, shard_numel,
+                                 BLOCK=QUANT_BLOCK, num_warps=QUANT_WARPS)
+
+
+def launch_sum_raw(src, dst, world_size: int, rank_stride: int, col: int, dst_offset: int, shard_numel: int) -> None:
+    if shard_numel == 0:
+        return
+    grid = (triton.cdiv(shard_numel, COPY_BLOCK),)
+    _sum_raw_kernel[grid](src, dst, world_size, rank_stride, col, dst_offset, shard_numel,
+                          BLOCK=COPY_BLOCK, num_warps=COPY_WARPS)
