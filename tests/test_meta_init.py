@@ -32,14 +32,15 @@ def parity_runs(tmp_path_factory) -> dict[int, list[dict]]:
 
     glibc's malloc keeps freed blocks of the size it last unmapped (its dynamic mmap threshold),
     which adds 20-40 MiB of retained, reusable memory to the peak RSS; a fixed threshold makes the
-    RSS count what is live, which is what the memory test bounds (set for both spawns: the child
-    reads it at start)."""
+    RSS count what is live, which is what the memory test bounds. The child reads it at its start,
+    so the world-4 ranks start as fresh interpreters (``start_method="spawn"``), not forked from
+    the forkserver, which started with the environment of its own start."""
     previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     try:
         return {2: spawn(meta_parity, 2, STAGES, [], str(tmp_path_factory.mktemp("w2")), timeout_s=500),
                 4: spawn(meta_parity_and_memory, 4, STAGES, [TRAIN_STAGE], str(tmp_path_factory.mktemp("w4")),
-                         timeout_s=700)}
+                         timeout_s=700, start_method="spawn")}
     finally:
         if previous is None:
             del os.environ["MALLOC_MMAP_THRESHOLD_"]
