@@ -171,17 +171,21 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_
                     p.kill()
                 p.join()
             if start_method == "forkserver":
-                _count_forked_cpu(outdir, world_size)
+                _count_forked_cpu(outdir, cpu_used)
 
 
-def _count_forked_cpu(outdir: str, world_size: int) -> None:
-    """Add the CPU seconds the ranks wrote at their end (a killed rank wrote none)."""
+def _count_forked_cpu(outdir: str, sampled: list[float]) -> None:
+    """Add each rank's CPU seconds: what it wrote at its end (its reaped children included) or, if
+    more, the last sample of it and its live descendants (Inductor's compile workers outlive that
+    write; a killed rank wrote none)."""
     global forked_ranks_cpu_s
-    for r in range(world_size):
+    for r, last_sample in enumerate(sampled):
         path = os.path.join(outdir, f"rank{r}.cpu")
+        reported = 0.0
         if os.path.exists(path):
             with open(path) as f:
-                forked_ranks_cpu_s += float(f.read())
+                reported = float(f.read())
+        forked_ranks_cpu_s += max(reported, last_sample)
 
 
 def _errors(outdir: str, world_size: int) -> str:
