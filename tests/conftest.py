@@ -12,6 +12,8 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import functools  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -82,3 +84,38 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     any fixture of the test (module and session fixtures included) is set up."""
     marked = item.get_closest_marker("distributed") is not None
     distributed.spawn_allowed = lambda: marked
+
+
+# session fixtures that cache costly runs for several files (see _xdist_group)
+SHARED_RUN_FIXTURES = ("training_run", "one_rank")
+REPO = pathlib.Path(__file__).resolve().parent.parent  # xdist's node ids are relative to it
+
+
+@functools.lru_cache(maxsize=None)
+def _xdist_group(path: str) -> str:
+    """The unit of work ``pytest -n 2 --dist loadfile`` (``make test``) gives one worker: a file,
+    so that its module fixtures (one spawn each) run once; or, for a file whose tests take a
+    shared-run session fixture, that fixture's name, so its cached runs are made on one worker.
+    Read from the file's text: xdist's controller schedules by node id, without the items."""
+    try:
+        text = (REPO / path).read_text()
+    except OSError:
+        return path
+    for name in SHARED_RUN_FIXTURES:
+        if re.search(rf"def test_\w+\([^)]*\b{name}\b", text):
+            return name
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile`` with the files that share a session run grouped (``_xdist_group``)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedRunScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _xdist_group(nodeid.split("::", 1)[0])
+
+    return SharedRunScheduling(config, log)

@@ -4,7 +4,8 @@ Wall-clock durations (``--durations``) say little on a machine other jobs share:
 7-10 minutes on the idle 2 cores and about 26 minutes while they were shared. CPU seconds do not
 depend on the load. Per test (setup, call and teardown, so the module fixtures that spawn ranks are
 charged to the test that first needs them): CPU seconds of this process, and of its child
-processes that ended meanwhile (spawned ranks, subprocess checks); and an estimate of its wall time
+processes that ended meanwhile (subprocess checks; the ranks that tests/distributed.py forks from
+its forkserver, as they report); and an estimate of its wall time
 on an idle 2-core machine, ``self + children / 2`` (the ranks of a spawn run side by side).
 
 Loaded by tests/conftest.py; outside this repository: ``-p tests.cpu_durations``.
@@ -12,6 +13,7 @@ Loaded by tests/conftest.py; outside this repository: ``-p tests.cpu_durations``
 from __future__ import annotations
 
 import resource
+import sys
 import time
 
 import pytest
@@ -28,7 +30,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _cpu() -> tuple[float, float]:
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+    # ranks forked from tests/forkserver.py's server are its children, not ours: they report their own
+    forked = getattr(sys.modules.get("tests.distributed"), "forked_ranks_cpu_s", 0.0)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime + forked
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -5,12 +5,19 @@ process (``fake_rank``: no process start, no gloo, any world size).
 A rank that raises makes ``spawn`` kill the others and raise with that rank's traceback; a run
 that hangs is killed too (see ``spawn`` for how a hang is told from a slow run on a loaded
 machine), so it fails the test instead of stalling the suite.
+
+Ranks are forked from a forkserver that has imported torch (``tests.forkserver``): a rank
+started with the ``spawn`` method paid about 5 CPU seconds of imports before its first line, and
+the suite starts about 60 ranks. Each rank is still a new process (no state carries from one test
+to the next); ``start_method="spawn"`` is for a run that needs a fresh interpreter (one that reads
+environment variables at process start, such as glibc's malloc tunables).
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import os
+import resource
 import socket
 import tempfile
 import time
@@ -24,12 +31,24 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import zerograph
+from tests import forkserver
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# CPU seconds of the ranks forked from the forkserver: they are its children, not this process's,
+# so tests/cpu_durations.py adds this to the children's CPU it reads from getrusage
+forked_ranks_cpu_s = 0.0
+
+
+def _write_cpu(outdir: str, rank: int) -> None:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(os.path.join(outdir, f"rank{rank}.cpu"), "w") as f:
+        f.write(repr(own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime))
 
 
 def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple, pg_timeout_s: float,
@@ -45,9 +64,11 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
         if teardown_barrier:
             dist.barrier()  # no rank tears gloo down while a peer still talks to it
         dist.destroy_process_group()
+        _write_cpu(outdir, rank)
     except BaseException:
         with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
+        _write_cpu(outdir, rank)
         os._exit(1)
 
 
@@ -85,11 +106,13 @@ def cpu_seconds(pid: int) -> float:
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_timeout_s: float = 60,
-          teardown_barrier: bool = True) -> list[Any]:
+          teardown_barrier: bool = True, start_method: str = "forkserver") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
 
     ``fn`` must be importable (a module-level function). ``teardown_barrier=False`` is for runs
-    where a rank leaves on purpose. Raises ``RankFailed`` with the first failing rank's traceback,
+    where a rank leaves on purpose. ``start_method``: ``"forkserver"`` (torch already imported;
+    the ranks see the environment the server started with) or ``"spawn"`` (a fresh interpreter
+    that sees this process's environment now). Raises ``RankFailed`` with the first failing rank's traceback,
     or when the run is taken for hung:
 
     - a rank used more than ``timeout_s`` CPU seconds (with its child processes). CPU time, not
@@ -104,7 +127,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_
     if not spawn_allowed():
         raise SpawnNotMarked(f"spawn({fn.__name__}) in a test not marked `distributed`: add "
                              "@pytest.mark.distributed (or pytestmark) so `make test-fast` leaves it out")
-    ctx = mp.get_context("spawn")
+    ctx = forkserver.context() if start_method == "forkserver" else mp.get_context(start_method)
     with tempfile.TemporaryDirectory() as outdir:
         port = free_port()
         procs = [ctx.Process(target=_worker,
@@ -147,6 +170,22 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_
                 if p.is_alive():
                     p.kill()
                 p.join()
+            if start_method == "forkserver":
+                _count_forked_cpu(outdir, cpu_used)
+
+
+def _count_forked_cpu(outdir: str, sampled: list[float]) -> None:
+    """Add each rank's CPU seconds: what it wrote at its end (its reaped children included) or, if
+    more, the last sample of it and its live descendants (Inductor's compile workers outlive that
+    write; a killed rank wrote none)."""
+    global forked_ranks_cpu_s
+    for r, last_sample in enumerate(sampled):
+        path = os.path.join(outdir, f"rank{r}.cpu")
+        reported = 0.0
+        if os.path.exists(path):
+            with open(path) as f:
+                reported = float(f.read())
+        forked_ranks_cpu_s += max(reported, last_sample)
 
 
 def _errors(outdir: str, world_size: int) -> str:

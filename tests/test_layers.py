@@ -13,11 +13,12 @@ import ast
 import concurrent.futures
 import fnmatch
 import importlib
-import multiprocessing
 import pathlib
 
 import networkx as nx
 import pytest
+
+from tests import forkserver
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -148,11 +149,5 @@ def fresh_importer():
     """A process pool whose every task runs in a new child forked from a server that has imported
     torch but no zerograph module: a fresh interpreter per module, without paying torch's import
     each time."""
-    context = multiprocessing.get_context("forkserver")
-    # everything heavy that zerograph imports from other packages, so a child imports only zerograph
-    context.set_forkserver_preload(["torch", "torch.fx", "torch.distributed", "torch.distributed.tensor",
-                                    "torch.distributed.checkpoint", "torch._dynamo", "torch._functorch.aot_autograd",
-                                    "torch._functorch.partitioners", "torch.fx.experimental.symbolic_shapes",
-                                    "torch.utils.flop_counter", "numpy", "networkx"])
-    with concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=context, max_tasks_per_child=1) as pool:
+    with concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=forkserver.context(), max_tasks_per_child=1) as pool:
         yield pool

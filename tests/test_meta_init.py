@@ -28,23 +28,11 @@ TRAIN_WORLD, TRAIN_STAGE = 4, 3
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory) -> dict[int, list[dict]]:
-    """Two spawns: world 2, and world 4 followed by the memory measurement in the same ranks.
-
-    glibc's malloc keeps freed blocks of the size it last unmapped (its dynamic mmap threshold),
-    which adds 20-40 MiB of retained, reusable memory to the peak RSS; a fixed threshold makes the
-    RSS count what is live, which is what the memory test bounds (set for both spawns: the child
-    reads it at start)."""
-    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
-    try:
-        return {2: spawn(meta_parity, 2, STAGES, [], str(tmp_path_factory.mktemp("w2")), timeout_s=500),
-                4: spawn(meta_parity_and_memory, 4, STAGES, [TRAIN_STAGE], str(tmp_path_factory.mktemp("w4")),
-                         timeout_s=700)}
-    finally:
-        if previous is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
+    """Two spawns: world 2, and world 4 followed by the memory measurement in the same ranks (which
+    fix glibc's mmap threshold first: ``workers_meta.fix_mmap_threshold``)."""
+    return {2: spawn(meta_parity, 2, STAGES, [], str(tmp_path_factory.mktemp("w2")), timeout_s=500),
+            4: spawn(meta_parity_and_memory, 4, STAGES, [TRAIN_STAGE], str(tmp_path_factory.mktemp("w4")),
+                     timeout_s=700)}
 
 
 @pytest.mark.distributed
@@ -98,6 +86,7 @@ def test_meta_compile_and_init_memory_at_world_4_stays_near_a_quarter_of_the_mod
     for rank, result in enumerate(results):
         if not result["peak_reset"]:
             pytest.skip("/proc/self/clear_refs not writable: the peak RSS cannot be reset")
+        assert result["threshold_fixed"], rank  # glibc's mallopt took the fixed mmap threshold
         assert result["growth_kib"] * 1024 < bound, (rank, result["stages"], bound / 1024)
     assert results[0]["init_differs"] == []
 
