@@ -101,7 +101,7 @@ from .report import (
     plot,
     report,
 )
-from .runner import loss_check, measure_all, merge_ranks, rank_main, run_system
+from .runner import loss_check, measure_all, merge_ranks, prime_systems, rank_main, run_system
 from .simulation import (
     CLUSTERS_FILE,
     LOCAL_CLUSTER,
@@ -126,7 +126,7 @@ __all__ = [
     "comm_breakdown", "count_collectives", "describe_rank_failure", "format_report", "format_simulation",
     "format_table", "held_bytes", "load_cluster_table", "load_factory", "load_workload", "loss_check",
     "machine_description", "main", "match_nodes", "measure_all", "merge_ranks", "padded_params",
-    "parse_system", "parse_systems", "peak_allocations", "plot", "profile_allocations", "profile_steps",
+    "parse_system", "parse_systems", "peak_allocations", "plot", "prime_systems", "profile_allocations", "profile_steps",
     "rank_main", "report", "roofline_seconds", "run", "run_system", "simulate_system", "train_step",
     "unique_params", "validate_args",
 ]
