@@ -49,7 +49,10 @@ Definitions, identical for every system (also written into the JSON):
                     after the warm-up steps) during the timed steps, minus the RSS before the
                     system was built (after ``gc`` and ``malloc_trim``); so it counts the model,
                     optimizer states and the step's transients, and the memory kept by compiled
-                    code. GPU: ``torch.cuda.max_memory_allocated`` over the timed steps minus the
+                    code. One tiny model of each kind of system is built and stepped before the
+                    first system (``prime_systems``): what a process keeps after its first model
+                    of a kind (imports, Dynamo's caches) is in every baseline, not in the first
+                    system's peak. GPU: ``torch.cuda.max_memory_allocated`` over the timed steps minus the
                     allocation before the build. Max over ranks.
     peak alloc      bytes of the device's torch allocator (CPU: torch's CPU allocator; GPU: CUDA's,
                     as ``max_memory_allocated`` counts them) from ``torch.profiler(profile_memory=
