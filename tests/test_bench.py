@@ -162,6 +162,34 @@ def test_simulation_projects_every_zerograph_system(tiny_grid):
 # helpers, no processes
 
 
+def test_priming_runs_one_model_per_kind_and_leaves_no_bytes_held():
+    """``prime_systems`` builds and steps one tiny model per kind of system (so the first measured
+    system does not pay alone for the process's one-time costs) and keeps none of it: once the
+    bench releases its caches, no buffer pool, runtime or parameter of a primed model is alive."""
+    import gc
+
+    from zerograph import buffer_pool
+    from zerograph.bench import runner
+    from zerograph.config import Config
+    from zerograph.runtime import Runtime
+
+    from .distributed import fake_rank
+
+    defaults = Config()
+    specs = bench.parse_systems("zerograph-s3,zerograph-s1-nopool,zerograph-s3-noov",
+                                defaults.prefetch_depth, defaults.bucket_bytes)
+    first_pool = next(buffer_pool._POOL_IDS)
+    runtimes_before = {id(o) for o in gc.get_objects() if isinstance(o, Runtime)}
+    with fake_rank(2, 0):
+        primed = runner.prime_systems(specs, torch.device("cpu"), 1e-3)
+        runner._release_memory(torch.device("cpu"))
+    assert [s.name for s in primed] == ["zerograph-s3"]  # one per (kind, compiled, lowering)
+    new_pools = [ref for pool_id, ref in buffer_pool._POOLS.items() if pool_id > first_pool]
+    assert new_pools, "the primed zerograph-s3 model made no buffer pool: it did not compile"
+    assert [ref() for ref in new_pools if ref() is not None] == []
+    assert [o for o in gc.get_objects() if isinstance(o, Runtime) and id(o) not in runtimes_before] == []
+
+
 def test_system_names_parse():
     spec = bench.parse_system("zerograph-s3-noov-pf2-bb65536-inductor", prefetch_depth=1, bucket_bytes=0)
     assert (spec.kind, spec.stage, spec.overlap, spec.prefetch_depth, spec.bucket_bytes, spec.lowering) == (

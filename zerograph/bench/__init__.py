@@ -51,7 +51,10 @@ Definitions, identical for every system (also written into the JSON):
                     after the warm-up steps) during the timed steps, minus the RSS before the
                     system was built (after ``gc`` and ``malloc_trim``); so it counts the model,
                     optimizer states and the step's transients, and the memory kept by compiled
-                    code. GPU: ``torch.cuda.max_memory_allocated`` over the timed steps minus the
+                    code. One tiny model of each kind of system is built and stepped before the
+                    first system (``prime_systems``): what a process keeps after its first model
+                    of a kind (imports, Dynamo's caches) is in every baseline, not in the first
+                    system's peak. GPU: ``torch.cuda.max_memory_allocated`` over the timed steps minus the
                     allocation before the build. Max over ranks.
     peak alloc      bytes of the device's torch allocator (CPU: torch's CPU allocator; GPU: CUDA's,
                     as ``max_memory_allocated`` counts them) from ``torch.profiler(profile_memory=
@@ -103,7 +106,7 @@ from .report import (
     plot,
     report,
 )
-from .runner import loss_check, measure_all, merge_ranks, rank_main, run_system
+from .runner import loss_check, measure_all, merge_ranks, prime_systems, rank_main, run_system
 from .simulation import (
     CLUSTERS_FILE,
     LOCAL_CLUSTER,
@@ -128,7 +131,7 @@ __all__ = [
     "comm_breakdown", "count_collectives", "describe_rank_failure", "format_report", "format_simulation",
     "format_table", "held_bytes", "load_cluster_table", "load_factory", "load_workload", "loss_check",
     "machine_description", "main", "match_nodes", "measure_all", "merge_ranks", "padded_params",
-    "parse_system", "parse_systems", "peak_allocations", "plot", "profile_allocations", "profile_steps",
+    "parse_system", "parse_systems", "peak_allocations", "plot", "prime_systems", "profile_allocations", "profile_steps",
     "rank_main", "report", "roofline_seconds", "run", "run_system", "simulate_system", "train_step",
     "unique_params", "validate_args",
 ]

@@ -29,7 +29,8 @@ DEFINITIONS = {
                     "over profiled steps, mean over ranks",
     "peak_memory": "CPU: peak RSS (VmHWM reset after warm-up) over the timed steps minus RSS before the system "
                    "was built; GPU: max_memory_allocated over the timed steps minus the allocation before the "
-                   "build; max over ranks",
+                   "build; max over ranks; before any system, one tiny model of each kind of system was built and "
+                   "stepped (prime_systems), so one-time process costs are in every baseline",
     "allocated": "torch.profiler(profile_memory=True) over separate profiled steps: peak of the running sum of "
                  "the device allocator's allocations minus frees within each step (bytes above the step's start; "
                  "median over steps); state: bytes held at the step's start counted from tensors, each storage "
