@@ -2,6 +2,7 @@
 ``torch.compile``, cold and warm, side by side (issue 16's table).
 
     python examples/compile_time.py --blocks 4,16,32,64 --json compile_time.json
+    python examples/compile_time.py --one-rank --blocks 8,64     # CPU seconds and per-pass ms, in process
 
 Each (system, depth) runs ``zerograph bench`` in a fresh process group of ``--nproc`` CPU ranks
 (gloo) on a narrow GPT (``--n-embd``, default 64), so no in-process cache of an earlier run helps
@@ -11,6 +12,11 @@ command again on the cache the cold run left, which is what a restart from a che
 processes, so its warm run is measured as a control). Reported per run: the first step's seconds
 (compile included, the slowest rank), the median / min / max of the timed steps, and the peak
 memory over the baseline (the bench's definitions). Nothing here is asserted: it measures.
+
+``--one-rank``: instead, rank 0 of a fake world of 2 (``zerograph.fake_world``) in this process,
+zerograph stage 3 with the eager lowering only: the CPU seconds (``time.process_time``, robust to
+other jobs on the machine) of compile + first forward + backward, and each pass's milliseconds on
+each graph (``GraphModule.meta["zerograph_passes"]``, as the dump's summary shows them).
 """
 from __future__ import annotations
 
@@ -42,6 +48,31 @@ def run_bench(system: str, blocks: int, args: argparse.Namespace, cache_dir: str
             "max_s": record["max_s"], "peak_memory_bytes": record["peak_memory_bytes"]}
 
 
+def one_rank(blocks: int, args: argparse.Namespace) -> dict:
+    """Compile + first step of a stage-3 GPT of ``blocks`` blocks as rank 0 of a fake world of 2."""
+    import time
+
+    import torch
+
+    import zerograph
+    from zerograph.models.gpt import GPT, GPTConfig
+    from zerograph.passes.manager import PASS_TIMES
+    from zerograph.state import graphs_of
+
+    torch.set_num_threads(1)
+    with zerograph.fake_world(2, 0):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=blocks, n_embd=args.n_embd, n_head=4, block_size=args.seq_len))
+        idx = torch.randint(0, 256, (args.batch_size // 2, args.seq_len))
+        start = time.process_time()
+        model = zerograph.compile(model, 3, config=zerograph.Config(lowering="eager"))
+        model(idx, idx).backward()
+        seconds = time.process_time() - start
+        passes = {kind: gm.meta[PASS_TIMES] for kind, gm in graphs_of(model)[0].items() if PASS_TIMES in gm.meta}
+    return {"first_step_cpu_s": seconds, "passes": passes}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", default="4,16,32,64", help="comma-separated depths")
@@ -55,8 +86,20 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", dest="json_path", help="write every figure here")
+    parser.add_argument("--one-rank", action="store_true", help="measure one rank in process (see above)")
     args = parser.parse_args()
     blocks = [int(b) for b in args.blocks.split(",")]
+    if args.one_rank:
+        runs = {b: one_rank(b, args) for b in blocks}
+        for b, run in runs.items():
+            print(f"{b} blocks: compile + first step {run['first_step_cpu_s']:.1f} CPU s")
+            for kind, times in run["passes"].items():
+                passes = ", ".join(f"{name} {1e3 * t:.0f}" for name, t in times["seconds"].items())
+                print(f"  {kind} ({times['nodes_in']} -> {times['nodes_out']} nodes), ms: {passes}")
+        if args.json_path:
+            with open(args.json_path, "w") as f:
+                json.dump({"args": vars(args), "one_rank": runs}, f, indent=1)
+        return
     names = [s.strip() for s in args.systems.split(",")]
     results: dict[str, dict[int, dict]] = {name: {} for name in names}
     for name in names:
