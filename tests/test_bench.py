@@ -179,7 +179,10 @@ def test_priming_runs_one_model_per_kind_and_leaves_no_bytes_held():
     specs = bench.parse_systems("zerograph-s3,zerograph-s1-nopool,zerograph-s3-noov",
                                 defaults.prefetch_depth, defaults.bucket_bytes)
     first_pool = next(buffer_pool._POOL_IDS)
-    runtimes_before = {id(o) for o in gc.get_objects() if isinstance(o, Runtime)}
+    def runtimes() -> list:  # type(), not isinstance(): a dead weakref.proxy in gc's list raises on isinstance
+        return [o for o in gc.get_objects() if type(o) is Runtime]
+
+    runtimes_before = {id(o) for o in runtimes()}
     with fake_rank(2, 0):
         primed = runner.prime_systems(specs, torch.device("cpu"), 1e-3)
         runner._release_memory(torch.device("cpu"))
@@ -187,7 +190,7 @@ def test_priming_runs_one_model_per_kind_and_leaves_no_bytes_held():
     new_pools = [ref for pool_id, ref in buffer_pool._POOLS.items() if pool_id > first_pool]
     assert new_pools, "the primed zerograph-s3 model made no buffer pool: it did not compile"
     assert [ref() for ref in new_pools if ref() is not None] == []
-    assert [o for o in gc.get_objects() if isinstance(o, Runtime) and id(o) not in runtimes_before] == []
+    assert [o for o in runtimes() if id(o) not in runtimes_before] == []
 
 
 def test_system_names_parse():
