@@ -74,7 +74,7 @@ def one_rank(blocks: int, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", default="4,16,32,64", help="comma-separated depths")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of: {', '.join(SYSTEMS)}")
     parser.add_argument("--inductor-max-blocks", type=int, default=32,

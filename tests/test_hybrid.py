@@ -7,6 +7,8 @@ loaded on a 1-D world of 4; then (2 ranks) on a 1 x 2 mesh.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -294,3 +296,19 @@ def test_gradient_accumulation_without_sync_reduces_once_over_both_dims() -> Non
         model(*batch).backward()
         stats = zerograph.stats(model, opt)
         assert stats.comm_bytes_per_dim == expected_bytes_per_dim(2, _unit_padded(model), 2, 2, 4)
+
+
+def test_dump_folders_are_named_by_the_rank_among_all_mesh_ranks(tmp_path) -> None:
+    """Under a 2 x 2 mesh, ranks 1 and 3 share shard-group rank 1: the dump must still give each
+    its own ``rank<r>/`` folder (the rank among all four) and a manifest of world size 4, or two
+    replicas would write one folder and ``zerograph inspect`` would find it clobbered."""
+    with fake_rank(4, rank=3):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=MESH_DIMS)
+        model = zerograph.compile(build("mlp"), 3, mesh=mesh, config=zerograph.Config(dump_dir=str(tmp_path)))
+        assert runtime_of_model(model).rank == 1 and runtime_of_model(model).mesh_rank == 3
+        model(*rank_slice(global_batch("mlp", 0, BATCH), 3, 4)).backward()
+        zerograph.explain(model)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["rank3"]
+    manifest = json.loads((tmp_path / "rank3" / "manifest.json").read_text())
+    assert (manifest["rank"], manifest["world_size"]) == (3, 4)
+    assert "rank 1 of 2 (shard dim; x 2 replicas)" in (tmp_path / "rank3" / "summary.md").read_text()

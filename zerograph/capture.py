@@ -125,7 +125,7 @@ class _GraphCompile:
     def run_passes(self, kind: str, g: fx.GraphModule) -> fx.GraphModule:
         """Run the pipeline of ``kind`` on ``g`` (dumped when asked) and record the result."""
         backend = self.backend
-        dump_dir = (os.path.join(self.dump_root, f"rank{backend.runtime.rank}", f"graph{self.graph_id}_{kind}")
+        dump_dir = (os.path.join(self.dump_root, f"rank{backend.runtime.mesh_rank}", f"graph{self.graph_id}_{kind}")
                     if self.dump_root else None)
         g = run_pipeline(g, backend.pass_context(kind), pipeline(kind), disabled=backend.config.disabled_passes,
                          dump_dir=dump_dir)

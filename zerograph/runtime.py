@@ -177,6 +177,9 @@ class Runtime:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.dp_size = self.world_size * self.replicate_size  # N: ranks whose gradients are averaged
+        # this rank among all of them (the dump's rank<r> folders, its manifests): under hybrid
+        # sharding ``rank`` is the shard group's, which two replicas share
+        self.mesh_rank = dist.get_rank(self.world_group)
         self.fake_world = is_fake_world(group)  # zerograph.fake_world: no peers, collectives move no data
         self.stage = stage
         self.layouts = {layout.key: layout for layout in layouts}

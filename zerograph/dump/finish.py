@@ -50,11 +50,11 @@ def finish_graph(directory: str | None, kind: str, gm: fx.GraphModule, runtime: 
     if directory is None:
         return
     rank_dir = os.path.dirname(directory)
-    manifest = rank_manifest(rank_dir, runtime.rank, runtime.world_size)
+    manifest = rank_manifest(rank_dir, runtime.mesh_rank, runtime.dp_size)
     write_rendering(directory, gm.graph, runtime.units)
     write_json(os.path.join(directory, "memory.json"), memory)
     plot_memory(memory, os.path.join(directory, "memory.png"),
-                f"rank {runtime.rank}, graph {graph_id} {kind}: live bytes (stage {runtime.stage})")
+                f"rank {runtime.mesh_rank}, graph {graph_id} {kind}: live bytes (stage {runtime.stage})")
     if kind != "joint" and cost is not None:  # the joint graph never runs as such: no schedule
         write_schedule(os.path.join(directory, "schedule.json"), [gm], cost)
     manifest.record(*(path for name in GRAPH_RESULT_FILES if os.path.exists(path := os.path.join(directory, name))))
