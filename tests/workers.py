@@ -36,6 +36,7 @@ def train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_s
         "units": [(u.name, sum(state.runtime.layouts[k].padded_numel for k in u.keys)) for u in state.runtime.units],
         "graphs": [graph_facts(rec) for rec in state.captured.graphs],
         "input_params": state.captured.input_params,
+        "templates": len(state.captured.templates),
     }
 
 
@@ -57,6 +58,16 @@ def train_configs(rank: int, world_size: int, name: str, stage: int, steps: int,
     for config in configs:
         torch._dynamo.reset()
         out.append(train(rank, world_size, name, stage, steps, batch_size, lr, config))
+    return out
+
+
+def train_stages(rank: int, world_size: int, name: str, stages: tuple[int, ...], steps: int, batch_size: int,
+                 lr: float, config: zerograph.Config) -> dict:
+    """``train`` at each of ``stages`` under ``config`` in this process group: ``{stage: result}``."""
+    out = {}
+    for stage in stages:
+        torch._dynamo.reset()
+        out[stage] = train(rank, world_size, name, stage, steps, batch_size, lr, config)
     return out
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._dynamo.exc import BackendCompilerFailed
+from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map_only
@@ -29,6 +29,7 @@ from .replicas import sync_replicas
 from .runtime import Runtime
 from .sharding import ParameterWatch, find_units, set_gathering, set_grad_mode, shard_module_, sharded_parameter
 from .state import STATE_ATTR, ZeroGraphState, state_of
+from .templates import install_unit_templates
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,9 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     _install_optimizer_guard()
 
     captured = CapturedGraphs()
+    unit_kinds = (install_unit_templates(units, {id(shard): key for key, shard in runtime.shards.items()},
+                                         config.resolved_lowering(device), captured.templates)
+                  if config.unit_templates else [])
     param_names = {id(p): n for n, p in model.named_parameters()}  # first name of each (tied) parameter
     watch = ParameterWatch(model)
     backend = _checking_trainable(ZeroGraphBackend(runtime, config, param_names, captured), watch)
@@ -163,7 +167,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     # Parameters stay static (Dynamo's force_parameter_static_shapes), so the collectives do too.
     compiled_forward = torch.compile(_own_code(type(model).forward), backend=backend, dynamic=None)
     setattr(model, STATE_ATTR, ZeroGraphState(runtime, config, captured, compiled_forward, watch,
-                                              uninitialised=uninitialised))
+                                              uninitialised=uninitialised, unit_kinds=unit_kinds))
     cls = type(model)
     model.__class__ = type(cls.__name__, (cls,), {"forward": _compiled_forward,
                                                   "set_requires_gradient_sync": set_requires_gradient_sync,
@@ -204,15 +208,33 @@ def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out = state.compiled_forward(self, *args, **kwargs)
         state.runtime.flush_leftovers_after_backward(out, mode)
         return out
-    except BackendCompilerFailed as exc:
+    except (BackendCompilerFailed, TorchRuntimeError) as exc:
         # zerograph's own errors raised while Dynamo compiled (a changed requires_grad, a broken
-        # pass) reach the user as themselves, not wrapped in Dynamo's compiler error
-        if isinstance(exc.inner_exception, ZeroGraphError):
-            raise exc.inner_exception from None
+        # pass, a unit template that cannot be traced) reach the user as themselves, not wrapped
+        # in Dynamo's compiler or fake-tensor error
+        cause = _own_error(exc)
+        if cause is not None:
+            raise cause from None
         raise
     finally:
         set_gathering(previous)
         set_grad_mode(previous_mode)
+
+
+def _own_error(exc: BaseException) -> ZeroGraphError | None:
+    """The ``ZeroGraphError`` behind Dynamo's wrapper ``exc`` (its inner exception, or down the
+    ``__cause__`` / ``__context__`` chain), or ``None``."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, ZeroGraphError):
+            return current
+        pending += [getattr(current, "inner_exception", None), current.__cause__, current.__context__]
+    return None
 
 
 def _cast_inputs(policy: MixedPrecisionPolicy, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -48,6 +48,7 @@ class CapturedGraphs:
         # graph id -> bytes of activations its forward handed to backward on its last call (measured)
         self.saved_activation_bytes: dict[int, int] = {}
         self.offloaded_activation_bytes: dict[int, int] = {}  # handed over in host memory instead (offload)
+        self.templates: list = []  # templates.UnitTemplate, one per unit kind and input signature traced
 
 
 class ZeroGraphBackend:

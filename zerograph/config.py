@@ -95,6 +95,12 @@ class Config:
             its own shard and sums them in fp32. About a quarter of the bytes of an fp32
             reduce-scatter. Small shards and non-float gradients as for ``gather_quantization``.
             Both options are for stages 1-3: ``zerograph.compile`` refuses them at stage 0.
+        unit_templates: ``True`` traces, partitions and lowers each kind of unit once (units of
+            one structure: a transformer's identical blocks) and makes each unit one call of that
+            template in the model graph (``zerograph.templates``), so compile time stops growing
+            with the depth of the model; the passes still place every unit's all-gather,
+            reduce-scatter, prefetch and release. Units called with keyword or non-tensor
+            arguments run inline. ``False`` (default) traces every unit's body into the graph.
 
     Raises:
         ConfigError: a field of the wrong type or range, an unknown keyword, a policy given both
@@ -112,6 +118,7 @@ class Config:
     activations: ActivationPolicy = ActivationPolicy()
     gather_quantization: str | None = None
     reduce_quantization: str | None = None
+    unit_templates: bool = False
 
     def __init__(self, *, unit_classes: tuple[type[nn.Module], ...] | None = None,
                  lowering: Literal["auto", "eager", "inductor"] = "auto", timeout_s: float = 300.0,
@@ -119,7 +126,7 @@ class Config:
                  mixed_precision: MixedPrecisionPolicy | None = None, schedule: SchedulePolicy | None = None,
                  memory: MemoryPolicy | None = None, activations: ActivationPolicy | None = None,
                  gather_quantization: str | None = None, reduce_quantization: str | None = None,
-                 **flat: Any) -> None:
+                 unit_templates: bool = False, **flat: Any) -> None:
         given = {"mixed_precision": mixed_precision, "schedule": schedule, "memory": memory,
                  "activations": activations}
         for name, value in flat.items():
@@ -139,7 +146,7 @@ class Config:
         for name, value in (("unit_classes", unit_classes), ("lowering", lowering), ("timeout_s", timeout_s),
                             ("dump_dir", dump_dir), ("disabled_passes", disabled_passes),
                             ("gather_quantization", gather_quantization),
-                            ("reduce_quantization", reduce_quantization)):
+                            ("reduce_quantization", reduce_quantization), ("unit_templates", unit_templates)):
             object.__setattr__(self, name, value)
         self._check()
 
@@ -148,6 +155,8 @@ class Config:
             value = getattr(self, field)
             if value is not None and value not in QUANTIZATIONS:
                 raise ConfigError(f"Config.{field} must be one of {(None, *QUANTIZATIONS)}, got {value!r}")
+        if not isinstance(self.unit_templates, bool):
+            raise ConfigError(f"Config.unit_templates must be True or False, got {self.unit_templates!r}")
         if self.lowering not in LOWERINGS:
             raise ConfigError(f"Config.lowering must be one of {LOWERINGS}, got {self.lowering!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:

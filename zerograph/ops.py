@@ -14,6 +14,12 @@ right either way. No output aliases its input.
 ``accumulate_unsynced`` and ``take_unsynced`` are what ``insert_reduce_scatter`` emits for the two
 accumulation modes: the runtime owns the full-size buffers, the graph only calls these ops.
 
+``unit_forward(kind, primals)`` and ``unit_backward(template, ...)`` call one traced unit
+(``Config(unit_templates=True)``, ``templates.py``): a unit's forward becomes one node whose
+inputs are its activations and its parameters (the unshard markers' outputs) and whose outputs
+are the unit's output followed by what its backward needs; the template is traced, partitioned
+and lowered once per kind of unit and input shapes, and every unit of that kind calls it.
+
 ``shard_activation`` and ``gather_activation`` are what ``activation_partition`` emits for
 partitioned activations (ZeRO-R P_a, arXiv 1910.02054 section 6.1): forward keeps this rank's
 1/M of a saved activation, backward all-gathers it back over the activation group (M ranks).
@@ -138,6 +144,61 @@ def _gather_activation_fake(piece: torch.Tensor, shape: Sequence[int], group_nam
     return piece.new_empty(list(shape))
 
 
+def _empty_like_meta(like: torch.Tensor, metas: Sequence[tuple]) -> list[torch.Tensor]:
+    return [torch.empty_strided(shape, stride, dtype=dtype, device=like.device) for shape, stride, dtype in metas]
+
+
+@torch.library.custom_op("zerograph::unit_forward", mutates_args=())
+def unit_forward(kind: int, primals: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One unit's forward through its kind's template. ``primals``: the unit's tensor arguments,
+    then its full parameters and buffers (template order) -> the unit's output, then the
+    activations its backward needs (new tensors: none aliases an input or another output)."""
+    return registry.unit_template(kind, primals).forward(primals)
+
+
+@unit_forward.register_fake
+def _unit_forward_fake(kind: int, primals: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _empty_like_meta(primals[0], registry.unit_template(kind, primals).output_metas)
+
+
+@torch.library.custom_op("zerograph::unit_backward", mutates_args=())
+def unit_backward(template: int, primals: list[torch.Tensor], saved: list[torch.Tensor],
+                  tangents: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One unit's backward through template ``template``. ``primals``: the inputs its backward
+    reads (``UnitTemplate.saved_primals``); ``saved``: ``unit_forward``'s outputs past the unit's
+    own; ``tangents``: the gradient of each unit output -> the gradient of each differentiable
+    primal (``UnitTemplate.grad_mask``), in primal order."""
+    return registry.template_of(template).backward(primals, saved, tangents)
+
+
+@unit_backward.register_fake
+def _unit_backward_fake(template: int, primals: list[torch.Tensor], saved: list[torch.Tensor],
+                        tangents: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _empty_like_meta(tangents[0], registry.template_of(template).grad_metas)
+
+
+def _unit_forward_setup(ctx, inputs, output) -> None:
+    kind, primals = inputs
+    template = registry.unit_template(kind, primals)
+    ctx.template = template.id
+    ctx.n_primals, ctx.grad_mask, ctx.output_metas = len(primals), template.grad_mask, template.output_metas
+    ctx.n_needed = len(template.saved_primals)
+    ctx.save_for_backward(*[primals[i] for i in template.saved_primals], *output[template.n_outputs:])
+    ctx.n_outputs = template.n_outputs
+
+
+def _unit_forward_backward(ctx, grads: list[torch.Tensor | None]):
+    values = ctx.saved_tensors
+    needed, saved = list(values[:ctx.n_needed]), list(values[ctx.n_needed:])
+    tangents = [g.contiguous() if g is not None else torch.zeros(shape, dtype=dtype, device=values[0].device)
+                for g, (shape, _, dtype) in zip(grads[:ctx.n_outputs], ctx.output_metas)]
+    grad_iter = iter(unit_backward(ctx.template, needed, saved, tangents))
+    return None, [next(grad_iter) if differentiable else None for differentiable in ctx.grad_mask]
+
+
+unit_forward.register_autograd(_unit_forward_backward, setup_context=_unit_forward_setup)
+
+
 def grad_mode_of(marker: fx.Node) -> str:
     """A marker node's ``grad_mode`` (traced graphs may leave out an argument at its default)."""
     if len(marker.args) > 2:
@@ -151,3 +212,5 @@ ACCUMULATE_UNSYNCED = torch.ops.zerograph.accumulate_unsynced.default
 TAKE_UNSYNCED = torch.ops.zerograph.take_unsynced.default
 SHARD_ACTIVATION = torch.ops.zerograph.shard_activation.default
 GATHER_ACTIVATION = torch.ops.zerograph.gather_activation.default
+UNIT_FORWARD = torch.ops.zerograph.unit_forward.default
+UNIT_BACKWARD = torch.ops.zerograph.unit_backward.default

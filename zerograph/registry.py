@@ -39,3 +39,41 @@ def runtime_of(key: int) -> Any:
     runtime = _RUNTIMES[key]()
     assert runtime is not None, f"marker key {key} outlived its model"
     return runtime
+
+
+_UNIT_KINDS: dict[int, weakref.ReferenceType[Any]] = {}  # kind -> templates.UnitKind (its model's state owns it)
+_TEMPLATES: dict[int, Any] = {}                           # template id -> templates.UnitTemplate
+_TEMPLATE_IDS = itertools.count()
+
+
+def register_unit_kind(kind: int, unit_kind: Any) -> None:
+    """Record ``unit_kind`` (``templates.UnitKind``: the units that share one traced template) under ``kind``."""
+    _UNIT_KINDS[kind] = weakref.ref(unit_kind)
+
+
+def unit_template(kind: int, primals: Any) -> Any:
+    """The ``UnitTemplate`` of unit kind ``kind`` for inputs like ``primals`` (traced on first use)."""
+    unit_kind = _UNIT_KINDS[kind]()
+    assert unit_kind is not None, f"unit kind {kind} outlived its model"
+    return unit_kind.template(primals)
+
+
+def next_template_id() -> int:
+    """A fresh template id (unique in this process)."""
+    return next(_TEMPLATE_IDS)
+
+
+def register_template_as(template_id: int, template: Any) -> None:
+    """Record ``template`` (``templates.UnitTemplate``) as ``template_id``, for the backward op."""
+    _TEMPLATES[template_id] = template
+
+
+def template_of(template_id: int) -> Any:
+    """The ``UnitTemplate`` registered as ``template_id``."""
+    return _TEMPLATES[template_id]
+
+
+def release_templates(template_ids: Any) -> None:
+    """Forget the templates of a freed model."""
+    for template_id in template_ids:
+        _TEMPLATES.pop(template_id, None)

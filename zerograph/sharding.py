@@ -183,14 +183,43 @@ def set_grad_mode(mode: str) -> str:
     return previous
 
 
+# True while ``templates`` traces one unit's forward with full parameters of its own put in the
+# parameter slots (read only then, by this thread: the compiling thread waits for the trace).
+_tracing_unit = False
+
+
+def set_tracing_unit(active: bool) -> bool:
+    """Make parameter attributes return what their slot holds (a unit template's traced inputs); returns the previous."""
+    global _tracing_unit
+    previous, _tracing_unit = _tracing_unit, active
+    return previous
+
+
+def tracing_unit() -> bool:
+    """True while a unit template is traced (``set_tracing_unit``)."""
+    return _tracing_unit
+
+
+def original_class(mod: nn.Module) -> type[nn.Module]:
+    """The class ``mod`` had before ``shard_module_`` gave it a subclass with parameter properties."""
+    cls = type(mod)
+    return cls.__mro__[1] if issubclass(cls, _ShardedParamAccess) else cls
+
+
+def full_parameter(shard: DTensor, key: int) -> torch.Tensor:
+    """The full parameter of marker key ``key`` from its ``DTensor`` shard, inside a zerograph
+    forward: ``zerograph::unshard`` of the local shard, in the gradient mode of this forward."""
+    # without autograd there is no backward to configure: one graph serves every mode
+    mode = _grad_mode if torch.is_grad_enabled() else GRAD_SYNC
+    return unshard(shard.to_local(), key, mode)
+
+
 def _param_property(name: str, key: int) -> property:
     def get(self: nn.Module) -> torch.Tensor:
         shard = self._parameters[name]
-        if not _gathering:
+        if not _gathering or _tracing_unit:
             return shard
-        # without autograd there is no backward to configure: one graph serves every mode
-        mode = _grad_mode if torch.is_grad_enabled() else GRAD_SYNC
-        return unshard(shard.to_local(), key, mode)
+        return full_parameter(shard, key)
 
     return property(get, doc=f"parameter {name!r}: the full tensor inside forward, this rank's DTensor shard outside")
 

@@ -35,16 +35,20 @@ class ZeroGraphState:
         watch: the ``ParameterWatch`` that refuses parameters changed after compile.
         uninitialised: for a meta-built model, the ``loading.UninitialisedTracker`` of shards and
             buffers no init or load has written yet; ``None`` once all were (or never meta-built).
+        unit_kinds: the ``templates.UnitKind`` of each kind of unit under ``Config(unit_templates=True)``
+            (kept here: the op registry holds them weakly); empty otherwise.
     """
 
     def __init__(self, runtime: Runtime, config: Config, captured: CapturedGraphs, compiled_forward: Any,
-                 watch: ParameterWatch, uninitialised: UninitialisedTracker | None = None):
+                 watch: ParameterWatch, uninitialised: UninitialisedTracker | None = None,
+                 unit_kinds: list | None = None):
         self.runtime = runtime
         self.config = config
         self.captured = captured
         self.compiled_forward = compiled_forward
         self.watch = watch
         self.uninitialised = uninitialised
+        self.unit_kinds = unit_kinds or []
 
 
 def is_compiled(model: nn.Module) -> bool:

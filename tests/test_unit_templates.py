@@ -1,0 +1,157 @@
+"""``Config(unit_templates=True)`` (issue 16): each kind of unit is traced, partitioned and lowered
+once and every unit calls it, with the same collectives placed around it and the same numbers.
+
+Parity against single-process eager training (fp32, 1e-5) on two gloo ranks; structure in one
+rank of a fake world (the collective schedule equals the untemplated build's, one template per
+kind); look-alike blocks and untraceable blocks in a world of one."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import zerograph
+from zerograph.errors import ShardingError
+from zerograph.models.gpt import GPT, GPTConfig
+from zerograph.ops import UNIT_BACKWARD, UNIT_FORWARD
+from zerograph.runtime import schedule_of
+from zerograph.state import graphs_of, state_of
+
+from .distributed import fake_rank, spawn
+from .models import reference_training
+from .test_parity import LR, STEPS, check_parity
+from .workers import train_stages
+
+TEMPLATES = zerograph.Config(unit_templates=True)
+
+
+@pytest.mark.distributed
+def test_templated_units_match_single_process_at_stages_0_and_3() -> None:
+    """Two gloo ranks, the tiny GPT, three AdamW steps: losses and parameters equal eager
+    training on the global batch, and its two blocks were traced once."""
+    results = spawn(train_stages, 2, "gpt", (0, 3), STEPS, 4, LR, TEMPLATES)
+    reference = reference_training("gpt", STEPS, 4, LR)
+    for per_rank in results:
+        for stage, result in per_rank.items():
+            check_parity(result, reference)
+            assert result["templates"] == 1, stage
+            facts = result["graphs"][0]
+            if stage == 3:
+                assert {g["unit"] for g in facts["forward"]["gathers"]} >= {1, 2}  # each block's all-gather
+                assert "reduce_scatter" in facts["backward"]["collectives"]
+                assert facts["forward"]["saved_gathered"] == []  # released after forward, gathered again
+
+
+def _gpt(blocks: int, templates: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=blocks, n_embd=32, n_head=2, block_size=16))
+    model = zerograph.compile(model, 3, config=zerograph.Config(unit_templates=templates))
+    idx = torch.randint(0, 256, (2, 16))
+    model(idx, idx).backward()
+    return model
+
+
+def test_eight_identical_blocks_trace_one_template_and_keep_the_schedule() -> None:
+    """A GPT of 8 blocks compiles the block's forward and backward once (one template, one
+    unit_forward / unit_backward per block), and the forward's and backward's collectives, in
+    order, with their sizes, dtypes and units, are exactly the untemplated build's."""
+    with fake_rank(2):
+        model = _gpt(8, templates=True)
+        templates = state_of(model).captured.templates
+        record = graphs_of(model)[0]
+        schedules = {kind: schedule_of(record[kind].graph, kind, "").entries for kind in ("forward", "backward")}
+        calls = {kind: sum(n.target in (UNIT_FORWARD, UNIT_BACKWARD) for n in record[kind].graph.nodes)
+                 for kind in ("forward", "backward")}
+    with fake_rank(2):
+        plain = graphs_of(_gpt(8, templates=False))[0]
+        plain_schedules = {kind: schedule_of(plain[kind].graph, kind, "").entries for kind in ("forward", "backward")}
+    assert len(templates) == 1
+    assert calls == {"forward": 8, "backward": 8}
+    assert schedules == plain_schedules
+    assert sum(e.kind == "all_gather" for e in schedules["forward"]) >= 8
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int = 32, bias: bool = True, extra: bool = False, squash: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, width, bias=bias)
+        self.out = nn.Linear(width, 16)
+        self.gate = nn.Parameter(torch.full((16,), 0.5)) if extra else None
+        self.squash = squash  # changes the control flow, not the parameters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.out(torch.relu(self.fc(x)))
+        if self.squash:
+            y = torch.tanh(y)
+        return x + (y * self.gate if self.gate is not None else y)
+
+
+class _LookAlikes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block(), _Block(width=48), _Block(bias=False), _Block(extra=True),
+                                     _Block(squash=True), _Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_look_alike_blocks_get_templates_of_their_own_and_keep_parity() -> None:
+    """Blocks of one class that differ in width, bias, an extra parameter or a flag are five
+    kinds (the three plain blocks share one); gradients equal eager's exactly (world of one)."""
+    torch.manual_seed(0)
+    reference = _LookAlikes()
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    x = torch.randn(4, 16)
+    loss = model(x)
+    loss.backward()
+    expected = reference(x)
+    expected.backward()
+    assert loss.item() == expected.item()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=0, msg=name)
+    kinds = state_of(model).unit_kinds
+    assert sorted(len(k.units) for k in kinds) == [1, 1, 1, 1, 3]
+    assert len(state_of(model).captured.templates) == 5
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent: no fake-tensor trace can take it
+            return self.fc(x)
+        return x
+
+
+def test_a_block_that_cannot_be_traced_is_refused_by_name() -> None:
+    model = zerograph.compile(nn.Sequential(_Branchy(), _Branchy()), 3, config=TEMPLATES)
+    with pytest.raises(ShardingError, match=r"unit '0' .*unit_templates=False"):
+        model(torch.randn(2, 8))
+
+
+class _Writer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fc.weight.data.clamp_(-1, 1)
+        return self.fc(x)
+
+
+def test_a_block_that_writes_its_parameter_is_refused() -> None:
+    model = zerograph.compile(nn.Sequential(_Writer(), _Writer()), 3, config=TEMPLATES)
+    with pytest.raises(ShardingError, match="in place"):
+        model(torch.randn(2, 8))
+
+
+def test_config_refuses_a_non_bool() -> None:
+    with pytest.raises(zerograph.ConfigError, match="unit_templates"):
+        zerograph.Config(unit_templates="yes")
