@@ -14,9 +14,10 @@ processes, so its warm run is measured as a control). Reported per run: the firs
 memory over the baseline (the bench's definitions). Nothing here is asserted: it measures.
 
 ``--one-rank``: instead, rank 0 of a fake world of 2 (``zerograph.fake_world``) in this process,
-zerograph stage 3 with the eager lowering only: the CPU seconds (``time.process_time``, robust to
-other jobs on the machine) of compile + first forward + backward, and each pass's milliseconds on
-each graph (``GraphModule.meta["zerograph_passes"]``, as the dump's summary shows them).
+zerograph stage 3 with the eager lowering only, without and with ``Config.unit_templates``: the CPU seconds (``time.process_time``, robust to
+other jobs on the machine) of compile + first forward + backward, Dynamo's and AOTAutograd's
+shares of them (``torch._dynamo.utils.compilation_time_metrics``), the graphs' node counts, and
+with ``--passes`` each pass's milliseconds on each graph (``GraphModule.meta["zerograph_passes"]``, as the dump's summary shows them).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import subprocess
 import sys
 import tempfile
 
-SYSTEMS = {"zerograph eager": "zerograph-s3", "zerograph inductor": "zerograph-s3-inductor",
+SYSTEMS = {"zerograph eager": "zerograph-s3", "zerograph eager, unit templates": "zerograph-s3-tpl",
+           "zerograph inductor": "zerograph-s3-inductor", "zerograph inductor, unit templates": "zerograph-s3-inductor-tpl",
            "FSDP2 + torch.compile": "fsdp2-compile"}
 
 
@@ -48,8 +50,9 @@ def run_bench(system: str, blocks: int, args: argparse.Namespace, cache_dir: str
             "max_s": record["max_s"], "peak_memory_bytes": record["peak_memory_bytes"]}
 
 
-def one_rank(blocks: int, args: argparse.Namespace) -> dict:
-    """Compile + first step of a stage-3 GPT of ``blocks`` blocks as rank 0 of a fake world of 2."""
+def one_rank(blocks: int, args: argparse.Namespace, unit_templates: bool) -> dict:
+    """Compile + first step of a stage-3 GPT of ``blocks`` blocks as rank 0 of a fake world of 2,
+    with ``Config.unit_templates`` as given; also Dynamo's and AOTAutograd's shares of it."""
     import time
 
     import torch
@@ -66,11 +69,16 @@ def one_rank(blocks: int, args: argparse.Namespace) -> dict:
         model = GPT(GPTConfig(n_layer=blocks, n_embd=args.n_embd, n_head=4, block_size=args.seq_len))
         idx = torch.randint(0, 256, (args.batch_size // 2, args.seq_len))
         start = time.process_time()
-        model = zerograph.compile(model, 3, config=zerograph.Config(lowering="eager"))
+        torch._dynamo.utils.reset_frame_count()
+        torch._dynamo.utils.compilation_time_metrics.clear()
+        model = zerograph.compile(model, 3, config=zerograph.Config(lowering="eager", unit_templates=unit_templates))
         model(idx, idx).backward()
         seconds = time.process_time() - start
         passes = {kind: gm.meta[PASS_TIMES] for kind, gm in graphs_of(model)[0].items() if PASS_TIMES in gm.meta}
-    return {"first_step_cpu_s": seconds, "passes": passes}
+        phases = {name: sum(times) for name, times in torch._dynamo.utils.compilation_time_metrics.items()
+                  if name in ("bytecode_tracing", "aot_trace_joint_graph", "aot_collect_metadata")}
+        nodes = {kind: len(gm.graph.nodes) for kind, gm in graphs_of(model)[0].items()}
+    return {"first_step_cpu_s": seconds, "passes": passes, "phases_s": phases, "nodes": nodes}
 
 
 def main() -> None:
@@ -87,15 +95,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", dest="json_path", help="write every figure here")
     parser.add_argument("--one-rank", action="store_true", help="measure one rank in process (see above)")
+    parser.add_argument("--passes", action="store_true", help="with --one-rank: print each pass's milliseconds")
     args = parser.parse_args()
     blocks = [int(b) for b in args.blocks.split(",")]
     if args.one_rank:
-        runs = {b: one_rank(b, args) for b in blocks}
-        for b, run in runs.items():
-            print(f"{b} blocks: compile + first step {run['first_step_cpu_s']:.1f} CPU s")
-            for kind, times in run["passes"].items():
-                passes = ", ".join(f"{name} {1e3 * t:.0f}" for name, t in times["seconds"].items())
-                print(f"  {kind} ({times['nodes_in']} -> {times['nodes_out']} nodes), ms: {passes}")
+        one_rank(1, args, True)  # warm-up: the process's first compile pays one-time imports and registrations
+        runs = {f"{b}{' templates' if t else ''}": one_rank(b, args, t) for b in blocks for t in (False, True)}
+        for name, run in runs.items():
+            phases = ", ".join(f"{k} {v:.1f} s" for k, v in run["phases_s"].items())
+            print(f"{name} blocks: compile + first step {run['first_step_cpu_s']:.1f} CPU s ({phases}); "
+                  f"nodes {run['nodes']}")
+            if args.passes:
+                for kind, times in run["passes"].items():
+                    passes = ", ".join(f"{n} {1e3 * t:.0f}" for n, t in times["seconds"].items())
+                    print(f"  {kind} ({times['nodes_in']} -> {times['nodes_out']} nodes), ms: {passes}")
         if args.json_path:
             with open(args.json_path, "w") as f:
                 json.dump({"args": vars(args), "one_rank": runs}, f, indent=1)

@@ -17,7 +17,8 @@ from zerograph.errors import ShardingError
 from zerograph.models.gpt import GPT, GPTConfig
 from zerograph.ops import UNIT_BACKWARD, UNIT_FORWARD
 from zerograph.runtime import schedule_of
-from zerograph.state import graphs_of, state_of
+from zerograph.dump.report import build_report, summary_markdown
+from zerograph.state import graphs_of, runtime_of_model, state_of
 
 from .distributed import fake_rank, spawn
 from .models import reference_training
@@ -117,6 +118,10 @@ def test_look_alike_blocks_get_templates_of_their_own_and_keep_parity() -> None:
     kinds = state_of(model).unit_kinds
     assert sorted(len(k.units) for k in kinds) == [1, 1, 1, 1, 3]
     assert len(state_of(model).captured.templates) == 5
+    # the dump's summary says which units share a template
+    summary = summary_markdown(build_report(runtime_of_model(model), state_of(model).captured, None))
+    assert "## Unit templates" in summary
+    assert "| blocks.0, blocks.1, blocks.6 (3) |" in summary
 
 
 class _Branchy(nn.Module):

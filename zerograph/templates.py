@@ -69,6 +69,7 @@ class UnitTemplate:
         grad_metas: ``(shape, stride, dtype)`` of each gradient returned (``grad_mask`` order).
         forward_graph, backward_graph: the partitioned graphs (ATen ops), for tests and dumps.
         trace_seconds: wall seconds the trace, partition and lowering took.
+        units: names of the units that call it (its kind's units).
     """
 
     id: int
@@ -85,6 +86,7 @@ class UnitTemplate:
     run_forward: Callable[..., Any]
     run_backward: Callable[..., Any]
     trace_seconds: float = 0.0
+    units: list[str] = dataclasses.field(default_factory=list)
 
     def forward(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(self.run_forward(*primals))
@@ -304,6 +306,7 @@ def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], device: torch.device) 
                             grad_metas, fwd, bwd, backward_sources, run_forward, run_backward)
     registry.register_template_as(template_id, template)
     template.trace_seconds = time.perf_counter() - start
+    template.units = kind.units
     return template
 
 

@@ -12,7 +12,7 @@ agree across systems.
 described in ``clusters.json`` (or ``local``: this machine, as a self-consistency check).
 
 Systems (``--systems``, comma-separated):
-    zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg]
+    zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg][-tpl]
         ``zerograph.compile`` at that stage; ``-noov`` disables ``config.OVERLAP_PASSES`` (every
         wait right after its start); ``-nopool`` disables ``buffer_reuse`` (comm buffers from the
         allocator each step instead of a pool held across steps); ``-keeproot`` sets
@@ -20,7 +20,8 @@ Systems (``--systems``, comma-separated):
         to backward, as FSDP2 keeps its root); ``-pf``/``-bb`` override ``--prefetch-depth`` /
         ``--bucket-bytes``; ``-inductor`` lowers with Inductor instead of running FX eagerly;
         ``-qw`` / ``-qg`` set ``Config.gather_quantization`` / ``reduce_quantization`` to
-        ``"int8"`` (ZeRO++'s qwZ / qgZ).
+        ``"int8"`` (ZeRO++'s qwZ / qgZ); ``-tpl`` sets ``Config.unit_templates`` (each kind of
+        unit traced once).
     ddp             ``torch.nn.parallel.DistributedDataParallel``
     fsdp2           ``torch.distributed.fsdp.fully_shard`` on each block, then on the root
     fsdp2-compile   the same, then ``torch.compile(model)``

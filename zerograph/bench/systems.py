@@ -1,7 +1,7 @@
 """The systems the bench compares: ``--systems`` names parsed into ``SystemSpec``s, and each built.
 
 A system is zerograph at a stage with its schedule options (``zerograph-s<0-3>[-noov][-nopool]
-[-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg]``), DDP, FSDP2 or FSDP2 under ``torch.compile``; see
+[-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg][-tpl]``), DDP, FSDP2 or FSDP2 under ``torch.compile``; see
 the package docstring for what each modifier changes. ``build_system`` wraps a fresh model in
 one and gives it AdamW; ``train_step`` is the step every system runs.
 
@@ -40,6 +40,7 @@ class SystemSpec:
     compiled: bool = False
     quantized_gathers: bool = False
     quantized_reductions: bool = False
+    unit_templates: bool = False
 
     @property
     def paper_volume(self) -> int:
@@ -52,10 +53,11 @@ class SystemSpec:
                       reshard_root_after_forward=not self.keep_root,
                       gather_quantization="int8" if self.quantized_gathers else None,
                       reduce_quantization="int8" if self.quantized_reductions else None,
+                      unit_templates=self.unit_templates,
                       disabled_passes=(() if self.overlap else OVERLAP_PASSES) + (() if self.pool else ("buffer_reuse",)))
 
 
-_ZEROGRAPH_NAME = re.compile(r"^zerograph-s(?P<stage>[0-3])(?P<mods>(?:-(?:noov|nopool|keeproot|inductor|qw|qg|pf\d+|bb\d+))*)$")
+_ZEROGRAPH_NAME = re.compile(r"^zerograph-s(?P<stage>[0-3])(?P<mods>(?:-(?:noov|nopool|keeproot|inductor|qw|qg|tpl|pf\d+|bb\d+))*)$")
 
 
 def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpec:
@@ -67,7 +69,7 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
     match = _ZEROGRAPH_NAME.match(name)
     if not match:
         raise ConfigError(f"unknown system {name!r}: expected zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>]"
-                          "[-inductor][-qw][-qg], ddp, fsdp2 or fsdp2-compile")
+                          "[-inductor][-qw][-qg][-tpl], ddp, fsdp2 or fsdp2-compile")
     mods = match["mods"].split("-")[1:]
     for mod in mods:
         if mod.startswith("pf"):
@@ -77,7 +79,7 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
     return SystemSpec(name, "zerograph", stage=int(match["stage"]), overlap="noov" not in mods, pool="nopool" not in mods,
                       keep_root="keeproot" in mods, quantized_gathers="qw" in mods, quantized_reductions="qg" in mods,
                       prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes,
-                      lowering="inductor" if "inductor" in mods else "eager")
+                      lowering="inductor" if "inductor" in mods else "eager", unit_templates="tpl" in mods)
 
 
 def parse_systems(text: str, prefetch_depth: int, bucket_bytes: int) -> list[SystemSpec]:

@@ -66,7 +66,18 @@ def finish_graph(directory: str | None, kind: str, gm: fx.GraphModule, runtime: 
                 + [r["backward"] for r in reversed(captured.graphs) if "backward" in r])
         write_schedule(os.path.join(rank_dir, "schedule.json"), step, cost)
         manifest.record(os.path.join(rank_dir, "schedule.json"))
+    _write_templates(rank_dir, captured, manifest)
     report = build_report(runtime, captured, None)
     if rank_dir in _LAST_TOTALS:  # keep the totals this process's last ``explain`` wrote there
         report["totals"] = _LAST_TOTALS[rank_dir]
     write_summary_files(rank_dir, report)
+
+
+def _write_templates(rank_dir: str, captured: Any, manifest: Any) -> None:
+    """The code of each unit template's forward and backward graph, ``template<id>_<kind>.py``."""
+    for template in getattr(captured, "templates", []):
+        for kind, gm in (("forward", template.forward_graph), ("backward", template.backward_graph)):
+            path = os.path.join(rank_dir, f"template{template.id}_{kind}.py")
+            with open(path, "w") as f:
+                f.write(f"# unit template {template.id}, called by {', '.join(template.units)}\n{gm.code}")
+            manifest.record(path)

@@ -49,7 +49,8 @@ def build_report(runtime: Any, captured: Any, stats: Any | None) -> dict[str, An
                         rows[u]["released"].append({**where, "node": r["node"], "position": r["position"]})
     report: dict[str, Any] = {"rank": rank, "world_size": runtime.world_size, "stage": runtime.stage,
                               "replicas": runtime.replicate_size,
-                              "graphs": len(captured.graphs), "units": rows, "passes": _pass_times(captured)}
+                              "graphs": len(captured.graphs), "units": rows, "passes": _pass_times(captured),
+                              "templates": _templates(captured)}
     if stats is not None:
         report["totals"] = _totals(stats)
     return report
@@ -65,6 +66,14 @@ def _pass_times(captured: Any) -> list[dict[str, Any]]:
             if times is not None:
                 rows.append({"graph": g, "kind": kind, **times})
     return rows
+
+
+def _templates(captured: Any) -> list[dict[str, Any]]:
+    """Per unit template (``Config(unit_templates=True)``): the units that call it, its inputs'
+    shapes, its graphs' sizes and the seconds its trace took."""
+    return [{"id": t.id, "units": list(t.units), "inputs": [list(shape) for shape, _, _ in t.input_metas],
+             "forward_nodes": len(t.forward_graph.graph.nodes), "backward_nodes": len(t.backward_graph.graph.nodes),
+             "trace_seconds": t.trace_seconds} for t in getattr(captured, "templates", [])]
 
 
 def _totals(stats: Any) -> dict[str, Any]:
@@ -127,6 +136,7 @@ def summary_markdown(report: Mapping[str, Any]) -> str:
             f"| {u['shard_bytes']:,} | {_where(u['gathered'], many, _gathered_at)} "
             f"| {_where(u['gathered'], many, _wait_after)} | {_where(u['released'], many, _released_at)} "
             f"| {_where(u['reduced'], many, _reduced_at)} |")
+    lines += _template_lines(report.get("templates", []))
     lines += _pass_time_lines(report.get("passes", []), many)
     totals = report.get("totals")
     lines.append("")
@@ -155,6 +165,22 @@ def summary_markdown(report: Mapping[str, Any]) -> str:
         paper = f"{formula:,.0f} bytes" if formula is not None else "-"
         lines.append(f"| {key} held at most (sec. 5) | {held:,} bytes{extra} | {paper} |")
     return "\n".join(lines) + "\n"
+
+
+def _template_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The "Unit templates" table: which units share one traced forward and backward."""
+    if not rows:
+        return []
+    lines = ["", "## Unit templates (`Config(unit_templates=True)`)", "",
+             "Each kind of unit was traced, partitioned and lowered once; the units listed call that template "
+             "(one `zerograph::unit_forward` / `unit_backward` node each in the graphs above). Its graphs are "
+             "`template<id>_{forward,backward}.py` in this folder.", "",
+             "| template | units | first input | forward / backward nodes | trace s |", "|---:|---|---|---:|---:|"]
+    for row in rows:
+        units = ", ".join(row["units"])
+        lines.append(f"| {row['id']} | {units} ({len(row['units'])}) | {tuple(row['inputs'][0])} | "
+                     f"{row['forward_nodes']} / {row['backward_nodes']} | {row['trace_seconds']:.2f} |")
+    return lines
 
 
 def _pass_time_lines(rows: Sequence[Mapping[str, Any]], many_graphs: bool) -> list[str]:
