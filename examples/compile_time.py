@@ -14,10 +14,12 @@ processes, so its warm run is measured as a control). Reported per run: the firs
 memory over the baseline (the bench's definitions). Nothing here is asserted: it measures.
 
 ``--one-rank``: instead, rank 0 of a fake world of 2 (``zerograph.fake_world``) in this process,
-zerograph stage 3 with the eager lowering only, without and with ``Config.unit_templates``: the CPU seconds (``time.process_time``, robust to
-other jobs on the machine) of compile + first forward + backward, Dynamo's and AOTAutograd's
-shares of them (``torch._dynamo.utils.compilation_time_metrics``), the graphs' node counts, and
-with ``--passes`` each pass's milliseconds on each graph (``GraphModule.meta["zerograph_passes"]``, as the dump's summary shows them).
+zerograph stage 3 with the eager lowering only, without and with ``Config.unit_templates``: the
+CPU seconds (``time.process_time``, robust to other jobs on the machine) of compile + first
+forward + backward, Dynamo's and AOTAutograd's shares of them
+(``torch._dynamo.utils.compilation_time_metrics``), the graphs' node counts, and with
+``--passes`` each pass's milliseconds on each graph (``GraphModule.meta["zerograph_passes"]``, as
+the dump's summary shows them).
 """
 from __future__ import annotations
 

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 import zerograph
+from zerograph.dump.report import build_report, summary_markdown
 from zerograph.errors import ShardingError
 from zerograph.models.gpt import GPT, GPTConfig
 from zerograph.ops import UNIT_BACKWARD, UNIT_FORWARD
 from zerograph.runtime import schedule_of
-from zerograph.dump.report import build_report, summary_markdown
 from zerograph.state import graphs_of, runtime_of_model, state_of
 
 from .distributed import fake_rank, spawn
