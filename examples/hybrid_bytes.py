@@ -10,6 +10,7 @@ units of Ψ (the model's parameters, 4 bytes each in fp32).
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.distributed as dist
@@ -19,15 +20,30 @@ import zerograph
 from zerograph.models.gpt import GPT, SIZES
 
 
+def mesh_shape(text: str) -> tuple[int, int]:
+    """``"RxS"`` -> ``(R, S)``, both positive; ``argparse.ArgumentTypeError`` otherwise (a usage
+    message, not a traceback)."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected RxS with positive integers (e.g. 2x2), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="small", choices=sorted(SIZES))
-    p.add_argument("--mesh", default="2x2", help="RxS: replicas x shards, R * S = the world size")
+    p.add_argument("--mesh", default=(2, 2), type=mesh_shape, help="RxS: replicas x shards, R * S = the world size")
     p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
     p.add_argument("--steps", type=int, default=2)
     args = p.parse_args()
-    replicas, shards = (int(x) for x in args.mesh.lower().split("x"))
+    replicas, shards = args.mesh
     dist.init_process_group("gloo")
+    if replicas * shards != dist.get_world_size():
+        if dist.get_rank() == 0:
+            print(f"hybrid_bytes.py: --mesh {replicas}x{shards} needs {replicas * shards} ranks, "
+                  f"this job has {dist.get_world_size()}", file=sys.stderr)
+        dist.destroy_process_group()
+        sys.exit(2)
     mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
     cfg = SIZES[args.size]
     torch.manual_seed(0)

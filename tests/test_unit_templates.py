@@ -124,6 +124,29 @@ def test_look_alike_blocks_get_templates_of_their_own_and_keep_parity() -> None:
     assert "| blocks.0, blocks.1, blocks.6 (3) |" in summary
 
 
+class _ModeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * (2.0 if self.training else 3.0)  # what dropout does, deterministically
+
+
+def test_train_and_eval_get_templates_of_their_own() -> None:
+    """``model.eval()`` after a training step traces the eval body, not the training one."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(_ModeBlock(), _ModeBlock())
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    assert len(state_of(model).captured.templates) == 2
+
+
 class _Branchy(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -112,16 +112,18 @@ class UnitKind:
     def __init__(self, kind: int, name: str, module: nn.Module, lowering: str, record: list[UnitTemplate]):
         self.kind, self.name, self.module, self.lowering = kind, name, module, lowering
         self.units: list[str] = [name]
-        self.templates: dict[tuple[TensorMeta, ...], UnitTemplate] = {}
+        self.templates: dict[tuple, UnitTemplate] = {}  # (input metas, training flags) -> template
         self._record = record
         self._ids: list[int] = []
         weakref.finalize(self, registry.release_templates, self._ids)  # a freed model frees its templates
 
     def template(self, primals: Sequence[torch.Tensor]) -> UnitTemplate:
         metas = tuple((tuple(p.shape), tuple(p.stride()), p.dtype) for p in primals)
-        template = self.templates.get(metas)
+        # train / eval changes what the body does (dropout, branches on self.training)
+        key = (metas, tuple(m.training for m in self.module.modules()))
+        template = self.templates.get(key)
         if template is None:
-            template = self.templates[metas] = trace_template(self, metas, primals[0].device)
+            template = self.templates[key] = trace_template(self, metas, primals[0].device)
             self._ids.append(template.id)
             self._record.append(template)
         return template
