@@ -30,8 +30,8 @@ import subprocess
 import sys
 import tempfile
 
-SYSTEMS = {"zerograph eager": "zerograph-s3", "zerograph eager, unit templates": "zerograph-s3-tpl",
-           "zerograph inductor": "zerograph-s3-inductor", "zerograph inductor, unit templates": "zerograph-s3-inductor-tpl",
+SYSTEMS = {"zerograph eager": "zerograph-s3", "zerograph eager + templates": "zerograph-s3-tpl",
+           "zerograph inductor": "zerograph-s3-inductor", "zerograph inductor + templates": "zerograph-s3-inductor-tpl",
            "FSDP2 + torch.compile": "fsdp2-compile"}
 
 
@@ -119,7 +119,7 @@ def main() -> None:
     results: dict[str, dict[int, dict]] = {name: {} for name in names}
     for name in names:
         for depth in blocks:
-            if name == "zerograph inductor" and depth > args.inductor_max_blocks:
+            if name.startswith("zerograph inductor") and depth > args.inductor_max_blocks:
                 continue
             with tempfile.TemporaryDirectory(prefix="zg-inductor-cache-") as cache:
                 row = {"cold": run_bench(SYSTEMS[name], depth, args, cache)}
