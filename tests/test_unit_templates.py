@@ -54,6 +54,7 @@ def _gpt(blocks: int, templates: bool) -> nn.Module:
     return model
 
 
+@pytest.mark.slow
 def test_eight_identical_blocks_trace_one_template_and_keep_the_schedule() -> None:
     """A GPT of 8 blocks compiles the block's forward and backward once (one template, one
     unit_forward / unit_backward per block), and the forward's and backward's collectives, in
