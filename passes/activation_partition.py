@@ -382,7 +382,7 @@ def activation_partition(gm: fx.GraphModule, ctx: PassContext, *, cost: CostMode
                 _offload(gm.graph, root, backward, pos)
         elif p.decision == PARTITION:
             for root in sorted(region.shardable & partitioned, key=pos.__getitem__):
-                _partition(gm.graph, root, backward, pos, group_name, group_size)
+                partition_storage(gm.graph, root, backward, pos, group_name, group_size)
         first = region.nodes[0]
         first.meta[ACTIVATION] = {"unit": p.unit, "decision": p.decision, "note": _note(p)}
         log.debug("unit %d %r: %s", p.unit, p.name, _note(p))
@@ -399,23 +399,25 @@ def activation_partition(gm: fx.GraphModule, ctx: PassContext, *, cost: CostMode
     return PassResult(gm, changed, {**counts, "units": len(plan.units), "estimated_saved_bytes": plan.planned_bytes})
 
 
-def _partition(graph: fx.Graph, root: fx.Node, backward: set[fx.Node], pos: dict[fx.Node, int], group_name: str,
-               group_size: int) -> None:
+def partition_storage(graph: fx.Graph, root: fx.Node, backward: set[fx.Node], pos: dict[fx.Node, int],
+                      group_name: str, group_size: int, role: str = "activation") -> None:
     """P_a for one saved storage: forward keeps this rank's piece (``shard_activation``, saved:
     ``MUST_SAVE``), backward all-gathers it (``gather_activation``, ``partitioner_tag`` is_backward)
     before the first backward use and reads the gathered tensor wherever it read ``root`` or a
-    forward view of it (``_backward_reads_from``). ``root`` is then dead after forward."""
+    forward view of it (``_backward_reads_from``). ``root`` is then dead after forward. ``role``
+    names the pieces in their tags (``<role>_shard``, ``<role>_gather``): hpZ's
+    ``secondary_partition`` partitions gathered parameters the same way."""
     val = root.meta["val"]
     with graph.inserting_after(root):
         piece = graph.call_function(SHARD_ACTIVATION, (root, group_name, group_size))
     with detect_fake_mode([val]):
         piece.meta["val"] = SHARD_ACTIVATION(val, group_name, group_size)
     piece.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-    piece.meta[TAG] = {"role": "activation_shard"}
+    piece.meta[TAG] = {"role": f"{role}_shard"}
     readers = _backward_readers(graph, root, backward)
     with graph.inserting_before(_first_use(readers, backward, pos)):
         full = graph.call_function(GATHER_ACTIVATION, (piece, list(val.shape), group_name, group_size))
-    full.meta.update({"val": val, "partitioner_tag": "is_backward", TAG: {"role": "activation_gather"}})
+    full.meta.update({"val": val, "partitioner_tag": "is_backward", TAG: {"role": f"{role}_gather"}})
     _backward_reads_from(graph, full, root, readers, backward, pos)
 
 

@@ -41,6 +41,9 @@ class PassContext:
             size)`` of the replicate group, across which each reduced gradient shard is
             all-reduced; ``group_name`` / ``world_size`` are then the shard group's. ``None``:
             one group (no mesh, a 1-D one, or a replicate dim of one rank).
+        secondary_group: hpZ (``Config.secondary_partition_size``): ``(group_name, M)`` of the
+            group of M ranks (this rank's node) over which ``secondary_partition`` keeps each
+            re-gathered unit from forward to backward; ``None``: plain stage 3.
     """
 
     graph_kind: GraphKind
@@ -57,6 +60,7 @@ class PassContext:
     replicate_group: tuple[str, int] | None = None
     gather_quantization: str | None = None
     reduce_quantization: str | None = None
+    secondary_group: tuple[str, int] | None = None
 
     @property
     def communicates(self) -> bool:

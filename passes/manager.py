@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from zerograph.errors import ConfigError, PassError
-from zerograph.ops import REDUCE_GRAD, UNSHARD
+from zerograph.ops import GATHER_ACTIVATION, REDUCE_GRAD, UNSHARD
 from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer, group_name_of
 
 from ._fx import count_targets, is_alias_of_input
@@ -29,6 +29,7 @@ from .insert_allgather import insert_allgather
 from .insert_reduce_scatter import insert_reduce_scatter
 from .prefetch import prefetch
 from .schedule_overlap import schedule_overlap
+from .secondary_partition import secondary_partition
 from .selective_unshard import selective_unshard
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def pipeline(kind: str) -> list[Pass]:
     gathers = [bucketing, insert_allgather]
     schedule = [prefetch, schedule_overlap]
     return {
-        "joint": gathers + [selective_unshard, activation_partition],
+        "joint": gathers + [selective_unshard, secondary_partition, activation_partition],
         "forward": gathers + schedule + [buffer_reuse],
         "inference": gathers + schedule + [buffer_reuse],
         "backward": [bucketing, insert_reduce_scatter] + schedule + [buffer_reuse],
@@ -201,9 +202,15 @@ def check_no_saved_gathers(fwd: fx.GraphModule) -> None:
 def collective_volume(graph: fx.Graph) -> list[tuple[str, int, int, str | None]]:
     """``[(kind, full_numel, itemsize, group_name)]`` of every collective in the graph, in graph
     order; ``group_name`` is the process group it runs over (hybrid sharding: the shard or the
-    replicate group)."""
+    replicate group). ``zerograph::gather_activation`` (ZeRO-R's P_a, hpZ's backward re-gather)
+    counts as an all-gather of its padded full buffer over its group."""
     volume = []
     for node in graph.nodes:
+        if node.target is GATHER_ACTIVATION:  # P_a's and hpZ's all-gather, inside the op
+            piece, _, group_name, group_size = node.args[:4]
+            val = piece.meta["val"]
+            volume.append(("all_gather", val.numel() * group_size, val.element_size(), group_name))
+            continue
         kind = COLLECTIVE_KINDS.get(node.target)
         if kind is None:
             continue

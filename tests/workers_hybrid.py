@@ -7,7 +7,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import zerograph
-from zerograph.state import runtime_of_model
+from zerograph.ops import GATHER_ACTIVATION
+from zerograph.state import graphs_of, runtime_of_model
+from zerograph.vocab import COLLECTIVE_KINDS
 
 from .models import build, global_batch, rank_slice
 from .training import train_steps
@@ -117,3 +119,22 @@ def hybrid_reload(rank: int, world_size: int, name: str, stage: int, ckpt_dir: s
     out["stats"] = zerograph.stats(model, opt)
     dist.barrier()
     return out
+
+
+
+def hpz_graph_facts(rank: int, world_size: int, size: int) -> dict:
+    """One step of the tiny GPT at stage 3 with hpZ over nodes of ``size`` ranks: what its
+    backward graph all-gathers over which group, and the step's bytes per dim."""
+    model = zerograph.compile(build("gpt"), 3, config=zerograph.Config(secondary_partition_size=size))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(*rank_slice(global_batch("gpt", 0, 4), rank, world_size)).backward()
+    opt.step()
+    stats = zerograph.stats(model, opt)
+    runtime = runtime_of_model(model)
+    backward = graphs_of(model)[0]["backward"].graph
+    return {
+        "world_gathers_in_backward": sum(COLLECTIVE_KINDS.get(n.target) == "all_gather" for n in backward.nodes),
+        "node_gathers_in_backward": [(n.args[2] == runtime.secondary_group_name, n.args[3])
+                                     for n in backward.nodes if n.target is GATHER_ACTIVATION],
+        "comm_bytes_per_dim": {d: dict(c) for d, c in stats.comm_bytes_per_dim.items()},
+    }

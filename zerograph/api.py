@@ -22,7 +22,7 @@ from . import loading
 from .capture import CapturedGraphs, ZeroGraphBackend
 from .config import Config, check_stage
 from .errors import ConfigError, ProcessGroupError, ShardingError, UnshardedParameterError, ZeroGraphError
-from .hybrid import hybrid_groups
+from .hybrid import hybrid_groups, secondary_group
 from .policies import MixedPrecisionPolicy
 from .registry import next_key
 from .replicas import sync_replicas
@@ -130,6 +130,8 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     if mesh is not None:  # hybrid sharding: ``group`` becomes the shard group (hybrid.py)
         group, replicate_group = hybrid_groups(mesh, stage, device)
     world_group = dist.group.WORLD if replicate_group is not None else group
+    node_group = secondary_group(group, config.secondary_partition_size, stage, replicate_group is not None or (
+        mesh is not None and mesh.ndim == 2), config.timeout_s)
     sync_replicas(model, world_group, device)  # every rank starts from rank 0's values, as with DDP (replicas.py)
     if mesh is None:
         mesh = DeviceMesh.from_group(group, device.type)
@@ -145,7 +147,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
         fresh = loading.allocate_meta_buffers_(model, device)
         uninitialised = loading.UninitialisedTracker(list(model.named_parameters()) + fresh)
     runtime = Runtime(group, stage, layouts, unit_objs, timeout_s=config.timeout_s, device=device,
-                      replicate_group=replicate_group, world_group=world_group)
+                      replicate_group=replicate_group, world_group=world_group, secondary_group=node_group)
     runtime.shards = {layout.key: model.get_parameter(layout.fqn) for layout in layouts}
     runtime.gather_quantization = config.gather_quantization  # graph breaks' eager gathers quantize too
     runtime.reduce_quantization = config.reduce_quantization  # and their reductions

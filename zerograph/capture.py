@@ -88,7 +88,9 @@ class ZeroGraphBackend:
                            replicate_group=(None if runtime.replicate_group is None
                                             else (runtime.replicate_group_name, runtime.replicate_size)),
                            gather_quantization=config.gather_quantization,
-                           reduce_quantization=config.reduce_quantization)
+                           reduce_quantization=config.reduce_quantization,
+                           secondary_group=(None if runtime.secondary_group is None
+                                            else (runtime.secondary_group_name, runtime.secondary_size)))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         check_no_parameter_writes(gm.graph, self.runtime.layouts)

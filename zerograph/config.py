@@ -95,6 +95,14 @@ class Config:
             its own shard and sums them in fp32. About a quarter of the bytes of an fp32
             reduce-scatter. Small shards and non-float gradients as for ``gather_quantization``.
             Both options are for stages 1-3: ``zerograph.compile`` refuses them at stage 0.
+        secondary_partition_size: hpZ (ZeRO++, arXiv 2306.10209 section 3.2; DeepSpeed's
+            ``zero_hpz_partition_size``): M, the ranks of a node. Stage 3 then keeps, from
+            forward to backward, each rank's 1/M of every unit it re-gathers (groups of M
+            consecutive ranks of the model's group), and backward all-gathers the unit over those
+            M ranks instead of all N: more memory (1/M of each unit in ``param_dtype``, not 0),
+            backward's parameter traffic inside the node. ``None`` (default): plain stage 3.
+            Must divide the world size; stage 3 only; not with a 2-D ``mesh`` (``compile``
+            raises ``ConfigError``).
         unit_templates: ``True`` traces, partitions and lowers each kind of unit once (units of
             one structure: a transformer's identical blocks) and makes each unit one call of that
             template in the model graph (``zerograph.templates``), so compile time stops growing
@@ -119,6 +127,7 @@ class Config:
     gather_quantization: str | None = None
     reduce_quantization: str | None = None
     unit_templates: bool = False
+    secondary_partition_size: int | None = None
 
     def __init__(self, *, unit_classes: tuple[type[nn.Module], ...] | None = None,
                  lowering: Literal["auto", "eager", "inductor"] = "auto", timeout_s: float = 300.0,
@@ -126,7 +135,7 @@ class Config:
                  mixed_precision: MixedPrecisionPolicy | None = None, schedule: SchedulePolicy | None = None,
                  memory: MemoryPolicy | None = None, activations: ActivationPolicy | None = None,
                  gather_quantization: str | None = None, reduce_quantization: str | None = None,
-                 unit_templates: bool = False, **flat: Any) -> None:
+                 unit_templates: bool = False, secondary_partition_size: int | None = None, **flat: Any) -> None:
         given = {"mixed_precision": mixed_precision, "schedule": schedule, "memory": memory,
                  "activations": activations}
         for name, value in flat.items():
@@ -146,7 +155,8 @@ class Config:
         for name, value in (("unit_classes", unit_classes), ("lowering", lowering), ("timeout_s", timeout_s),
                             ("dump_dir", dump_dir), ("disabled_passes", disabled_passes),
                             ("gather_quantization", gather_quantization),
-                            ("reduce_quantization", reduce_quantization), ("unit_templates", unit_templates)):
+                            ("reduce_quantization", reduce_quantization), ("unit_templates", unit_templates),
+                            ("secondary_partition_size", secondary_partition_size)):
             object.__setattr__(self, name, value)
         self._check()
 
@@ -155,6 +165,10 @@ class Config:
             value = getattr(self, field)
             if value is not None and value not in QUANTIZATIONS:
                 raise ConfigError(f"Config.{field} must be one of {(None, *QUANTIZATIONS)}, got {value!r}")
+        size = self.secondary_partition_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 2):
+            raise ConfigError(f"Config.secondary_partition_size must be None or the ranks of a node, at least 2, "
+                              f"got {size!r}")
         if not isinstance(self.unit_templates, bool):
             raise ConfigError(f"Config.unit_templates must be True or False, got {self.unit_templates!r}")
         if self.lowering not in LOWERINGS:

@@ -15,6 +15,8 @@ dim 1 shard); torchtitan names the dims ``("dp_replicate", "dp_shard")``.
 """
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -66,3 +68,39 @@ def hybrid_groups(mesh: DeviceMesh, stage: int, device: torch.device) -> tuple[d
         raise ConfigError(f"the mesh's shard dim has 1 rank (mesh {mesh}): nothing would be sharded; use stage 0 "
                           "(DDP) over process_group for plain replication, or a shard dim of 2 or more ranks")
     return mesh.get_group(1), mesh.get_group(0)
+
+
+def secondary_group(group: dist.ProcessGroup, size: int | None, stage: int, hybrid: bool,
+                    timeout_s: float) -> dist.ProcessGroup | None:
+    """hpZ's node group of this rank: ranks ``[k*M, (k+1)*M)`` of ``group`` (in its rank order)
+    that hold this rank, M = ``size`` (``Config.secondary_partition_size``); ``None`` when
+    ``size`` is ``None``. Every rank of ``group`` creates every node group, in one order (what
+    ``dist.new_group`` requires).
+
+    Source: ZeRO++ (arXiv 2306.10209) section 3.2: the secondary partition spans one node.
+
+    Raises:
+        ConfigError: a stage other than 3 (only stage 3 re-gathers parameters in backward); a 2-D
+            mesh (hybrid sharding already keeps gathers inside the shard group); M not a divisor
+            of the world size N, or M = N (the node is the world: plain stage 3).
+    """
+    if size is None:
+        return None
+    if stage != 3:
+        raise ConfigError(f"Config.secondary_partition_size (hpZ) applies to stage 3, whose backward re-gathers "
+                          f"parameters; stage {stage} keeps them gathered or never gathers them: leave it None")
+    if hybrid:
+        raise ConfigError("Config.secondary_partition_size (hpZ) with a 2-D mesh: hybrid sharding already keeps "
+                          "every all-gather inside the shard group; use one or the other")
+    n = dist.get_world_size(group)
+    if n % size or size >= n:
+        raise ConfigError(f"Config.secondary_partition_size must divide the world size {n} and be smaller than it "
+                          f"(ranks of a node), got {size}")
+    ranks = dist.get_process_group_ranks(group)
+    mine = None
+    for k in range(n // size):
+        members = ranks[k * size:(k + 1) * size]
+        node = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout_s))
+        if dist.get_rank() in members:
+            mine = node
+    return mine

@@ -86,7 +86,7 @@ class Plan:
             gradient, the bucket it reduce-scatters from, or the ``bucket_bytes`` argument when
             given. Stages 0-1: 0 (full gradients are kept and already counted in ``"grads"``).
         total_with_overheads: ``bytes_per_rank["total"] + padding_bytes + bucket_bytes``, plus
-            ``inflight_gather_bytes`` at stage 3.
+            ``inflight_gather_bytes`` at stage 3 and ``secondary_partition_bytes`` with hpZ.
         units: ``(name, parameter count)`` per unit, the root unit (``"<root>"``, parameters
             outside every unit) first, then the units in module order, as ``zerograph.compile``
             groups them.
@@ -101,6 +101,11 @@ class Plan:
             all-gather Ψ + reduce-scatter Ψ; stage 3, all-gather 2Ψ + reduce-scatter Ψ (Ψ
             padded to S rows each, in bytes of ``param_dtype``, times ``(S-1)/S``). Replicate
             dim (R > 1): all-reduce of this rank's reduced gradient shard, 2 (Ψ/S) (R-1)/R.
+            With hpZ, backward's all-gather Ψ moves to a ``"secondary"`` dim: (M-1)/M of it.
+        secondary_partition_size: hpZ's M (``Config.secondary_partition_size``), or ``None``.
+        secondary_partition_bytes: hpZ: the secondary partition each rank holds from forward to
+            backward, 1/M of every unit's padded parameters in ``param_dtype`` (rounded up);
+            counted in ``total_with_overheads``. 0 without hpZ.
     """
 
     stage: int
@@ -121,6 +126,8 @@ class Plan:
     units: tuple[tuple[str, int], ...]
     replicas: int = 1
     comm_bytes_per_dim: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
+    secondary_partition_size: int | None = None
+    secondary_partition_bytes: int = 0
 
     def __str__(self) -> str:
         psi = self.psi
@@ -140,6 +147,11 @@ class Plan:
             ("in-flight gather [GB/rank]", _gb(self.inflight_gather_bytes)
              + (" (counted in params)" if self.stage in (1, 2) else "")),
             ("gradient bucket [GB/rank]", _gb(self.bucket_bytes)),
+        ]
+        if self.secondary_partition_size:
+            rows.append((f"hpZ secondary partition, 1/{self.secondary_partition_size} [GB/rank]",
+                         _gb(self.secondary_partition_bytes)))
+        rows += [
             ("total with overheads [GB/rank]", _gb(self.total_with_overheads)),
         ]
         for key in ("all_gather", "reduce_scatter", "all_reduce", "total"):
@@ -166,6 +178,7 @@ def plan(
     unit_numels: Sequence[int] | None = None,
     unit_classes: tuple[type[nn.Module], ...] | None = None,
     replicas: int = 1,
+    secondary_partition_size: int | None = None,
 ) -> Plan:
     """Plan the per-rank memory and per-step communication of ZeRO stage ``stage`` on ``world_size`` ranks.
 
@@ -193,6 +206,8 @@ def plan(
             ``nn.ModuleList`` / ``nn.Sequential``.
         replicas: R, the replicate dim of hybrid sharding (``compile(mesh=2-D mesh)``), >= 1;
             ``world_size`` is then the shard dim S. Stages 1-3 only when R > 1.
+        secondary_partition_size: hpZ's M (ZeRO++ section 3.2): stage 3 only, a divisor of
+            ``world_size`` smaller than it, not with ``replicas`` > 1 (as ``zerograph.compile``).
 
     Returns:
         A frozen ``Plan``; ``str(plan)`` is a readable table.
@@ -208,6 +223,12 @@ def plan(
     if replicas > 1 and stage == 0:
         raise ConfigError("replicas > 1 (hybrid sharding) needs stage 1-3: stage 0 replicates everything "
                           "(plan it with world_size = every rank)")
+    if secondary_partition_size is not None:
+        m = _check_count("secondary_partition_size", secondary_partition_size, minimum=2)
+        if stage != 3 or replicas > 1 or world_size % m or m >= world_size:
+            raise ConfigError(f"secondary_partition_size (hpZ) needs stage 3, no replicas, and a divisor of "
+                              f"world_size {world_size} smaller than it; got {m} at stage {stage} with {replicas} "
+                              "replicas")
     optimizer, n_buffers = _check_optimizer(optimizer)
     param_dtype = _check_dtype("param_dtype", param_dtype)
     master_dtype = _check_dtype("master_dtype", master_dtype)
@@ -287,7 +308,14 @@ def plan(
     else:
         bucket = 0
 
-    total_with = memory["total"] + padding + bucket + (inflight if stage == 3 else 0)
+    secondary = -(-sum(unit_padded) * p_bytes // secondary_partition_size) if secondary_partition_size else 0
+    if secondary_partition_size:  # backward re-gathers inside the node
+        backward = sum(u * p_bytes * (n - 1) // n for u in unit_padded if u)
+        comm_bytes["shard"]["all_gather"] -= backward
+        comm_bytes["secondary"] = {"all_gather": sum(u * p_bytes * (secondary_partition_size - 1)
+                                                     // secondary_partition_size for u in unit_padded if u),
+                                   "reduce_scatter": 0, "all_reduce": 0}
+    total_with = memory["total"] + padding + bucket + (inflight if stage == 3 else 0) + secondary
     return Plan(
         stage=stage,
         world_size=world_size,
@@ -307,6 +335,8 @@ def plan(
         units=tuple(zip(unit_names, unit_numel)),
         replicas=replicas,
         comm_bytes_per_dim=types.MappingProxyType({d: types.MappingProxyType(c) for d, c in comm_bytes.items()}),
+        secondary_partition_size=secondary_partition_size,
+        secondary_partition_bytes=secondary,
     )
 
 

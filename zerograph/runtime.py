@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
 from . import registry
@@ -38,6 +39,7 @@ from .vocab import (
     GRAD_FLUSH,
     GRAD_SYNC,
     REPLICATE_DIM,
+    SECONDARY_DIM,
     SHARD_DIM,
     TAG,
     all_gather_single,
@@ -161,7 +163,8 @@ class Runtime:
 
     def __init__(self, group: dist.ProcessGroup, stage: int, layouts: list[ParamLayout], units: list[Unit], *,
                  timeout_s: float = 300.0, device: torch.device | str = "cpu",
-                 replicate_group: dist.ProcessGroup | None = None, world_group: dist.ProcessGroup | None = None):
+                 replicate_group: dist.ProcessGroup | None = None, world_group: dist.ProcessGroup | None = None,
+                 secondary_group: dist.ProcessGroup | None = None):
         self.group = group
         self.world_group = world_group or group
         # a replicate dim of one rank reduces nothing: treated as none (no collective, no accounting)
@@ -170,6 +173,11 @@ class Runtime:
         self.replicate_group = replicate_group
         self.replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
         self.replicate_group_name = None if replicate_group is None else replicate_group.group_name
+        # hpZ: this rank's node, over which backward re-gathers from the secondary partition
+        self.secondary_group = secondary_group
+        self.secondary_size = 1 if secondary_group is None else dist.get_world_size(secondary_group)
+        self.secondary_group_name = None if secondary_group is None else secondary_group.group_name
+        self._group_sizes: dict[str, int] = {}  # other groups a graph's collectives name (P_a's)
         self.timeout_s = timeout_s  # bound on the schedule check's wait (seconds)
         self.device = torch.device(device)  # where the schedule check's tensors live (CUDA for NCCL)
         self._graphs_seen = 0
@@ -472,6 +480,12 @@ class Runtime:
         for the replicate group, else the shard dim (the model's group; a 1-D mesh's only dim)."""
         if group_name is not None and group_name == self.replicate_group_name:
             return REPLICATE_DIM, self.replicate_size
+        if group_name is not None and group_name == self.secondary_group_name:
+            return SECONDARY_DIM, self.secondary_size
+        if group_name is not None and group_name != self.group_name:  # P_a's activation group
+            if group_name not in self._group_sizes:
+                self._group_sizes[group_name] = dist.get_world_size(_resolve_process_group(group_name))
+            return SHARD_DIM, self._group_sizes[group_name]
         return SHARD_DIM, self.world_size
 
     def _reduce_quantized_eager(self, grad: torch.Tensor, key: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 SHARD_DIM = "shard"
 REPLICATE_DIM = "replicate"
 MESH_DIMS = (REPLICATE_DIM, SHARD_DIM)
+SECONDARY_DIM = "secondary"  # hpZ's node group, inside the shard dim (counted apart)
 
 
 def group_name_of(collective: fx.Node) -> str | None:

@@ -1,0 +1,48 @@
+"""hpZ (``Config(secondary_partition_size=M)``, ZeRO++ section 3.2): stage 3 whose backward
+re-gathers each unit from a secondary partition over M ranks instead of all N. Parity with
+single-process eager training on 4 gloo ranks as 2 nodes of 2; structure and bytes per group."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerograph
+
+from .distributed import spawn
+from .models import build, reference_training
+from .test_parity import LR, STEPS, check_parity
+from .workers import train
+from .workers_hybrid import hpz_graph_facts
+
+
+@pytest.mark.distributed
+def test_hpz_matches_single_process_on_two_nodes_of_two() -> None:
+    results = spawn(train, 4, "gpt", 3, STEPS, 4, LR, zerograph.Config(secondary_partition_size=2))
+    reference = reference_training("gpt", STEPS, 4, LR)
+    for result in results:
+        check_parity(result, reference)
+
+
+@pytest.mark.distributed
+def test_hpz_backward_gathers_inside_the_node() -> None:
+    """Backward runs no all-gather over the 4 ranks: each re-gather is over the rank's node of 2,
+    counted on its own dim; forward still gathers over all 4."""
+    facts = spawn(hpz_graph_facts, 4, 2)[0]
+    assert facts["world_gathers_in_backward"] == 0
+    assert facts["node_gathers_in_backward"]
+    assert all(same and size == 2 for same, size in facts["node_gathers_in_backward"])
+    assert facts["comm_bytes_per_dim"]["secondary"]["all_gather"] > 0
+    # the step's bytes per dim, as counted from the graphs, are the plan's
+    planned = zerograph.plan(build("gpt"), 3, 4, secondary_partition_size=2, param_dtype=torch.float32)
+    assert facts["comm_bytes_per_dim"] == {d: dict(c) for d, c in planned.comm_bytes_per_dim.items()}
+    assert planned.secondary_partition_bytes > 0
+
+
+@pytest.mark.parametrize("kwargs, stage, match", [
+    (dict(secondary_partition_size=2), 2, "stage 3"),
+    (dict(secondary_partition_size=1), 3, "at least 2"),
+    (dict(secondary_partition_size=2), 3, "divide the world size 1"),  # no launcher: a world of one
+])
+def test_hpz_refuses_what_it_cannot_do(kwargs, stage, match) -> None:
+    with pytest.raises(zerograph.ConfigError, match=match):
+        zerograph.compile(torch.nn.Linear(4, 4), stage, config=zerograph.Config(**kwargs))
