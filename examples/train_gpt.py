@@ -21,6 +21,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import zerograph
 from zerograph.models.gpt import GPT, SIZES
@@ -55,6 +56,14 @@ def gb(n: float) -> str:
     return f"{n / 2**20:.2f}MiB"
 
 
+def mesh_shape(text: str) -> tuple[int, int]:
+    """``"RxS"`` -> ``(R, S)``, both positive (an argparse usage error otherwise)."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"expected RxS with positive integers (e.g. 2x2), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage 0-3")
@@ -74,6 +83,10 @@ def main() -> None:
     p.add_argument("--reduce-quantization", choices=["int8"], default=None,
                    help="reduce-scatter gradients as an all-to-all of int8 blocks + fp32 scales, summed in fp32 "
                         "(ZeRO++ qgZ, one hop); default: unquantized")
+    p.add_argument("--mesh", type=mesh_shape, default=None,
+                   help="RxS: hybrid sharding over a 2-D mesh of R replicas x S shards (R * S = the world size)")
+    p.add_argument("--hpz", type=int, default=None, metavar="M",
+                   help="hpZ: backward re-gathers inside groups of M ranks (Config.secondary_partition_size)")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -83,9 +96,18 @@ def main() -> None:
     cfg = dataclasses.replace(SIZES[args.size], **overrides)
     torch.manual_seed(args.seed)
     model = GPT(cfg)
-    model = zerograph.compile(model, stage=args.stage, config=zerograph.Config(
+    mesh = None
+    if args.mesh is not None:
+        if not dist.is_initialized():  # the mesh needs the group zerograph.compile would otherwise create
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if args.mesh[0] * args.mesh[1] != dist.get_world_size():
+            raise SystemExit(f"--mesh {args.mesh[0]}x{args.mesh[1]} needs {args.mesh[0] * args.mesh[1]} ranks, "
+                             f"this job has {dist.get_world_size()}")
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, args.mesh, mesh_dim_names=("replicate", "shard"))
+    model = zerograph.compile(model, stage=args.stage, mesh=mesh, config=zerograph.Config(
         lowering=args.lowering, gather_quantization=args.gather_quantization,
-        reduce_quantization=args.reduce_quantization))
+        reduce_quantization=args.reduce_quantization, secondary_partition_size=args.hpz))
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the world size {world}")
@@ -127,6 +149,9 @@ def main() -> None:
             if rank == 0:
                 volume = sum(stats.comm_elements.values())
                 sent = ", ".join(f"{kind} {n / 2**20:.3f}MiB" for kind, n in stats.comm_bytes.items() if n)
+                if len(stats.comm_bytes_per_dim) > 1:  # hybrid sharding or hpZ: per group
+                    sent += " (" + "; ".join(f"{dim}: " + ", ".join(f"{k} {n / 2**20:.3f}MiB" for k, n in c.items() if n)
+                                             for dim, c in stats.comm_bytes_per_dim.items()) + ")"
                 print(f"step {step:4d} | loss {mean:.4f} | {tokens_per_step * (step - logged) / elapsed:8.0f} tok/s"
                       f" | comm {volume / psi:.3f}Ψ (paper {IDEAL_VOLUME[args.stage]}Ψ) | sent {sent}", flush=True)
                 for r, res in enumerate(resident):
