@@ -42,6 +42,7 @@ def test_hpz_backward_gathers_inside_the_node() -> None:
     (dict(secondary_partition_size=2), 2, "stage 3"),
     (dict(secondary_partition_size=1), 3, "at least 2"),
     (dict(secondary_partition_size=2), 3, "divide the world size 1"),  # no launcher: a world of one
+    (dict(secondary_partition_size=2, activation_budget_bytes=0), 3, "not supported yet"),
 ])
 def test_hpz_refuses_what_it_cannot_do(kwargs, stage, match) -> None:
     with pytest.raises(zerograph.ConfigError, match=match):

@@ -7,6 +7,7 @@ kind); look-alike blocks and untraceable blocks in a world of one."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -134,8 +135,18 @@ class _ModeBlock(nn.Module):
         return self.fc(x) * (2.0 if self.training else 3.0)  # what dropout does, deterministically
 
 
+def _grads_equal(model: nn.Module, reference: nn.Module) -> None:
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        if q.grad is None:  # unused in this step (a branch not taken), as in eager
+            assert p.grad is None or not p.grad.full_tensor().any(), name
+            continue
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=0, msg=name)
+
+
 def test_train_and_eval_get_templates_of_their_own() -> None:
-    """``model.eval()`` after a training step traces the eval body, not the training one."""
+    """``model.eval()`` after a training step traces the eval body, and a backward in eval
+    differentiates that body; one unit switched alone runs its own mode (the op carries each
+    unit's training flags, so Dynamo guards on them)."""
     torch.manual_seed(0)
     reference = nn.Sequential(_ModeBlock(), _ModeBlock())
     model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
@@ -143,9 +154,60 @@ def test_train_and_eval_get_templates_of_their_own() -> None:
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
     model.eval()
     reference.eval()
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    _grads_equal(model, reference)
+    model[1].train()
+    reference[1].train()
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
-    assert len(state_of(model).captured.templates) == 2
+    assert len(state_of(model).captured.templates) == 2  # train and eval (unit 1 back in train reuses train)
+
+
+def test_shapes_that_change_fall_back_to_inline_and_keep_parity() -> None:
+    """A sequence length that changes between steps (Dynamo then makes it dynamic): the kind
+    falls back to running inline (a template is traced for static shapes), with eager's numbers."""
+    torch.manual_seed(0)
+    reference = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    for length in (16, 8, 12):
+        idx = torch.randint(0, 256, (2, length))
+        model.zero_grad()
+        reference.zero_grad()
+        loss, expected = model(idx, idx), reference(idx, idx)
+        loss.backward()
+        expected.backward()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    (kind,) = state_of(model).unit_kinds
+    assert "dynamic shape" in kind.inline_reason
+
+
+def test_autocast_runs_units_inline() -> None:
+    """Under ``torch.autocast`` a unit runs inline (its template was traced without autocast):
+    bf16 autocast numbers equal the untemplated build's."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(_Block(), _Block())
+    x = torch.randn(4, 16)
+    grads = []
+    for templates in (False, True):
+        model = zerograph.compile(copy.deepcopy(reference), 3, config=zerograph.Config(unit_templates=templates))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+    for plain, templated in zip(*grads):
+        torch.testing.assert_close(templated, plain, rtol=0, atol=0)
+
+
+def test_backward_after_the_model_is_freed() -> None:
+    """The graphs that call a template keep it alive: a backward may run after the compiled model
+    itself was dropped."""
+    torch.manual_seed(0)
+    loss = zerograph.compile(nn.Sequential(_Block(), _Block()), 3, config=TEMPLATES)(torch.randn(4, 16)).sum()
+    gc.collect()
+    loss.backward()
 
 
 class _Branchy(nn.Module):
@@ -159,10 +221,32 @@ class _Branchy(nn.Module):
         return x
 
 
-def test_a_block_that_cannot_be_traced_is_refused_by_name() -> None:
-    model = zerograph.compile(nn.Sequential(_Branchy(), _Branchy()), 3, config=TEMPLATES)
-    with pytest.raises(ShardingError, match=r"unit '0' .*unit_templates=False"):
-        model(torch.randn(2, 8))
+def test_a_block_that_cannot_be_traced_runs_inline() -> None:
+    """Data-dependent control flow (a graph break inside the block, untemplated): the kind falls
+    back to running inline, with eager's numbers, and says why."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(_Branchy(), _Branchy())
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    x = torch.randn(2, 8).abs()
+    loss, expected = model(x).sum(), reference(x).sum()
+    loss.backward()
+    expected.backward()
+    assert loss.item() == expected.item()
+    _grads_equal(model, reference)
+    (kind,) = state_of(model).unit_kinds
+    assert kind.inline_reason is not None and state_of(model).captured.templates == []
+
+
+def test_dropout_blocks_run_inline() -> None:
+    """Dropout's random ops do not go through the template's partition: the kind runs inline,
+    trains, and says why (the untemplated build's behaviour, compile time aside)."""
+    torch.manual_seed(0)
+    model = zerograph.compile(nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3)),
+                                            nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3))), 3, config=TEMPLATES)
+    model(torch.randn(4, 8)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    (kind,) = state_of(model).unit_kinds
+    assert kind.inline_reason is not None
 
 
 class _Writer(nn.Module):
@@ -176,6 +260,8 @@ class _Writer(nn.Module):
 
 
 def test_a_block_that_writes_its_parameter_is_refused() -> None:
+    """It cannot be a template (its inputs are copies), and inline it meets the check that refuses
+    an in-place parameter write in any zerograph forward."""
     model = zerograph.compile(nn.Sequential(_Writer(), _Writer()), 3, config=TEMPLATES)
     with pytest.raises(ShardingError, match="in place"):
         model(torch.randn(2, 8))

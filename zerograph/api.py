@@ -5,7 +5,6 @@ import contextlib
 import datetime
 import logging
 import os
-import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -21,13 +20,13 @@ from torch.utils._pytree import tree_map_only
 from . import loading
 from .capture import CapturedGraphs, ZeroGraphBackend
 from .config import Config, check_stage
-from .errors import ConfigError, ProcessGroupError, ShardingError, UnshardedParameterError, ZeroGraphError
+from .errors import ConfigError, ProcessGroupError, ShardingError, TemplateUnavailable, UnshardedParameterError, ZeroGraphError
 from .hybrid import hybrid_groups, secondary_group
 from .policies import MixedPrecisionPolicy
 from .registry import next_key
 from .replicas import sync_replicas
 from .runtime import Runtime
-from .sharding import ParameterWatch, find_units, set_gathering, set_grad_mode, shard_module_, sharded_parameter
+from .sharding import ParameterWatch, find_units, own_code, set_gathering, set_grad_mode, shard_module_, sharded_parameter
 from .state import STATE_ATTR, ZeroGraphState, state_of
 from .templates import install_unit_templates
 
@@ -130,6 +129,10 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     if mesh is not None:  # hybrid sharding: ``group`` becomes the shard group (hybrid.py)
         group, replicate_group = hybrid_groups(mesh, stage, device)
     world_group = dist.group.WORLD if replicate_group is not None else group
+    if config.secondary_partition_size is not None and config.activations.budget_bytes is not None:
+        raise ConfigError("Config.secondary_partition_size (hpZ) with activation_budget_bytes is not supported yet: "
+                          "a unit recomputed in backward would read the gathered parameters hpZ releases after "
+                          "forward; use one or the other")
     node_group = secondary_group(group, config.secondary_partition_size, stage, replicate_group is not None or (
         mesh is not None and mesh.ndim == 2), config.timeout_s)
     sync_replicas(model, world_group, device)  # every rank starts from rank 0's values, as with DDP (replicas.py)
@@ -167,7 +170,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     # symbolic, so per-rank, per-step lengths cost at most two graphs instead of one per length (and
     # never reach Dynamo's recompile limit, past which a frame would run eagerly on some ranks only).
     # Parameters stay static (Dynamo's force_parameter_static_shapes), so the collectives do too.
-    compiled_forward = torch.compile(_own_code(type(model).forward), backend=backend, dynamic=None)
+    compiled_forward = torch.compile(own_code(type(model).forward), backend=backend, dynamic=None)
     setattr(model, STATE_ATTR, ZeroGraphState(runtime, config, captured, compiled_forward, watch,
                                               uninitialised=uninitialised, unit_kinds=unit_kinds))
     cls = type(model)
@@ -181,18 +184,6 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     return model
 
 
-def _own_code(fn: Callable) -> Callable:
-    """``fn`` with a code object of its own. Dynamo caches compiled graphs per code object, at most
-    ``torch._dynamo.config.recompile_limit`` (8) of them: with the class's own ``forward``, the
-    ninth model of one class compiled in a process would silently run eagerly (no graph, no passes,
-    on that rank only, if ranks compiled different numbers of models). A copy per model gives each
-    its own cache."""
-    if not isinstance(fn, types.FunctionType):
-        return fn
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
-    copy.__dict__.update(fn.__dict__)
-    return copy
 
 
 def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -207,7 +198,7 @@ def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     previous_mode = set_grad_mode(mode)  # read (and guarded on) by the trace
     try:
         args, kwargs = _cast_inputs(state.config.mixed_precision, args, kwargs)
-        out = state.compiled_forward(self, *args, **kwargs)
+        out = _run_falling_back(state, self, args, kwargs)
         state.runtime.flush_leftovers_after_backward(out, mode)
         return out
     except (BackendCompilerFailed, TorchRuntimeError) as exc:
@@ -221,6 +212,19 @@ def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     finally:
         set_gathering(previous)
         set_grad_mode(previous_mode)
+
+
+def _run_falling_back(state: ZeroGraphState, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """The compiled forward; traced again each time a kind of unit cannot be a template
+    (``TemplateUnavailable``: its units now run inline), at most once per kind. Every rank meets
+    the same failure in the same trace, so the ranks stay in step."""
+    for _ in range(len(state.unit_kinds) + 1):
+        try:
+            return state.compiled_forward(model, *args, **kwargs)
+        except Exception as exc:
+            if not isinstance(_own_error(exc), TemplateUnavailable):
+                raise
+    raise AssertionError("unreachable: each retry makes one more kind of unit inline")
 
 
 def _own_error(exc: BaseException) -> ZeroGraphError | None:

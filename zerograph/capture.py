@@ -31,9 +31,10 @@ from zerograph.passes.context import PassContext
 from zerograph.passes.liveness import Timeline, timeline
 from zerograph.passes.manager import check_no_saved_gathers, collective_volume, pipeline, run_pipeline, structured_trace_on
 
+from . import registry
 from .config import Config
 from .errors import ShardingError
-from .ops import UNSHARD
+from .ops import UNIT_BACKWARD, UNSHARD
 from .runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,11 @@ class _GraphCompile:
             offloaded = offloaded_outputs(g.graph)
             lowered = _measure_saved(lowered, [i for i in saved if i not in offloaded], offloaded, backend.captured,
                                      self.graph_id)
-        return _account(backend.runtime, g, lowered, backward=kind == "backward", graph_id=self.graph_id)
+        call = _account(backend.runtime, g, lowered, backward=kind == "backward", graph_id=self.graph_id)
+        # a backward may run after its model is gone: keep the templates its graph calls alive
+        call._zerograph_templates = [registry.template_of(n.args[0]) for n in g.graph.nodes  # type: ignore[attr-defined]
+                                     if n.target is UNIT_BACKWARD]
+        return call
 
 
 # methods ending in "_" that write no element of their tensor

@@ -49,3 +49,9 @@ class PoolCorruptionError(ZeroGraphError, RuntimeError):
     after its graph released it: an asynchronous collective still writing, or a tensor that
     outlived its graph while sharing the slot's memory."""
 
+
+
+class TemplateUnavailable(ZeroGraphError):
+    """A kind of unit could not be traced as a unit template (``Config.unit_templates``); its
+    units now run inline. Raised to the compiled forward, which traces the model again (never
+    reaches the user)."""

@@ -42,7 +42,9 @@ def runtime_of(key: int) -> Any:
 
 
 _UNIT_KINDS: dict[int, weakref.ReferenceType[Any]] = {}  # kind -> templates.UnitKind (its model's state owns it)
-_TEMPLATES: dict[int, Any] = {}                           # template id -> templates.UnitTemplate
+# template id -> templates.UnitTemplate, weakly: its kind holds it, and so do whatever still needs it
+# for a backward (a compiled backward graph, an eager call's autograd context) after the model is gone
+_TEMPLATES: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _TEMPLATE_IDS = itertools.count()
 
 
@@ -51,11 +53,12 @@ def register_unit_kind(kind: int, unit_kind: Any) -> None:
     _UNIT_KINDS[kind] = weakref.ref(unit_kind)
 
 
-def unit_template(kind: int, primals: Any) -> Any:
-    """The ``UnitTemplate`` of unit kind ``kind`` for inputs like ``primals`` (traced on first use)."""
+def unit_template(kind: int, mode: int, primals: Any) -> Any:
+    """The ``UnitTemplate`` of unit kind ``kind`` in training-flag ``mode`` for inputs like
+    ``primals`` (traced on first use)."""
     unit_kind = _UNIT_KINDS[kind]()
     assert unit_kind is not None, f"unit kind {kind} outlived its model"
-    return unit_kind.template(primals)
+    return unit_kind.template(mode, primals)
 
 
 def next_template_id() -> int:
@@ -71,9 +74,3 @@ def register_template_as(template_id: int, template: Any) -> None:
 def template_of(template_id: int) -> Any:
     """The ``UnitTemplate`` registered as ``template_id``."""
     return _TEMPLATES[template_id]
-
-
-def release_templates(template_ids: Any) -> None:
-    """Forget the templates of a freed model."""
-    for template_id in template_ids:
-        _TEMPLATES.pop(template_id, None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 import weakref
 from collections.abc import Callable
 
@@ -436,3 +437,17 @@ def _install_registration_hooks() -> None:
     register_module_parameter_registration_hook(_on_parameter_registered)
     register_module_module_registration_hook(_on_module_registered)
     _HOOKS_INSTALLED = True
+
+
+def own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own. Dynamo caches compiled graphs per code object, at most
+    ``torch._dynamo.config.recompile_limit`` (8) of them: with the class's own ``forward``, the
+    ninth model of one class compiled in a process would silently run eagerly (no graph, no passes,
+    on that rank only, if ranks compiled different numbers of models). A copy per model gives each
+    its own cache."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    copy.__dict__.update(fn.__dict__)
+    return copy

@@ -17,20 +17,28 @@ AOTAutograd traces, no longer grow with the size of a block. Source of the idea:
 repeated block once, as FSDP2 + ``torch.compile`` per block does, and Dynamo's
 ``nested_compile_region`` (``invoke_subgraph``); README "Compile time" says why not those.
 
-Limits (the unit then runs inline, traced with the model as without templates): a unit called
-with keyword arguments or non-tensor arguments. A unit whose body cannot be traced on fake
-tensors (data-dependent Python control flow) or that writes a parameter or buffer in place is
-refused with ``ShardingError`` naming the unit.
+Where a template cannot stand for the body, the unit runs inline, traced with the model as without
+templates: a call with keyword or non-tensor arguments, or under autocast (per call); and, for
+the whole kind from then on (logged as a warning, named in ``UnitKind.inline_reason``), a body
+that returns something other than one tensor, cannot be traced on fake tensors (data-dependent
+control flow, dropout's random ops in the partitioner), writes an input or buffer in place (a
+batch norm's running statistics), or is met with a dynamic shape. A body that writes a parameter
+in place is refused (``ShardingError``), as it is inline. The kind's first
+trace raises ``TemplateUnavailable``, and the compiled forward traces the model again.
+
+Train and eval are separate templates: each unit passes its submodules' training flags to the op
+(``mode``), so Dynamo guards on them and ``eval()`` retraces, and the template is traced with the
+calling unit's flags.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 import types
-import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.fx as fx
@@ -41,14 +49,17 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import registry
-from .errors import ShardingError
+from .errors import ShardingError, TemplateUnavailable
 from .ops import unit_forward
-from .sharding import full_parameter, original_class, set_tracing_unit, tracing_unit
+from .sharding import full_parameter, original_class, own_code, set_tracing_unit, tracing_unit
 
-UNIT_ATTR = "_zerograph_unit"  # a templated unit's (kind, parameter slots, buffer slots)
+UNIT_ATTR = "_zerograph_unit"  # a templated unit's (kind, parameter slots, buffer slots, keys, modules)
+INLINE_ATTR = "_zerograph_unit_inline"  # True once the unit's kind fell back to running inline
 
 # (shape, stride, dtype) of one tensor; a template is traced per tuple of these of its primals
 TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -106,27 +117,37 @@ class UnitTemplate:
 
 class UnitKind:
     """The units that share one structure, and the templates traced for them (one per input
-    signature). The representative ``module`` is the kind's first unit: its body is what gets
-    traced, with each primal put in its parameter and buffer slots for the trace."""
+    signature and training-flag mode). The representative ``module`` is the kind's first unit:
+    its body is what gets traced, with each primal put in its parameter and buffer slots and its
+    submodules' training flags set to the calling unit's for the trace."""
 
     def __init__(self, kind: int, name: str, module: nn.Module, lowering: str, record: list[UnitTemplate]):
         self.kind, self.name, self.module, self.lowering = kind, name, module, lowering
         self.units: list[str] = [name]
-        self.templates: dict[tuple, UnitTemplate] = {}  # (input metas, training flags) -> template
+        self.modules: list[nn.Module] = [module]  # every unit of the kind
+        self.templates: dict[tuple, UnitTemplate] = {}  # (input metas, mode) -> template
+        self.inline_reason: str | None = None  # set when the kind fell back to running inline
         self._record = record
-        self._ids: list[int] = []
-        weakref.finalize(self, registry.release_templates, self._ids)  # a freed model frees its templates
 
-    def template(self, primals: Sequence[torch.Tensor]) -> UnitTemplate:
+    def template(self, mode: int, primals: Sequence[torch.Tensor]) -> UnitTemplate:
+        if any(not isinstance(d, int) for p in primals for d in (*p.shape, *p.stride())):
+            self.fall_back("an input has a dynamic shape (a template is traced for static shapes)")
         metas = tuple((tuple(p.shape), tuple(p.stride()), p.dtype) for p in primals)
-        # train / eval changes what the body does (dropout, branches on self.training)
-        key = (metas, tuple(m.training for m in self.module.modules()))
-        template = self.templates.get(key)
+        template = self.templates.get((metas, mode))
         if template is None:
-            template = self.templates[key] = trace_template(self, metas, primals[0].device)
-            self._ids.append(template.id)
+            template = self.templates[metas, mode] = trace_template(self, metas, mode, primals[0].device)
             self._record.append(template)
         return template
+
+    def fall_back(self, reason: str) -> NoReturn:
+        """Make every unit of the kind run inline from now on, and raise ``TemplateUnavailable``
+        (the compiled forward catches it and traces the model again)."""
+        self.inline_reason = reason
+        for module in self.modules:
+            object.__setattr__(module, INLINE_ATTR, True)
+        log.warning("zerograph: unit template for %s (%d units) not used, they run inline: %s",
+                    self.name, len(self.modules), reason)
+        raise TemplateUnavailable(f"unit {self.name!r}: {reason}")
 
 
 def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[int, int], lowering: str,
@@ -144,6 +165,9 @@ def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[
     them weakly).
     """
     kinds: dict[tuple, UnitKind] = {}
+    # a code object per model, as for the model's forward (sharding.own_code): a graph break in a
+    # unit makes Dynamo compile this function as a frame of its own, at most 8 times per code object
+    forward = own_code(_templated_forward)
     for name, module in units:
         signature = unit_signature(module)
         kind = kinds.get(signature)
@@ -152,10 +176,12 @@ def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[
             registry.register_unit_kind(kind.kind, kind)
         else:
             kind.units.append(name)
+            kind.modules.append(module)
         param_slots, buffer_slots = _slots(module)
         keys = tuple(key_of[id(mod._parameters[name])] for mod, name in param_slots)
-        object.__setattr__(module, UNIT_ATTR, (kind.kind, param_slots, buffer_slots, keys))
-        object.__setattr__(module, "forward", types.MethodType(_templated_forward, module))
+        object.__setattr__(module, UNIT_ATTR, (kind.kind, param_slots, buffer_slots, keys, tuple(module.modules())))
+        object.__setattr__(module, INLINE_ATTR, False)
+        object.__setattr__(module, "forward", types.MethodType(forward, module))
     return list(kinds.values())
 
 
@@ -174,17 +200,24 @@ def _slots(module: nn.Module) -> tuple[tuple[tuple[nn.Module, str], ...], tuple[
 
 def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A templated unit's ``forward``: its parameters (unshard markers) and buffers, then one
-    ``unit_forward``. Keyword or non-tensor arguments run the body inline instead; so does the
-    template's own trace of the body."""
+    ``unit_forward`` in the mode of its submodules' training flags (read here, so Dynamo guards on
+    them and ``eval()`` retraces). The body runs inline instead for keyword or non-tensor
+    arguments, under autocast (a template is traced without it), once its kind fell back to
+    inline, and in the template's own trace of the body."""
     body = type(self).forward
-    if tracing_unit() or kwargs or not args or not all(isinstance(a, torch.Tensor) for a in args):
+    if (getattr(self, INLINE_ATTR) or tracing_unit() or kwargs or not args
+            or not all(isinstance(a, torch.Tensor) for a in args) or torch.is_autocast_enabled(args[0].device.type)):
         return body(self, *args, **kwargs)
-    kind, param_slots, buffer_slots, keys = getattr(self, UNIT_ATTR)
+    kind, param_slots, buffer_slots, keys, modules = getattr(self, UNIT_ATTR)
+    mode = 0
+    for i, module in enumerate(modules):
+        if module.training:
+            mode |= 1 << i
     # the shards straight from their slots, not through the parameter properties: the same
     # markers, for less of Dynamo's time per parameter
     primals = [*args, *[full_parameter(mod._parameters[name], key) for (mod, name), key in zip(param_slots, keys)],
                *[mod._buffers[name] for mod, name in buffer_slots]]
-    return unit_forward(kind, primals)[0]
+    return unit_forward(kind, mode, primals)[0]
 
 
 def unit_signature(module: nn.Module) -> tuple:
@@ -217,21 +250,24 @@ def _attribute_key(value: Any) -> Any:
     return ("object", id(value))
 
 
-def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], device: torch.device) -> UnitTemplate:
-    """Trace ``kind``'s body for primals of ``metas``: forward + backward on fake tensors, the
-    min-cut partitioner, lowering. Runs in a thread of its own: it is called from the op's fake
-    implementation inside Dynamo's and AOTAutograd's traces, below autograd and under their fake
-    modes, and the trace needs autograd and a fake mode of its own.
+def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, device: torch.device) -> UnitTemplate:
+    """Trace ``kind``'s body for primals of ``metas`` with its submodules' training flags set from
+    ``mode``: forward + backward on fake tensors, the min-cut partitioner, lowering. Runs in a
+    thread of its own: it is called from the op's fake implementation inside Dynamo's and
+    AOTAutograd's traces, below autograd and under their fake modes, and the trace needs autograd
+    and a fake mode of its own.
 
     Raises:
-        ShardingError: the body returned something other than one tensor, could not be traced on
-            fake tensors, or writes a parameter, buffer or argument in place.
+        TemplateUnavailable: the body cannot be a template (it returns something other than one
+            tensor, cannot be traced on fake tensors, e.g. data-dependent control flow, or writes
+            an input or buffer in place); the kind's units then run inline.
+        ShardingError: the body writes a parameter in place (refused inline as well).
     """
     outcome: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            outcome["template"] = _trace(kind, metas, device)
+            outcome["template"] = _trace(kind, metas, mode, device)
         except BaseException as exc:  # handed to the calling thread
             outcome["error"] = exc
 
@@ -240,19 +276,16 @@ def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], device: torch.
     worker.join()
     if "error" in outcome:
         error = outcome["error"]
-        if isinstance(error, ShardingError):
+        if isinstance(error, ShardingError):  # refused inline too (an in-place parameter write)
             raise error
-        raise ShardingError(f"unit {kind.name!r} ({type(kind.module).__name__}) could not be traced as a template "
-                            f"(Config(unit_templates=True)): {type(error).__name__}: {error}. Its body must trace "
-                            "on fake tensors without data-dependent Python control flow; compile with "
-                            "unit_templates=False to trace it inline with the model") from error
+        kind.fall_back(f"{type(error).__name__}: {error}".splitlines()[0][:300])
     return outcome["template"]
 
 
-def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], device: torch.device) -> UnitTemplate:
+def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, device: torch.device) -> UnitTemplate:
     start = time.perf_counter()
     module = kind.module
-    _, param_slots, buffer_slots, _ = getattr(module, UNIT_ATTR)
+    _, param_slots, buffer_slots, _, modules = getattr(module, UNIT_ATTR)
     n_params, n_buffers = len(param_slots), len(buffer_slots)
     n_args = len(metas) - n_params - n_buffers
     wants_grad = ([dtype.is_floating_point for _, _, dtype in metas[:n_args]]
@@ -265,18 +298,22 @@ def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], device: torch.device) 
     def body(*p: torch.Tensor) -> list[torch.Tensor]:
         slots = [(mod._parameters, name) for mod, name in param_slots] + [(mod._buffers, name) for mod, name in buffer_slots]
         previous_values = [table[name] for table, name in slots]
+        previous_flags = [m.training for m in modules]
         previous = set_tracing_unit(True)
         try:
             for (table, name), value in zip(slots, p[n_args:]):
                 table[name] = value
+            for i, m in enumerate(modules):  # the calling unit's train / eval flags
+                m.training = bool(mode >> i & 1)
             out = type(module).forward(module, *p[:n_args])
         finally:
             for (table, name), value in zip(slots, previous_values):
                 table[name] = value
+            for m, flag in zip(modules, previous_flags):
+                m.training = flag
             set_tracing_unit(previous)
         if not isinstance(out, torch.Tensor):
-            raise ShardingError(f"unit {kind.name!r} returned {type(out).__name__}; Config(unit_templates=True) "
-                                "templates units that return one tensor (compile with unit_templates=False)")
+            raise TypeError(f"it returned {type(out).__name__}; a template returns one tensor")
         return [out]
 
     with fake_mode:
@@ -289,7 +326,9 @@ def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], device: torch.device) 
         return outs, [next(grads) if p.requires_grad else None for p in primals]
 
     joint_graph = make_fx(joint)(primals, tangents)
-    _check_no_writes(kind.name, joint_graph, len(metas))
+    paths = {id(m): path for path, m in module.named_modules()}
+    parameters = {n_args + i: f"{paths[id(mod)]}.{name}".lstrip(".") for i, (mod, name) in enumerate(param_slots)}
+    _check_no_writes(kind.name, joint_graph, len(metas), parameters)
     # views of a primal (a weight's transpose) are replayed in backward instead of saved: the
     # op cannot return a view of its input, and the primal itself is saved by autograd anyway
     with torch._functorch.config.patch(recompute_views=True):
@@ -358,9 +397,13 @@ def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[int, list[tuple[s
     return registry.next_template_id(), sources, saved_primals
 
 
-def _check_no_writes(name: str, joint: fx.GraphModule, n_primals: int) -> None:
+def _check_no_writes(name: str, joint: fx.GraphModule, n_primals: int, parameters: dict[int, str]) -> None:
+    """Refuse a body that writes a primal in place: a parameter with ``ShardingError`` (as
+    ``capture.check_no_parameter_writes`` refuses it inline: the write would be lost), anything
+    else (an argument, a buffer: a batch norm's statistics) with ``ValueError``, which makes the
+    kind run inline. ``parameters``: primal index -> the parameter's name in the unit."""
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"][:n_primals]
-    storages = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in placeholders
+    index_of = {StorageWeakRef(n.meta["val"].untyped_storage()): i for i, n in enumerate(placeholders)
                 if isinstance(n.meta.get("val"), torch.Tensor)}
     for node in joint.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
@@ -370,10 +413,17 @@ def _check_no_writes(name: str, joint: fx.GraphModule, n_primals: int) -> None:
                 continue
             value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
             val = value.meta.get("val") if isinstance(value, fx.Node) else None
-            if isinstance(val, torch.Tensor) and StorageWeakRef(val.untyped_storage()) in storages:
-                raise ShardingError(f"unit {name!r} writes an input, parameter or buffer in place ({node.target}); "
-                                    "a unit template cannot (its inputs are the gathered copies): compile with "
-                                    "Config(unit_templates=False)")
+            index = index_of.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
+            if index is None:
+                continue
+            if index in parameters:
+                raise ShardingError(
+                    f"parameter {name}.{parameters[index]} is written in place inside forward by {node.target}. "
+                    "Inside a zerograph forward a parameter is a gathered copy of the shards, so the write would "
+                    "never reach the parameter and would be lost silently: compute with a changed copy instead, "
+                    "or change the parameter outside forward (after opt.step(), under torch.no_grad())")
+            raise ValueError(f"unit {name!r} writes an input or buffer in place ({node.target}); a template's "
+                             "inputs are copies")
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:
