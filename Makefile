@@ -1,7 +1,7 @@
 # Two entry points, each doing all set-up from a bare Python:
 #   make demo        create .venv, install, train the GPT example at ZeRO-3 on 2 CPU ranks
 #   make test        create .venv, install, lint (ruff), run the whole test suite (about 14 min on 2 cores; issue 14 asks for 6)
-#   make test-fast   the same without the tests that spawn gloo ranks or are slow (under a minute)
+#   make test-fast   the same without the tests that spawn gloo ranks or are slow (about 2 min; issue 14 asks for 1)
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0

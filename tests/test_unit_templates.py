@@ -103,6 +103,7 @@ class _LookAlikes(nn.Module):
         return x.square().mean()
 
 
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_look_alike_blocks_get_templates_of_their_own_and_keep_parity() -> None:
     """Blocks of one class that differ in width, bias, an extra parameter or a flag are five
     kinds (the three plain blocks share one); gradients equal eager's exactly (world of one)."""
@@ -143,6 +144,7 @@ def _grads_equal(model: nn.Module, reference: nn.Module) -> None:
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_train_and_eval_get_templates_of_their_own() -> None:
     """``model.eval()`` after a training step traces the eval body, and a backward in eval
     differentiates that body; one unit switched alone runs its own mode (the op carries each
@@ -164,6 +166,7 @@ def test_train_and_eval_get_templates_of_their_own() -> None:
     assert len(state_of(model).captured.templates) == 2  # train and eval (unit 1 back in train reuses train)
 
 
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_shapes_that_change_fall_back_to_inline_and_keep_parity() -> None:
     """A sequence length that changes between steps (Dynamo then makes it dynamic): the kind
     falls back to running inline (a template is traced for static shapes), with eager's numbers."""
@@ -184,6 +187,7 @@ def test_shapes_that_change_fall_back_to_inline_and_keep_parity() -> None:
     assert "dynamic shape" in kind.inline_reason
 
 
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_autocast_runs_units_inline() -> None:
     """Under ``torch.autocast`` a unit runs inline (its template was traced without autocast):
     bf16 autocast numbers equal the untemplated build's."""
@@ -201,6 +205,7 @@ def test_autocast_runs_units_inline() -> None:
         torch.testing.assert_close(templated, plain, rtol=0, atol=0)
 
 
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_backward_after_the_model_is_freed() -> None:
     """The graphs that call a template keep it alive: a backward may run after the compiled model
     itself was dropped."""
@@ -221,6 +226,7 @@ class _Branchy(nn.Module):
         return x
 
 
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_a_block_that_cannot_be_traced_runs_inline() -> None:
     """Data-dependent control flow (a graph break inside the block, untemplated): the kind falls
     back to running inline, with eager's numbers, and says why."""
@@ -237,6 +243,7 @@ def test_a_block_that_cannot_be_traced_runs_inline() -> None:
     assert kind.inline_reason is not None and state_of(model).captured.templates == []
 
 
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_dropout_blocks_run_inline() -> None:
     """Dropout's random ops do not go through the template's partition: the kind runs inline,
     trains, and says why (the untemplated build's behaviour, compile time aside)."""
@@ -259,6 +266,7 @@ class _Writer(nn.Module):
         return self.fc(x)
 
 
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_a_block_that_writes_its_parameter_is_refused() -> None:
     """It cannot be a template (its inputs are copies), and inline it meets the check that refuses
     an in-place parameter write in any zerograph forward."""
