@@ -17,16 +17,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerograph
+from zerograph.hybrid import parse_mesh_shape
 from zerograph.models.gpt import GPT, SIZES
 
 
 def mesh_shape(text: str) -> tuple[int, int]:
-    """``"RxS"`` -> ``(R, S)``, both positive; ``argparse.ArgumentTypeError`` otherwise (a usage
-    message, not a traceback)."""
-    parts = text.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected RxS with positive integers (e.g. 2x2), got {text!r}")
-    return int(parts[0]), int(parts[1])
+    """``--mesh RxS`` as ``(R, S)``; a bad value is an argparse usage error, not a traceback."""
+    try:
+        return parse_mesh_shape(text)
+    except zerograph.ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerograph
+from zerograph.hybrid import parse_mesh_shape
 from zerograph.models.gpt import GPT, SIZES
 
 IDEAL_VOLUME = {0: 2, 1: 2, 2: 2, 3: 3}  # multiples of Ψ per step (paper, section 7)
@@ -57,11 +58,11 @@ def gb(n: float) -> str:
 
 
 def mesh_shape(text: str) -> tuple[int, int]:
-    """``"RxS"`` -> ``(R, S)``, both positive (an argparse usage error otherwise)."""
-    parts = text.lower().split("x")
-    if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
-        raise argparse.ArgumentTypeError(f"expected RxS with positive integers (e.g. 2x2), got {text!r}")
-    return int(parts[0]), int(parts[1])
+    """``--mesh RxS`` as ``(R, S)``; a bad value is an argparse usage error, not a traceback."""
+    try:
+        return parse_mesh_shape(text)
+    except zerograph.ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main() -> None:

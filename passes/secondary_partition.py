@@ -53,12 +53,13 @@ def secondary_partition(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         for root in _gathered_roots(collective):
             if root.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
                 continue  # kept from forward to backward (selective_unshard): nothing to re-gather
-            if not any(u in backward for n in _views_of(root) for u in n.users):
+            views = _views_of(root)
+            if not any(u in backward for n in views for u in n.users):
                 continue
             partition_storage(graph, root, backward, pos, group_name, group_size, role="secondary")
             # backward no longer reads the gathered buffer: untag the chain, or the partitioner
             # would recompute it in backward to make the piece there instead of saving the piece
-            for node in [*collective.issue, *collective.finish, *_views_of(root)]:
+            for node in [*collective.issue, *collective.finish, *views]:
                 node.meta.pop("recompute", None)
             partitioned += 1
     if partitioned:

@@ -104,3 +104,15 @@ def secondary_group(group: dist.ProcessGroup, size: int | None, stage: int, hybr
         if dist.get_rank() in members:
             mine = node
     return mine
+
+
+def parse_mesh_shape(text: str) -> tuple[int, int]:
+    """``"RxS"`` -> ``(R, S)``, both positive: the ``--mesh`` flag of the examples.
+
+    Raises:
+        ConfigError: ``text`` is not two positive integers joined by ``x``.
+    """
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise ConfigError(f"expected RxS with positive integers (e.g. 2x2), got {text!r}")
+    return int(parts[0]), int(parts[1])

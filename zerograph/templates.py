@@ -334,7 +334,8 @@ def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, device: tor
     with torch._functorch.config.patch(recompute_views=True):
         fwd, bwd = min_cut_rematerialization_partition(joint_graph, (primals, tangents), num_fwd_outputs=len(tangents))
     n_outputs = len(tangents)
-    template_id, backward_sources, saved_primals = _own_outputs(fwd, n_outputs)
+    backward_sources, saved_primals = _own_outputs(fwd, n_outputs)
+    template_id = registry.next_template_id()
     out_node = fwd.graph.output_node()
     outputs = out_node.args[0]
     bwd_inputs = [n for n in bwd.graph.nodes if n.op == "placeholder"]
@@ -351,10 +352,10 @@ def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, device: tor
     return template
 
 
-def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[int, list[tuple[str, int]], list[int]]:
+def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[list[tuple[str, int]], list[int]]:
     """Rewrite the partitioned forward to return the unit's outputs, then each saved activation
     once, with no output aliasing a primal or an earlier output (a clone where one would); saved
-    primals are left to autograd. Returns the new template id, where each backward input comes
+    primals are left to autograd. Returns where each backward input comes
     from (``("primal", i)``: the i-th saved primal; ``("output", j)``: ``unit_forward``'s j-th
     output past the unit's own) and the indices of the saved primals."""
     graph = fwd.graph
@@ -394,7 +395,7 @@ def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[int, list[tuple[s
     fwd.recompile()
     # "output" sources index unit_forward's outputs past the unit's own
     sources = [(s, i - n_outputs if s == "output" else i) for s, i in sources]
-    return registry.next_template_id(), sources, saved_primals
+    return sources, saved_primals
 
 
 def _check_no_writes(name: str, joint: fx.GraphModule, n_primals: int, parameters: dict[int, str]) -> None:
