@@ -235,6 +235,50 @@ def test_cluster_table_gives_alpha_beta_from_bus_bandwidth():
         bench.cluster_cost_model({"nodes": 1})
 
 
+def test_mesh_dims_are_priced_on_the_links_they_map_onto():
+    table = bench.load_cluster_table(bench.CLUSTERS_FILE)
+    entry = table["48x8xH100-ib"]
+    links = bench.cluster_links(entry)
+    size = 64 * 2**20
+    for link, n, prefix in ((links.node, 8, "node"), (links.cross_node, 48, "cross_node")):
+        busbw, latency = entry[f"{prefix}_bus_bandwidth_bytes_per_s"], entry[f"{prefix}_latency_s"]
+        assert link.world_size == n
+        assert link.collective_time("all_gather", size) == pytest.approx(latency + (n - 1) / n * size / busbw)
+        assert link.collective_time("all_reduce", size) == pytest.approx(latency + 2 * (n - 1) / n * size / busbw)
+    assert links.world == bench.cluster_cost_model(entry)
+
+    # hybrid sharding measured as 2 x 2: shard dim -> one node; replicate dim -> the cross-node ring,
+    # all-reducing a shard 2/8 the size of the one measured (the node shards over 8, not 2)
+    hybrid = bench.group_cost_models(links, {"s": ("shard", 2), "r": ("replicate", 2)}, shard_size=2)
+    assert hybrid["s"] == links.node
+    assert hybrid["r"].collective_time("all_reduce", size) == pytest.approx(
+        links.cross_node.collective_time("all_reduce", size * 2 // 8))
+    # hpZ: the secondary group is one node; a 1-D shard dim stays on the world ring (no entry)
+    assert bench.group_cost_models(links, {"w": ("shard", 4), "n": ("secondary", 2)}, shard_size=4) == {"n": links.node}
+    assert bench.group_cost_models(links, {"w": ("shard", 4)}, shard_size=4) == {}
+
+    # an entry without node / cross-node figures prices both rings as the world's
+    plain = {k: v for k, v in entry.items() if not k.startswith(("node_", "cross_node_"))}
+    fallback = bench.cluster_links(plain)
+    assert fallback.node.collectives["all_gather"][0] == entry["latency_s"]
+    assert fallback.node.collective_time("all_gather", size) == pytest.approx(
+        entry["latency_s"] + 7 / 8 * size / entry["bus_bandwidth_bytes_per_s"])
+
+
+def test_hybrid_and_hpz_systems_parse_and_refuse_a_world_that_cannot_hold_them():
+    hsdp, hpz = bench.parse_system("zerograph-s3-hsdp2", 1, 0), bench.parse_system("zerograph-s3-qw-hpz2", 1, 0)
+    assert (hsdp.shard_size, hsdp.secondary_partition_size) == (2, None)
+    assert (hpz.shard_size, hpz.secondary_partition_size, hpz.quantized_gathers) == (None, 2, True)
+    assert hpz.zerograph_config().secondary_partition_size == 2
+    bench.check_world_size(hsdp, 4)
+    for spec, world_size in ((hsdp, 2), (hpz, 3), (bench.parse_system("zerograph-s3-hsdp1", 1, 0), 4)):
+        with pytest.raises(ConfigError, match="divides the world size"):
+            bench.check_world_size(spec, world_size)
+    with pytest.raises(ConfigError, match="do not combine"):
+        bench.parse_system("zerograph-s3-hsdp2-hpz2", 1, 0)
+    assert bench.main(["--nproc", "2", "--systems", "zerograph-s3-hsdp2"]) == 2
+
+
 def test_padded_params_count_shard0_chunks():
     layer = nn.Linear(3, 5)  # weight (5, 3), bias (5,)
     assert bench.unique_params(layer) == 20

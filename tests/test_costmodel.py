@@ -50,13 +50,13 @@ class GraphBuilder:
             node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]))
         return node
 
-    def collective(self, kind: str, x: fx.Node) -> fx.Node:
+    def collective(self, kind: str, x: fx.Node, group: str = "g") -> fx.Node:
         """A functional collective on a made-up group, its output shape as the op defines it."""
         numel = x.meta["val"].numel()
         target, args, out = {
-            "all_gather": (C10D.all_gather_into_tensor.default, (x, WORLD, "g"), numel * WORLD),
-            "reduce_scatter": (C10D.reduce_scatter_tensor.default, (x, "sum", WORLD, "g"), numel // WORLD),
-            "all_reduce": (C10D.all_reduce.default, (x, "sum", "g"), numel),
+            "all_gather": (C10D.all_gather_into_tensor.default, (x, WORLD, group), numel * WORLD),
+            "reduce_scatter": (C10D.reduce_scatter_tensor.default, (x, "sum", WORLD, group), numel // WORLD),
+            "all_reduce": (C10D.all_reduce.default, (x, "sum", group), numel),
         }[kind]
         node = self.graph.call_function(target, args)
         with self.mode:
@@ -109,6 +109,21 @@ def test_independent_compute_between_start_and_wait_hides_exactly_its_time():
     assert hidden.overlap_s() == pytest.approx(mm_s, rel=1e-9)
     assert exposed.compute_s == pytest.approx(hidden.compute_s, rel=1e-12)  # same work, reordered
     assert exposed.step_s - hidden.step_s == pytest.approx(mm_s, rel=1e-9)
+
+
+def test_a_group_with_a_cost_model_of_its_own_is_priced_by_it():
+    b = GraphBuilder()
+    x = b.input("x", 4096)
+    on_own_link = b.collective("all_gather", x, group="node")
+    on_world = b.collective("all_gather", x, group="g")
+    graph = b.done(b.wait(on_own_link), b.wait(on_world))
+    node_link = CostModel(world_size=8, flops_per_s=1e9, bytes_per_s=1e10, op_overhead_s=1e-5,
+                          collectives={"all_gather": (5e-4, 1e-10)})
+    comm = predict([graph], COST, {"node": node_link}).track("comm")
+    full_bytes = on_world.meta["val"].numel() * 4
+    assert [e.dur_s for e in comm] == pytest.approx(
+        [node_link.collective_time("all_gather", full_bytes), COST.collective_time("all_gather", full_bytes)], rel=1e-12)
+    assert predict([graph], COST).track("comm")[0].dur_s == pytest.approx(comm[1].dur_s, rel=1e-12)
 
 
 def test_comm_stream_runs_one_collective_at_a_time_across_graphs():

@@ -16,13 +16,14 @@ import dataclasses
 import logging
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from .costmodel import COLLECTIVE_OPS, WAIT, CostModel, collective_bytes
+from .vocab import group_name_of
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,8 @@ def schedule_from_events(events: Iterable[Event], waits: Iterable[Event] = ()) -
 # prediction from graphs
 
 
-def predict(graphs: Sequence[fx.GraphModule | fx.Graph], cost: CostModel) -> Schedule:
+def predict(graphs: Sequence[fx.GraphModule | fx.Graph], cost: CostModel,
+            group_costs: Mapping[str, CostModel] | None = None) -> Schedule:
     """Simulate ``graphs`` back to back (e.g. one step's forward then backward) on two streams.
 
     The compute stream runs every ``call_function`` node in graph order for ``cost.node_time``.
@@ -137,6 +139,10 @@ def predict(graphs: Sequence[fx.GraphModule | fx.Graph], cost: CostModel) -> Sch
     runs on the comm stream from ``max(issue, comm stream free)`` for
     ``cost.collective_time(kind, full bytes)``; its ``wait_tensor`` blocks the compute stream until
     it is done, and that blocked time is the exposed communication. Nodes need ``meta["val"]``.
+
+    ``group_costs``: process-group name -> the ``CostModel`` that prices the collectives over
+    that group (a mesh dim on links of their own, e.g. hybrid sharding's shard dim inside a node
+    and its replicate dim across nodes); a collective over any other group is priced by ``cost``.
 
     Returns a ``Schedule`` with one comm event per collective node and one compute event per node
     of nonzero cost.
@@ -165,7 +171,8 @@ def predict(graphs: Sequence[fx.GraphModule | fx.Graph], cost: CostModel) -> Sch
             kind = COLLECTIVE_OPS.get(node.target)
             if kind is not None:
                 start = max(now, comm_free)
-                comm_free = start + cost.collective_time(kind, collective_bytes(node))
+                priced_by = (group_costs or {}).get(group_name_of(node), cost)
+                comm_free = start + priced_by.collective_time(kind, collective_bytes(node))
                 events.append(Event(node.name, "comm", start, comm_free - start, kind, unit))
                 done[node] = (comm_free, kind)
     return schedule_from_events(events, waits)

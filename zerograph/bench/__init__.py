@@ -12,7 +12,7 @@ agree across systems.
 described in ``clusters.json`` (or ``local``: this machine, as a self-consistency check).
 
 Systems (``--systems``, comma-separated):
-    zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg][-tpl]
+    zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg][-tpl][-hsdp<S>][-hpz<M>]
         ``zerograph.compile`` at that stage; ``-noov`` disables ``config.OVERLAP_PASSES`` (every
         wait right after its start); ``-nopool`` disables ``buffer_reuse`` (comm buffers from the
         allocator each step instead of a pool held across steps); ``-keeproot`` sets
@@ -21,7 +21,10 @@ Systems (``--systems``, comma-separated):
         ``--bucket-bytes``; ``-inductor`` lowers with Inductor instead of running FX eagerly;
         ``-qw`` / ``-qg`` set ``Config.gather_quantization`` / ``reduce_quantization`` to
         ``"int8"`` (ZeRO++'s qwZ / qgZ); ``-tpl`` sets ``Config.unit_templates`` (each kind of
-        unit traced once).
+        unit traced once); ``-hsdp<S>`` shards over groups of S ranks and replicates across them
+        (hybrid sharding, a ``(world / S, S)`` mesh of dims ``("replicate", "shard")``);
+        ``-hpz<M>`` sets ``Config.secondary_partition_size`` (ZeRO++'s hpZ). Under ``--simulate``
+        both groups of S or M ranks are taken to be one node of the cluster.
     ddp             ``torch.nn.parallel.DistributedDataParallel``
     fsdp2           ``torch.distributed.fsdp.fully_shard`` on each block, then on the root
     fsdp2-compile   the same, then ``torch.compile(model)``
@@ -113,10 +116,12 @@ from .simulation import (
     LOCAL_CLUSTER,
     Cluster,
     cluster_cost_model,
+    cluster_links,
+    group_cost_models,
     load_cluster_table,
     simulate_system,
 )
-from .systems import SystemSpec, build_system, parse_system, parse_systems, train_step
+from .systems import SystemSpec, build_system, check_world_size, parse_system, parse_systems, train_step
 from .workloads import (
     Workload,
     load_factory,
@@ -128,9 +133,10 @@ from .workloads import (
 __all__ = [
     "CLUSTERS_FILE", "DEFAULT_SYSTEMS", "DEFINITIONS", "KINDS", "LOCAL_CLUSTER", "MIB", "STEP_LABEL",
     "Cluster", "CollectiveCounter", "MemoryProbe", "ProfiledCost", "SystemSpec", "Workload",
-    "add_arguments", "attribute_seconds", "build_parser", "build_system", "cluster_cost_model",
+    "add_arguments", "attribute_seconds", "build_parser", "build_system", "check_world_size", "cluster_cost_model",
+    "cluster_links",
     "comm_breakdown", "count_collectives", "describe_rank_failure", "format_report", "format_simulation",
-    "format_table", "held_bytes", "load_cluster_table", "load_factory", "load_workload", "loss_check",
+    "format_table", "group_cost_models", "held_bytes", "load_cluster_table", "load_factory", "load_workload", "loss_check",
     "machine_description", "main", "match_nodes", "measure_all", "merge_ranks", "padded_params",
     "parse_system", "parse_systems", "peak_allocations", "plot", "prime_systems", "profile_allocations", "profile_steps",
     "rank_main", "report", "roofline_seconds", "run", "run_system", "simulate_system", "train_step",

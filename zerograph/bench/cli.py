@@ -27,10 +27,10 @@ from .runner import rank_main
 from .simulation import (
     CLUSTERS_FILE,
     LOCAL_CLUSTER,
-    cluster_cost_model,
+    cluster_links,
     load_cluster_table,
 )
-from .systems import parse_systems
+from .systems import check_world_size, parse_systems
 from .workloads import example_gpt, load_factory
 
 DEFAULT_SYSTEMS = ("zerograph-s0,zerograph-s1,zerograph-s2,zerograph-s3,zerograph-s3-noov,"
@@ -138,8 +138,10 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not (math.isfinite(args.lr) and args.lr >= 0):
         raise ConfigError(f"--lr must be a finite number >= 0, got {args.lr}")
-    parse_systems(args.systems, args.prefetch_depth, args.bucket_bytes)
+    specs = parse_systems(args.systems, args.prefetch_depth, args.bucket_bytes)
     world_size = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
+    for spec in specs:
+        check_world_size(spec, world_size)
     if ":" in args.model:
         load_factory(args.model)  # its batches are its own: --batch-size and --seq-len do not apply
         if args.n_layer is not None or args.n_embd is not None:
@@ -179,7 +181,7 @@ def _check_clusters(simulate: str, clusters_path: str) -> None:
                           f"{sorted(table)} and '{LOCAL_CLUSTER}'")
     for name in names:
         try:
-            cluster_cost_model(table[name])
+            cluster_links(table[name])
         except ConfigError as exc:
             raise ConfigError(f"--simulate {name}: {exc}") from exc
 

@@ -27,7 +27,9 @@ from ..costmodel import CostModel, calibrate
 from ..errors import ConfigError
 from ..plan import plan as memory_plan
 from ..profile import ProfiledCost, profile_step
+from ..state import runtime_of_model
 from ..timeline import predict
+from ..vocab import COLLECTIVE_KINDS, REPLICATE_DIM, SECONDARY_DIM, SHARD_DIM, group_name_of
 from .systems import SystemSpec
 from .workloads import Workload, shapes_only
 
@@ -42,7 +44,9 @@ class Cluster:
     """A cluster to project onto: one data-parallel rank per device (see ``clusters.json``).
 
     ``scale``: factor applied to this machine's measured op times (this machine's calibrated
-    FLOP/s over the cluster's); ``cost``: the cluster's ``CostModel`` (its collectives are used).
+    FLOP/s over the cluster's); ``cost``: the cluster's ``CostModel`` (its collectives are used);
+    ``links``: what prices a mesh dim's collectives (``None`` for this machine, where every group
+    is priced by ``cost``, as calibrated).
     """
 
     name: str
@@ -51,6 +55,7 @@ class Cluster:
     scale: float
     cost: CostModel
     assumptions: tuple[str, ...]
+    links: Links | None = None
 
 
 def load_cluster_table(path: str | os.PathLike) -> dict[str, dict]:
@@ -63,19 +68,86 @@ def load_cluster_table(path: str | os.PathLike) -> dict[str, dict]:
     return {name: entry for name, entry in table.items() if not name.startswith("_")}
 
 
+def _ring_cost(n: int, busbw: float, latency: float) -> dict[str, tuple[float, float]]:
+    """``CostModel.collectives`` of a ring of ``n`` ranks at bus bandwidth ``busbw`` (bytes/s)
+    and ``latency`` (s), with nccl-tests' factors: (N-1)/N for all-gather and reduce-scatter,
+    2(N-1)/N for all-reduce."""
+    ring = (n - 1) / n
+    return {"all_gather": (latency, ring / busbw), "reduce_scatter": (latency, ring / busbw),
+            "all_reduce": (latency, 2 * ring / busbw)}
+
+
 def cluster_cost_model(entry: Mapping[str, Any]) -> CostModel:
     """``CostModel`` of a cluster entry: alpha = ``latency_s``, beta from the bus bandwidth with
-    nccl-tests' factors ((N-1)/N for all-gather and reduce-scatter, 2(N-1)/N for all-reduce)."""
+    nccl-tests' factors ((N-1)/N for all-gather and reduce-scatter, 2(N-1)/N for all-reduce), for
+    a collective over every rank. Raises ``ConfigError`` for an incomplete or invalid entry."""
     try:
         n = int(entry["nodes"]) * int(entry["devices_per_node"])
         busbw, latency = float(entry["bus_bandwidth_bytes_per_s"]), float(entry["latency_s"])
-        ring = (n - 1) / n
         return CostModel(world_size=n, flops_per_s=float(entry["flops_per_s"]),
                          bytes_per_s=float(entry["memory_bytes_per_s"]), op_overhead_s=float(entry["op_overhead_s"]),
-                         collectives={"all_gather": (latency, ring / busbw), "reduce_scatter": (latency, ring / busbw),
-                                      "all_reduce": (latency, 2 * ring / busbw)})
+                         collectives=_ring_cost(n, busbw, latency))
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
         raise ConfigError(f"cluster entry {dict(entry)} is incomplete or invalid: {exc!r}") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """The cluster's links as cost models, one per kind of group a mesh dim maps onto.
+
+    ``world``: a ring over every rank (a 1-D mesh's collectives); ``node``: a ring inside one node
+    (``devices_per_node`` ranks: hybrid sharding's shard dim, hpZ's secondary group);
+    ``cross_node``: a ring with one rank in each node (``nodes`` ranks: hybrid sharding's
+    replicate dim; every device runs its own such ring at once, over its own NIC).
+    """
+
+    world: CostModel
+    node: CostModel
+    cross_node: CostModel
+    devices_per_node: int
+
+
+def cluster_links(entry: Mapping[str, Any]) -> Links:
+    """``Links`` of a cluster entry. ``node_bus_bandwidth_bytes_per_s`` / ``node_latency_s`` and
+    ``cross_node_bus_bandwidth_bytes_per_s`` / ``cross_node_latency_s`` price the node and
+    cross-node rings; an entry without them prices both as the world ring (say so in the
+    assumptions). Raises ``ConfigError`` for an incomplete or invalid entry."""
+    world = cluster_cost_model(entry)
+    try:
+        nodes, per_node = int(entry["nodes"]), int(entry["devices_per_node"])
+        busbw, latency = float(entry["bus_bandwidth_bytes_per_s"]), float(entry["latency_s"])
+
+        def ring(n: int, prefix: str) -> CostModel:
+            return dataclasses.replace(world, world_size=n, collectives=_ring_cost(
+                n, float(entry.get(f"{prefix}_bus_bandwidth_bytes_per_s", busbw)),
+                float(entry.get(f"{prefix}_latency_s", latency))))
+
+        return Links(world, ring(per_node, "node"), ring(nodes, "cross_node"), per_node)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ConfigError(f"cluster entry {dict(entry)} is incomplete or invalid: {exc!r}") from exc
+
+
+def group_cost_models(links: Links, dims: Mapping[str, tuple[str, int]], shard_size: int) -> dict[str, CostModel]:
+    """Which link prices each process group of a measured model on the cluster
+    (``timeline.predict``'s ``group_costs``).
+
+    ``dims``: process-group name -> ``(mesh dim, group size here)`` (``Runtime.comm_dim``);
+    ``shard_size``: ranks of the shard dim here. A model with a replicate dim (hybrid sharding)
+    maps its shard dim onto one node and its replicate dim onto the cross-node ring; hpZ's
+    secondary group maps onto one node; a 1-D model's shard dim is the whole world (``world``, so
+    it is left out). The replicate dim all-reduces one shard-dim shard, which on the cluster is
+    ``shard_size / devices_per_node`` of the one measured here, so its bytes are scaled by that.
+    """
+    hybrid = any(dim == REPLICATE_DIM for dim, _ in dims.values())
+    costs = {}
+    for name, (dim, _) in dims.items():
+        if dim == SECONDARY_DIM or (dim == SHARD_DIM and hybrid):
+            costs[name] = links.node
+        elif dim == REPLICATE_DIM:
+            scale = shard_size / links.devices_per_node
+            costs[name] = dataclasses.replace(links.cross_node, collectives={
+                kind: (alpha, beta * scale) for kind, (alpha, beta) in links.cross_node.collectives.items()})
+    return costs
 
 
 def clusters_for(args: argparse.Namespace, device: torch.device) -> list[Cluster]:
@@ -91,9 +163,11 @@ def clusters_for(args: argparse.Namespace, device: torch.device) -> list[Cluster
         if name == LOCAL_CLUSTER:
             continue
         entry = table[name]
-        cost = cluster_cost_model(entry)
+        links = cluster_links(entry)
+        cost = links.world
         scale = local.flops_per_s / cost.flops_per_s
-        clusters.append(Cluster(name, entry.get("description", name), cost.world_size, scale, cost, (
+        clusters.append(Cluster(name, entry.get("description", name), cost.world_size, scale, cost, links=links,
+                                assumptions=(
             f"op times: this machine's measured times x {scale:.3g} (its calibrated matmul rate "
             f"{local.flops_per_s / 1e9:.3g} GFLOP/s over the cluster's {cost.flops_per_s / 1e9:.3g} GFLOP/s), "
             f"floored at the cluster's op overhead {cost.op_overhead_s * 1e6:.3g} us; time outside the graphs "
@@ -102,8 +176,26 @@ def clusters_for(args: argparse.Namespace, device: torch.device) -> list[Cluster
             f"{float(entry['bus_bandwidth_bytes_per_s']) / 1e9:.3g} GB/s with nccl-tests' factors, at world size "
             f"{cost.world_size}, one at a time on one stream beside compute",
             "per-rank batch and graphs as measured here (weak scaling: the global batch grows with the "
-            "world size); collectives move full buffers, so their sizes do not depend on the world size")))
+            "world size); collectives move full buffers, so their sizes do not depend on the world size",
+            _mesh_assumption(entry, links))))
     return clusters
+
+
+def _mesh_assumption(entry: Mapping[str, Any], links: Links) -> str:
+    node, cross = links.node.collectives["all_gather"], links.cross_node.collectives["all_gather"]
+    told = all(f"{p}_bus_bandwidth_bytes_per_s" in entry for p in ("node", "cross_node"))
+    return (f"mesh dims (-hsdp<S>, -hpz<M>): a shard group of a 2-D mesh and hpZ's secondary group are one node "
+            f"({links.devices_per_node} ranks, latency {node[0] * 1e6:.3g} us, "
+            f"{_busbw(links.node) / 1e9:.3g} GB/s busbw), the replicate "
+            f"dim a ring with one rank per node ({links.cross_node.world_size} ranks, latency {cross[0] * 1e6:.3g} us, "
+            f"{_busbw(links.cross_node) / 1e9:.3g} GB/s busbw, its all-reduced shard scaled to the node's shard dim)"
+            + ("" if told else "; this entry gives no node / cross-node figures, so both are priced as the world ring"))
+
+
+def _busbw(cost: CostModel) -> float:
+    n = cost.world_size
+    beta = cost.collectives["all_gather"][1]
+    return float("inf") if n == 1 or beta == 0 else (n - 1) / n / beta
 
 
 def simulate_system(spec: SystemSpec, model: nn.Module, events: Sequence[Any], window: Any,
@@ -122,29 +214,42 @@ def simulate_system(spec: SystemSpec, model: nn.Module, events: Sequence[Any], w
     except ConfigError as exc:
         return {"error": str(exc)}
     seconds, outside_s = measured.by_node(), measured.outside_s
+    runtime = runtime_of_model(model)
+    groups = {group_name_of(node) for graph in measured.graphs for node in graph.graph.nodes
+              if node.target in COLLECTIVE_KINDS}
+    dims = {name: runtime.comm_dim(name) for name in groups if name is not None}
     out: dict[str, Any] = {"matched_node_fraction": measured.matched_fraction, "outside_graphs_s": outside_s,
                            "profiled_step_s": measured.step_s}
     for cluster in clusters:
         scaled = {node: max(s * cluster.scale, cluster.cost.op_overhead_s) for node, s in seconds.items()}
         cost = ProfiledCost(**{f.name: getattr(cluster.cost, f.name) for f in dataclasses.fields(CostModel)},
                             node_seconds=scaled)
-        schedule = predict(measured.graphs, cost)
+        group_costs = {} if cluster.links is None else group_cost_models(cluster.links, dims, runtime.world_size)
+        schedule = predict(measured.graphs, cost, group_costs)
         out[cluster.name] = {
             "world_size": cluster.world_size,
             "step_s": schedule.step_s + outside_s * cluster.scale,
             "graphs_step_s": schedule.step_s, "compute_s": schedule.compute_s + outside_s * cluster.scale,
             "comm_s": schedule.comm_s, "exposed_comm_s": schedule.exposed_comm_s,
-            "model_state_bytes_per_rank": _planned_bytes(spec, workload, cluster.world_size),
+            "model_state_bytes_per_rank": _planned_bytes(spec, workload, cluster),
         }
     return out
 
 
-def _planned_bytes(spec: SystemSpec, workload: Workload, world_size: int) -> dict[str, int] | None:
-    """``zerograph.plan``'s per-rank model-state bytes (formula and with overheads), or ``None``
-    when the plan fails for this model."""
+def _planned_bytes(spec: SystemSpec, workload: Workload, cluster: Cluster) -> dict[str, int] | None:
+    """``zerograph.plan``'s per-rank model-state bytes (formula and with overheads) on ``cluster``,
+    with the system's mesh dims mapped as ``group_cost_models`` maps them (a shard group or hpZ's
+    secondary group is one node), or ``None`` when the plan fails for this model."""
+    world_size, mesh = cluster.world_size, {}
+    per_node = cluster.links.devices_per_node if cluster.links is not None else None
+    if spec.shard_size is not None:
+        shard = per_node or spec.shard_size
+        world_size, mesh = shard, {"replicas": cluster.world_size // shard}
+    elif spec.secondary_partition_size is not None and (per_node or 0) < world_size:
+        mesh = {"secondary_partition_size": per_node or spec.secondary_partition_size}  # one node: plain stage 3
     try:
         plan = memory_plan(shapes_only(workload), spec.stage, world_size, param_dtype=torch.float32,
-                              master_dtype=torch.float32, prefetch_depth=spec.prefetch_depth)
+                           master_dtype=torch.float32, prefetch_depth=spec.prefetch_depth, **mesh)
     except Exception as exc:  # a user model zerograph.plan cannot read: report without memory
         log.warning("no memory plan for %s: %s", workload.name, exc)
         return None

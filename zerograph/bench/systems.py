@@ -1,7 +1,7 @@
 """The systems the bench compares: ``--systems`` names parsed into ``SystemSpec``s, and each built.
 
 A system is zerograph at a stage with its schedule options (``zerograph-s<0-3>[-noov][-nopool]
-[-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg][-tpl]``), DDP, FSDP2 or FSDP2 under ``torch.compile``; see
+[-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg][-tpl][-hsdp<S>][-hpz<M>]``), DDP, FSDP2 or FSDP2 under ``torch.compile``; see
 the package docstring for what each modifier changes. ``build_system`` wraps a fresh model in
 one and gives it AdamW; ``train_step`` is the step every system runs.
 
@@ -41,6 +41,8 @@ class SystemSpec:
     quantized_gathers: bool = False
     quantized_reductions: bool = False
     unit_templates: bool = False
+    shard_size: int | None = None
+    secondary_partition_size: int | None = None
 
     @property
     def paper_volume(self) -> int:
@@ -53,11 +55,11 @@ class SystemSpec:
                       reshard_root_after_forward=not self.keep_root,
                       gather_quantization="int8" if self.quantized_gathers else None,
                       reduce_quantization="int8" if self.quantized_reductions else None,
-                      unit_templates=self.unit_templates,
+                      unit_templates=self.unit_templates, secondary_partition_size=self.secondary_partition_size,
                       disabled_passes=(() if self.overlap else OVERLAP_PASSES) + (() if self.pool else ("buffer_reuse",)))
 
 
-_MODIFIER = r"noov|nopool|keeproot|inductor|qw|qg|tpl|pf\d+|bb\d+"
+_MODIFIER = r"noov|nopool|keeproot|inductor|qw|qg|tpl|pf\d+|bb\d+|hsdp\d+|hpz\d+"
 _ZEROGRAPH_NAME = re.compile(rf"^zerograph-s(?P<stage>[0-3])(?P<mods>(?:-(?:{_MODIFIER}))*)$")
 
 
@@ -70,17 +72,34 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
     match = _ZEROGRAPH_NAME.match(name)
     if not match:
         raise ConfigError(f"unknown system {name!r}: expected zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>]"
-                          "[-inductor][-qw][-qg][-tpl], ddp, fsdp2 or fsdp2-compile")
+                          "[-inductor][-qw][-qg][-tpl][-hsdp<S>][-hpz<M>], ddp, fsdp2 or fsdp2-compile")
     mods = match["mods"].split("-")[1:]
+    shard_size = secondary_partition_size = None
     for mod in mods:
         if mod.startswith("pf"):
             prefetch_depth = int(mod[2:])
         elif mod.startswith("bb"):
             bucket_bytes = int(mod[2:])
+        elif mod.startswith("hsdp"):
+            shard_size = int(mod[4:])
+        elif mod.startswith("hpz"):
+            secondary_partition_size = int(mod[3:])
+    if shard_size is not None and secondary_partition_size is not None:
+        raise ConfigError(f"system {name!r}: -hsdp and -hpz do not combine (hpZ needs a 1-D mesh, as zerograph.compile)")
     return SystemSpec(name, "zerograph", stage=int(match["stage"]), overlap="noov" not in mods, pool="nopool" not in mods,
                       keep_root="keeproot" in mods, quantized_gathers="qw" in mods, quantized_reductions="qg" in mods,
                       prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes,
-                      lowering="inductor" if "inductor" in mods else "eager", unit_templates="tpl" in mods)
+                      lowering="inductor" if "inductor" in mods else "eager", unit_templates="tpl" in mods,
+                      shard_size=shard_size, secondary_partition_size=secondary_partition_size)
+
+
+def check_world_size(spec: SystemSpec, world_size: int) -> None:
+    """Refuse, before any rank starts, a ``-hsdp<S>`` or ``-hpz<M>`` that the world cannot hold:
+    S (or M) must be at least 2, divide the world size and be smaller than it. Raises ``ConfigError``."""
+    for flag, size in (("hsdp", spec.shard_size), ("hpz", spec.secondary_partition_size)):
+        if size is not None and (size < 2 or world_size % size or size >= world_size):
+            raise ConfigError(f"system {spec.name!r}: -{flag}{size} needs a group size of at least 2 that divides "
+                              f"the world size {world_size} and is smaller than it")
 
 
 def parse_systems(text: str, prefetch_depth: int, bucket_bytes: int) -> list[SystemSpec]:
@@ -95,7 +114,14 @@ def build_system(spec: SystemSpec, workload: Workload, device: torch.device, lr:
     """A fresh model wrapped by ``spec``'s system, and AdamW over its parameters."""
     model = workload.build().to(device)
     if spec.kind == "zerograph":
-        model = compile_model(model, spec.stage, config=spec.zerograph_config())
+        mesh = None
+        if spec.shard_size is not None:  # hybrid sharding: shard inside groups of S ranks, replicate across them
+            from torch.distributed.device_mesh import init_device_mesh
+
+            world_size = dist.get_world_size()
+            mesh = init_device_mesh(device.type, (world_size // spec.shard_size, spec.shard_size),
+                                    mesh_dim_names=("replicate", "shard"))
+        model = compile_model(model, spec.stage, mesh=mesh, config=spec.zerograph_config())
     elif spec.kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
