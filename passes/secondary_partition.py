@@ -70,6 +70,15 @@ def secondary_partition(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(gm, bool(partitioned), {"secondary_partitions": partitioned})
 
 
+def secondary_partition_outputs(graph: fx.Graph) -> list[int]:
+    """Indices of a partitioned forward graph's outputs that are secondary partitions this pass
+    made (tagged ``secondary_shard``): what hpZ holds from forward to backward, reported apart
+    from the saved activations (``zerograph.stats``)."""
+    output = graph.find_nodes(op="output")[0]
+    return [i for i, node in enumerate(output.args[0])
+            if isinstance(node, fx.Node) and node.meta.get(TAG, {}).get("role") == "secondary_shard"]
+
+
 def _gathered_roots(collective) -> list[fx.Node]:
     """The storages a gather's copy-out hands to compute: the roots of its nodes that untagged
     (compute) nodes read."""

@@ -137,4 +137,5 @@ def hpz_graph_facts(rank: int, world_size: int, size: int) -> dict:
         "node_gathers_in_backward": [(n.args[2] == runtime.secondary_group_name, n.args[3])
                                      for n in backward.nodes if n.target is GATHER_ACTIVATION],
         "comm_bytes_per_dim": {d: dict(c) for d, c in stats.comm_bytes_per_dim.items()},
+        "secondary_partition_bytes": stats.secondary_partition_bytes,
     }

@@ -30,6 +30,7 @@ from zerograph.passes.activation_partition import offloaded_outputs, saved_activ
 from zerograph.passes.context import PassContext
 from zerograph.passes.liveness import Timeline, timeline
 from zerograph.passes.manager import check_no_saved_gathers, collective_volume, pipeline, run_pipeline, structured_trace_on
+from zerograph.passes.secondary_partition import secondary_partition_outputs
 
 from . import registry
 from .config import Config
@@ -49,6 +50,7 @@ class CapturedGraphs:
         # graph id -> bytes of activations its forward handed to backward on its last call (measured)
         self.saved_activation_bytes: dict[int, int] = {}
         self.offloaded_activation_bytes: dict[int, int] = {}  # handed over in host memory instead (offload)
+        self.secondary_partition_bytes: dict[int, int] = {}  # hpZ's pieces of gathered parameters
         self.templates: list = []  # templates.UnitTemplate, one per unit kind and input signature traced
 
 
@@ -162,9 +164,9 @@ class _GraphCompile:
         lowered = _lower(backend.lowering, g, inputs, kind)
         if kind == "forward" and self.user_outputs:
             saved = saved_activation_outputs(g.graph, self.user_outputs[-1])
-            offloaded = offloaded_outputs(g.graph)
-            lowered = _measure_saved(lowered, [i for i in saved if i not in offloaded], offloaded, backend.captured,
-                                     self.graph_id)
+            offloaded, secondary = offloaded_outputs(g.graph), secondary_partition_outputs(g.graph)
+            lowered = _measure_saved(lowered, [i for i in saved if i not in offloaded and i not in secondary],
+                                     offloaded, secondary, backend.captured, self.graph_id)
         call = _account(backend.runtime, g, lowered, backward=kind == "backward", graph_id=self.graph_id)
         # a backward may run after its model is gone: keep the templates its graph calls alive
         call._zerograph_templates = [registry.template_of(n.args[0]) for n in g.graph.nodes  # type: ignore[attr-defined]
@@ -359,18 +361,20 @@ def _account(runtime: Runtime, gm: fx.GraphModule, compiled: Callable, backward:
     return call
 
 
-def _measure_saved(compiled: Callable, positions: list[int], offloaded: list[int], captured: CapturedGraphs,
-                   graph_id: int) -> Callable:
+def _measure_saved(compiled: Callable, positions: list[int], offloaded: list[int], secondary: list[int],
+                   captured: CapturedGraphs, graph_id: int) -> Callable:
     """Wrap a lowered forward: after each call, record in ``captured.saved_activation_bytes`` the
     bytes of the activations it returned for backward on the device (outputs at ``positions``, each
-    storage once, none of the graph's inputs) and in ``captured.offloaded_activation_bytes`` those
-    it handed over in host memory (outputs at ``offloaded``). The inputs' storages are read first:
-    a boxed call may clear them."""
+    storage once, none of the graph's inputs), in ``captured.offloaded_activation_bytes`` those
+    it handed over in host memory (outputs at ``offloaded``) and in
+    ``captured.secondary_partition_bytes`` hpZ's secondary partitions (outputs at ``secondary``).
+    The inputs' storages are read first: a boxed call may clear them."""
     def call(args: list[Any]) -> Any:
         inputs = input_storages(args)
         outs = compiled(args)
         captured.saved_activation_bytes[graph_id] = measured_bytes([outs[i] for i in positions], inputs)
         captured.offloaded_activation_bytes[graph_id] = measured_bytes([outs[i] for i in offloaded], inputs)
+        captured.secondary_partition_bytes[graph_id] = measured_bytes([outs[i] for i in secondary], inputs)
         return outs
 
     call._boxed_call = True  # type: ignore[attr-defined]

@@ -55,6 +55,11 @@ class Stats:
             bounds (per graph). Offloaded activations are not counted here.
         offloaded_activation_bytes: bytes of saved activations the step's forward graphs handed
             to backward in host memory instead (``Config.activation_offload``), measured alike.
+        secondary_partition_bytes: bytes of hpZ's secondary partitions the step's forward graphs
+            handed to backward (``Config.secondary_partition_size=M``: this rank's 1/M of every
+            unit backward re-gathers, in ``param_dtype``), measured alike and not counted in
+            ``saved_activation_bytes``; ``zerograph.plan`` predicts it as
+            ``Plan.secondary_partition_bytes``. 0 without hpZ.
         comm_elements_per_dim, comm_bytes_per_dim: ``comm_elements`` and ``comm_bytes`` split
             by the mesh dim each collective ran over: ``{"shard": {kind: n}, "replicate": {kind:
             n}}`` (hybrid sharding, ``compile(mesh=2-D mesh)``: gathers and reduce-scatters
@@ -79,6 +84,7 @@ class Stats:
     saved_activation_bytes: int = 0
     offloaded_activation_bytes: int = 0
     fake_world: bool = False
+    secondary_partition_bytes: int = 0
     comm_elements_per_dim: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     comm_bytes_per_dim: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     replicas: int = 1
@@ -176,8 +182,9 @@ def stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> S
                             master_bytes=master, grad_shard_bytes=master)
     saved = sum(state.captured.saved_activation_bytes.get(graph_id, 0) for graph_id in sorted(step.graphs))
     offloaded = sum(state.captured.offloaded_activation_bytes.get(graph_id, 0) for graph_id in sorted(step.graphs))
+    secondary = sum(state.captured.secondary_partition_bytes.get(graph_id, 0) for graph_id in sorted(step.graphs))
     return Stats(rt.stage, rt.world_size, num_params, dict(step.elements), dict(step.bytes), resident,
                  formula, transient, saved, offloaded, fake_world=rt.fake_world,
                  comm_elements_per_dim={d: dict(c) for d, c in step.dim_elements.items()},
                  comm_bytes_per_dim={d: dict(c) for d, c in step.dim_bytes.items()},
-                 replicas=rt.replicate_size)
+                 replicas=rt.replicate_size, secondary_partition_bytes=secondary)
