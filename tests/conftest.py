@@ -11,6 +11,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import ast  # noqa: E402
 import functools  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
@@ -71,9 +72,16 @@ def one_rank():
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    misread = []
     for item in items:
         if SPAWNING_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.distributed)
+        marked = item.get_closest_marker("distributed") is not None
+        if marked != (_xdist_scope(item.nodeid) == SPAWN_LANE):
+            misread.append(item.nodeid)
+    if misread:  # the two lanes of `make test` would run two spawns at once
+        raise pytest.UsageError(f"tests/conftest.py's _spawning_tests misreads which tests spawn: {misread[:5]}; "
+                                "mark them with @pytest.mark.distributed on the test function or pytestmark")
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
@@ -89,14 +97,33 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 # session fixtures that cache costly runs for several files (see _xdist_group)
 SHARED_RUN_FIXTURES = ("training_run", "one_rank")
 REPO = pathlib.Path(__file__).resolve().parent.parent  # xdist's node ids are relative to it
+SPAWN_LANE = "distributed"  # the xdist scope of every test that spawns ranks
+
+
+@functools.lru_cache(maxsize=None)
+def _spawning_tests(path: str) -> frozenset[str]:
+    """Names of the tests in file ``path`` that spawn ranks: marked ``distributed`` (by
+    ``pytestmark`` or a decorator) or taking a fixture in ``SPAWNING_FIXTURES``. Read from the
+    file's syntax tree: xdist's controller schedules by node id, without the items; a test
+    misread here is only scheduled in the other lane."""
+    try:
+        tree = ast.parse((REPO / path).read_text())
+    except (OSError, SyntaxError):
+        return frozenset()
+    whole_file = any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
+                     and "distributed" in ast.unparse(node.value) for node in tree.body)
+    return frozenset(
+        node.name for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test_")
+        and (whole_file or any("mark.distributed" in ast.unparse(d) for d in node.decorator_list)
+             or SPAWNING_FIXTURES & {a.arg for a in node.args.args}))
 
 
 @functools.lru_cache(maxsize=None)
 def _xdist_group(path: str) -> str:
-    """The unit of work ``pytest -n 2 --dist loadfile`` (``make test``) gives one worker: a file,
-    so that its module fixtures (one spawn each) run once; or, for a file whose tests take a
-    shared-run session fixture, that fixture's name, so its cached runs are made on one worker.
-    Read from the file's text: xdist's controller schedules by node id, without the items."""
+    """The unit of work for an in-process test under ``pytest -n 2 --dist loadfile``: its file,
+    so that its module fixtures run once; or, for a file whose tests take a shared-run session
+    fixture, that fixture's name, so its cached runs are made on one worker."""
     try:
         text = (REPO / path).read_text()
     except OSError:
@@ -107,15 +134,26 @@ def _xdist_group(path: str) -> str:
     return path
 
 
+def _xdist_scope(nodeid: str) -> str:
+    """Two lanes (``make test``): every test that spawns ranks in one scope (``SPAWN_LANE``), run
+    in order by one worker, while the other worker takes the in-process tests file by file
+    (``_xdist_group``). At most one spawn runs at a time, so 2 cores hold its 2 ranks and one
+    in-process test instead of two spawns' 4 ranks."""
+    path, _, rest = nodeid.partition("::")
+    if rest.split("[", 1)[0] in _spawning_tests(path):
+        return SPAWN_LANE
+    return _xdist_group(path)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``--dist loadfile`` with the files that share a session run grouped (``_xdist_group``)."""
+    """``--dist loadfile`` scheduled by ``_xdist_scope``."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class SharedRunScheduling(LoadFileScheduling):
+    class TwoLaneScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _xdist_group(nodeid.split("::", 1)[0])
+            return _xdist_scope(nodeid)
 
-    return SharedRunScheduling(config, log)
+    return TwoLaneScheduling(config, log)

@@ -481,6 +481,7 @@ def test_rank_failure_names_the_real_error_first(tmp_path, monkeypatch):
     assert len(lines) == 5
 
 
+@pytest.mark.slow  # launches ranks through torchrun: about 12 CPU s of process starts and imports
 def test_failed_rank_is_reported_in_a_few_lines(tmp_path, monkeypatch, capsys):
     """End to end: a factory whose batches fail makes both ranks raise; the bench exits 1 and its
     stderr starts with the ranks' own exception, not the launcher's tracebacks."""

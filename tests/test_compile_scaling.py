@@ -119,6 +119,7 @@ def _traces_and_code(blocks: int, monkeypatch: pytest.MonkeyPatch, limit: int,
     return traces, code
 
 
+@pytest.mark.slow  # two GPTs of 8 blocks, each compiled twice: about 22 CPU s
 def test_identical_blocks_share_splice_traces_and_graphs_are_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPT of 8 blocks traces as many splice replacements as one of 2 (each block's all-gather
     and reduce-scatter are copies of one template), and its final graphs are exactly those built

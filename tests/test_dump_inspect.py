@@ -192,6 +192,7 @@ def test_folder_that_is_not_a_dump(tmp_path, capsys):
     assert status == 1 and err == [f"zerograph inspect: {tmp_path / 'nope'} is not a directory"]
 
 
+@pytest.mark.slow  # two fresh interpreters that import torch: about 6 CPU s
 def test_import_zerograph_loads_no_dump_and_inspect_into_a_closed_pipe_exits_quietly(tiny_dump):
     """One fresh interpreter (an import of torch costs seconds) checks two things: ``import
     zerograph`` imports no ``zerograph.dump*`` module, and ``zerograph inspect DIR | head`` (the
