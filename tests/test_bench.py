@@ -276,6 +276,10 @@ def test_hybrid_and_hpz_systems_parse_and_refuse_a_world_that_cannot_hold_them()
             bench.check_world_size(spec, world_size)
     with pytest.raises(ConfigError, match="do not combine"):
         bench.parse_system("zerograph-s3-hsdp2-hpz2", 1, 0)
+    with pytest.raises(ConfigError, match="stage 1-3"):
+        bench.parse_system("zerograph-s0-hsdp2", 1, 0)
+    with pytest.raises(ConfigError, match="needs stage 3"):
+        bench.parse_system("zerograph-s2-hpz2", 1, 0)
     assert bench.main(["--nproc", "2", "--systems", "zerograph-s3-hsdp2"]) == 2
 
 

@@ -84,9 +84,14 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
             shard_size = int(mod[4:])
         elif mod.startswith("hpz"):
             secondary_partition_size = int(mod[3:])
+    stage = int(match["stage"])
     if shard_size is not None and secondary_partition_size is not None:
         raise ConfigError(f"system {name!r}: -hsdp and -hpz do not combine (hpZ needs a 1-D mesh, as zerograph.compile)")
-    return SystemSpec(name, "zerograph", stage=int(match["stage"]), overlap="noov" not in mods, pool="nopool" not in mods,
+    if shard_size is not None and stage == 0:
+        raise ConfigError(f"system {name!r}: -hsdp needs stage 1-3 (stage 0 replicates everything; nothing to shard)")
+    if secondary_partition_size is not None and stage != 3:
+        raise ConfigError(f"system {name!r}: -hpz needs stage 3 (only stage 3 re-gathers parameters in backward)")
+    return SystemSpec(name, "zerograph", stage=stage, overlap="noov" not in mods, pool="nopool" not in mods,
                       keep_root="keeproot" in mods, quantized_gathers="qw" in mods, quantized_reductions="qg" in mods,
                       prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes,
                       lowering="inductor" if "inductor" in mods else "eager", unit_templates="tpl" in mods,
