@@ -265,6 +265,22 @@ def test_mesh_dims_are_priced_on_the_links_they_map_onto():
         entry["latency_s"] + 7 / 8 * size / entry["bus_bandwidth_bytes_per_s"])
 
 
+def test_a_bad_cluster_table_is_refused_naming_the_field(tmp_path):
+    entry = bench.load_cluster_table(bench.CLUSTERS_FILE)["2x8xH100-ib"]
+    for field, value, match in (("node_bus_bandwidth_bytes_per_s", True, "must be a finite number"),
+                                ("node_bus_bandwidth_bytes_per_s", "4.5e11", "must be a finite number"),
+                                ("cross_node_bus_bandwidth_bytes_per_s", 0, "must be > 0"),
+                                ("nodes", 1.5, "whole number"), ("latency_s", float("inf"), "finite")):
+        with pytest.raises(ConfigError, match=f"{field}.*{match}"):
+            bench.cluster_links({**entry, field: value})
+    with pytest.raises(ConfigError, match="has no 'flops_per_s'"):
+        bench.cluster_links({k: v for k, v in entry.items() if k != "flops_per_s"})
+    listed = tmp_path / "clusters.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        bench.load_cluster_table(listed)
+
+
 def test_hybrid_and_hpz_systems_parse_and_refuse_a_world_that_cannot_hold_them():
     hsdp, hpz = bench.parse_system("zerograph-s3-hsdp2", 1, 0), bench.parse_system("zerograph-s3-qw-hpz2", 1, 0)
     assert (hsdp.shard_size, hsdp.secondary_partition_size) == (2, None)
@@ -280,6 +296,10 @@ def test_hybrid_and_hpz_systems_parse_and_refuse_a_world_that_cannot_hold_them()
         bench.parse_system("zerograph-s0-hsdp2", 1, 0)
     with pytest.raises(ConfigError, match="needs stage 3"):
         bench.parse_system("zerograph-s2-hpz2", 1, 0)
+    with pytest.raises(ConfigError, match="repeats the modifier"):
+        bench.parse_system("zerograph-s3-hsdp4-hsdp2", 1, 0)
+    with pytest.raises(ConfigError, match="need stage 1-3"):
+        bench.parse_system("zerograph-s0-qw", 1, 0)
     assert bench.main(["--nproc", "2", "--systems", "zerograph-s3-hsdp2"]) == 2
 
 

@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import zerograph
 from zerograph.costmodel import COLLECTIVE_KINDS, COLLECTIVE_OPS, CostModel, calibrate, fit_alpha_beta, node_flops
+from zerograph.ops import GATHER_ACTIVATION
 from zerograph.state import graphs_of
 from zerograph.timeline import Schedule, measure, predict, schedule_from_profile
 
@@ -124,6 +125,27 @@ def test_a_group_with_a_cost_model_of_its_own_is_priced_by_it():
     assert [e.dur_s for e in comm] == pytest.approx(
         [node_link.collective_time("all_gather", full_bytes), COST.collective_time("all_gather", full_bytes)], rel=1e-12)
     assert predict([graph], COST).track("comm")[0].dur_s == pytest.approx(comm[1].dur_s, rel=1e-12)
+
+
+def test_a_re_gather_inside_one_op_is_communication_that_blocks_compute():
+    """hpZ's and P_a's ``gather_activation`` holds its all-gather and its wait: priced on its
+    group's link, for the padded full buffer, all of it exposed; no compute time of its own."""
+    b = GraphBuilder()
+    piece, a = b.input("piece", 1000), b.input("a", 64, 64)
+    regathered = b.op(GATHER_ACTIVATION, piece, [7990], "node", 8)
+    graph = b.done(b.op(aten.mul.Tensor, regathered, 2.0), b.op(aten.mm.default, a, a))
+    node_link = CostModel(world_size=8, flops_per_s=1e9, bytes_per_s=1e10, op_overhead_s=1e-5,
+                          collectives={"all_gather": (5e-4, 1e-10)})
+    schedule = predict([graph], COST, {"node": node_link})
+    gather_s = node_link.collective_time("all_gather", 8 * 1000 * 4)
+    [comm] = schedule.track("comm")
+    assert (comm.kind, comm.dur_s) == ("all_gather", pytest.approx(gather_s, rel=1e-12))
+    assert schedule.exposed_comm_s == pytest.approx(gather_s, rel=1e-12)
+    launch, *rest = schedule.track("compute")
+    assert (launch.kind, launch.dur_s) == ("gather_activation.default", COST.op_overhead_s)  # no compute time of its own
+    assert [e.kind for e in rest] == ["mul.Tensor", "mm.default"] and rest[0].start_s == pytest.approx(comm.end_s)
+    # on the default cost model when its group has no link of its own
+    assert predict([graph], COST).exposed_comm_s == pytest.approx(COST.collective_time("all_gather", 32000), rel=1e-12)
 
 
 def test_comm_stream_runs_one_collective_at_a_time_across_graphs():

@@ -65,7 +65,9 @@ class Stats:
             n}}`` (hybrid sharding, ``compile(mesh=2-D mesh)``: gathers and reduce-scatters
             within the shard group of S ranks, the gradient all-reduce of the reduced shards
             across the R replicas, bytes at ``(R-1)/R`` of it twice); a 1-D group has only
-            ``"shard"``. Summed over the dims they are ``comm_elements`` / ``comm_bytes``.
+            ``"shard"``, and hpZ adds ``"secondary"`` (backward's re-gathers over the node group of
+            ``Config.secondary_partition_size`` ranks). Summed over the dims they are
+            ``comm_elements`` / ``comm_bytes``.
         replicas: R, the replicate dim's size (1 without a 2-D mesh); ``world_size`` is the
             shard dim's S, so gradients are averaged over ``world_size * replicas`` ranks.
         fake_world: the step ran as one rank of a fake world (``zerograph.fake_world``): bytes

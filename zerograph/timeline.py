@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .costmodel import COLLECTIVE_OPS, WAIT, CostModel, collective_bytes
+from .costmodel import COLLECTIVE_OPS, WAIT, CostModel, collective_bytes, tensor_bytes
+from .ops import GATHER_ACTIVATION
 from .vocab import group_name_of
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,9 @@ def predict(graphs: Sequence[fx.GraphModule | fx.Graph], cost: CostModel,
     ``cost.collective_time(kind, full bytes)``; its ``wait_tensor`` blocks the compute stream until
     it is done, and that blocked time is the exposed communication. Nodes need ``meta["val"]``.
 
+    ``zerograph::gather_activation`` (P_a's and hpZ's re-gather) is an all-gather of its padded
+    full buffer whose wait is inside the op: it blocks the compute stream until it is done.
+
     ``group_costs``: process-group name -> the ``CostModel`` that prices the collectives over
     that group (a mesh dim on links of their own, e.g. hybrid sharding's shard dim inside a node
     and its replicate dim across nodes); a collective over any other group is priced by ``cost``.
@@ -164,6 +168,11 @@ def predict(graphs: Sequence[fx.GraphModule | fx.Graph], cost: CostModel,
                     waits.append(Event(node.name, "comm", now, finish - now, kind, unit))
                     now = finish
                 continue
+            if node.target is GATHER_ACTIVATION:
+                now = _blocking_gather(node, now, comm_free, (group_costs or {}).get(node.args[2], cost),
+                                       events, waits, unit)
+                comm_free = now
+                continue
             dur = cost.node_time(node)
             if dur > 0:
                 events.append(Event(node.name, "compute", now, dur, _op_name(node.target), unit))
@@ -176,6 +185,23 @@ def predict(graphs: Sequence[fx.GraphModule | fx.Graph], cost: CostModel,
                 events.append(Event(node.name, "comm", start, comm_free - start, kind, unit))
                 done[node] = (comm_free, kind)
     return schedule_from_events(events, waits)
+
+
+def _blocking_gather(node: fx.Node, now: float, comm_free: float, cost: CostModel, events: list[Event],
+                     waits: list[Event], unit: int | None) -> float:
+    """``zerograph::gather_activation`` (P_a's and hpZ's backward re-gather): an all-gather of
+    ``group_size`` pieces and its wait inside one op, so the compute stream launches it
+    (``op_overhead_s``), then blocks until the comm stream has run it. Returns the time compute
+    resumes (the gather's end), which is also when the comm stream is next free."""
+    piece, _, _, group_size = node.args[:4]
+    launched = now + cost.op_overhead_s
+    if cost.op_overhead_s > 0:
+        events.append(Event(node.name, "compute", now, cost.op_overhead_s, _op_name(node.target), unit))
+    start = max(launched, comm_free)
+    end = start + cost.collective_time("all_gather", tensor_bytes(piece.meta["val"]) * group_size)
+    events.append(Event(node.name, "comm", start, end - start, "all_gather", unit))
+    waits.append(Event(node.name, "comm", launched, end - launched, "all_gather", unit))
+    return end
 
 
 def _op_name(target: Any) -> str:

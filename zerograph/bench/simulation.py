@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -65,7 +66,21 @@ def load_cluster_table(path: str | os.PathLike) -> dict[str, dict]:
             table = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read the cluster table {path}: {exc}") from exc
+    if not isinstance(table, dict) or not all(isinstance(e, dict) for n, e in table.items() if not n.startswith("_")):
+        raise ConfigError(f"the cluster table {path} must be a JSON object of cluster name -> object of figures "
+                          "(see the packaged clusters.json)")
     return {name: entry for name, entry in table.items() if not name.startswith("_")}
+
+
+def _figure(entry: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    """A number of a cluster entry. Raises ``ConfigError`` naming the field when it is missing
+    (without ``default``), not a JSON number (a string or a boolean is refused), or not finite."""
+    value = entry.get(key, default)
+    if value is None:
+        raise ConfigError(f"cluster entry has no {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"cluster entry's {key!r} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _ring_cost(n: int, busbw: float, latency: float) -> dict[str, tuple[float, float]]:
@@ -81,14 +96,25 @@ def cluster_cost_model(entry: Mapping[str, Any]) -> CostModel:
     """``CostModel`` of a cluster entry: alpha = ``latency_s``, beta from the bus bandwidth with
     nccl-tests' factors ((N-1)/N for all-gather and reduce-scatter, 2(N-1)/N for all-reduce), for
     a collective over every rank. Raises ``ConfigError`` for an incomplete or invalid entry."""
-    try:
-        n = int(entry["nodes"]) * int(entry["devices_per_node"])
-        busbw, latency = float(entry["bus_bandwidth_bytes_per_s"]), float(entry["latency_s"])
-        return CostModel(world_size=n, flops_per_s=float(entry["flops_per_s"]),
-                         bytes_per_s=float(entry["memory_bytes_per_s"]), op_overhead_s=float(entry["op_overhead_s"]),
-                         collectives=_ring_cost(n, busbw, latency))
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
-        raise ConfigError(f"cluster entry {dict(entry)} is incomplete or invalid: {exc!r}") from exc
+    n = _rank_count(entry, "nodes") * _rank_count(entry, "devices_per_node")
+    busbw = _bandwidth(entry, "bus_bandwidth_bytes_per_s")
+    return CostModel(world_size=n, flops_per_s=_figure(entry, "flops_per_s"),
+                     bytes_per_s=_figure(entry, "memory_bytes_per_s"), op_overhead_s=_figure(entry, "op_overhead_s"),
+                     collectives=_ring_cost(n, busbw, _figure(entry, "latency_s")))
+
+
+def _rank_count(entry: Mapping[str, Any], key: str) -> int:
+    value = _figure(entry, key)
+    if value < 1 or value != int(value):
+        raise ConfigError(f"cluster entry's {key!r} must be a whole number >= 1, got {entry[key]!r}")
+    return int(value)
+
+
+def _bandwidth(entry: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    value = _figure(entry, key, default)
+    if value <= 0:
+        raise ConfigError(f"cluster entry's {key!r} must be > 0 bytes/s, got {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,18 +139,15 @@ def cluster_links(entry: Mapping[str, Any]) -> Links:
     cross-node rings; an entry without them prices both as the world ring (say so in the
     assumptions). Raises ``ConfigError`` for an incomplete or invalid entry."""
     world = cluster_cost_model(entry)
-    try:
-        nodes, per_node = int(entry["nodes"]), int(entry["devices_per_node"])
-        busbw, latency = float(entry["bus_bandwidth_bytes_per_s"]), float(entry["latency_s"])
+    nodes, per_node = _rank_count(entry, "nodes"), _rank_count(entry, "devices_per_node")
+    busbw, latency = _bandwidth(entry, "bus_bandwidth_bytes_per_s"), _figure(entry, "latency_s")
 
-        def ring(n: int, prefix: str) -> CostModel:
-            return dataclasses.replace(world, world_size=n, collectives=_ring_cost(
-                n, float(entry.get(f"{prefix}_bus_bandwidth_bytes_per_s", busbw)),
-                float(entry.get(f"{prefix}_latency_s", latency))))
+    def ring(n: int, prefix: str) -> CostModel:
+        return dataclasses.replace(world, world_size=n, collectives=_ring_cost(
+            n, _bandwidth(entry, f"{prefix}_bus_bandwidth_bytes_per_s", busbw),
+            _figure(entry, f"{prefix}_latency_s", latency)))
 
-        return Links(world, ring(per_node, "node"), ring(nodes, "cross_node"), per_node)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
-        raise ConfigError(f"cluster entry {dict(entry)} is incomplete or invalid: {exc!r}") from exc
+    return Links(world, ring(per_node, "node"), ring(nodes, "cross_node"), per_node)
 
 
 def group_cost_models(links: Links, dims: Mapping[str, tuple[str, int]], shard_size: int) -> dict[str, CostModel]:

@@ -74,6 +74,10 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
         raise ConfigError(f"unknown system {name!r}: expected zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>]"
                           "[-inductor][-qw][-qg][-tpl][-hsdp<S>][-hpz<M>], ddp, fsdp2 or fsdp2-compile")
     mods = match["mods"].split("-")[1:]
+    kinds = [re.sub(r"\d+$", "", mod) for mod in mods]
+    repeated = sorted({kind for kind in kinds if kinds.count(kind) > 1})
+    if repeated:
+        raise ConfigError(f"system {name!r} repeats the modifier(s) {', '.join('-' + k for k in repeated)}")
     shard_size = secondary_partition_size = None
     for mod in mods:
         if mod.startswith("pf"):
@@ -89,6 +93,8 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
         raise ConfigError(f"system {name!r}: -hsdp and -hpz do not combine (hpZ needs a 1-D mesh, as zerograph.compile)")
     if shard_size is not None and stage == 0:
         raise ConfigError(f"system {name!r}: -hsdp needs stage 1-3 (stage 0 replicates everything; nothing to shard)")
+    if stage == 0 and ("qw" in mods or "qg" in mods):
+        raise ConfigError(f"system {name!r}: -qw / -qg need stage 1-3 (stage 0 all-reduces gradients and gathers nothing)")
     if secondary_partition_size is not None and stage != 3:
         raise ConfigError(f"system {name!r}: -hpz needs stage 3 (only stage 3 re-gathers parameters in backward)")
     return SystemSpec(name, "zerograph", stage=stage, overlap="noov" not in mods, pool="nopool" not in mods,
