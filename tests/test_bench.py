@@ -20,6 +20,7 @@ from torch import nn
 from zerograph import bench
 from zerograph.costmodel import WAIT
 from zerograph.errors import ConfigError
+from zerograph.ops import GATHER_ACTIVATION
 
 SYSTEMS = ["zerograph-s0", "zerograph-s1", "zerograph-s2", "zerograph-s3", "ddp", "fsdp2"]
 VOCAB = 256  # the GPT example's byte vocabulary
@@ -263,6 +264,18 @@ def test_mesh_dims_are_priced_on_the_links_they_map_onto():
     assert fallback.node.collectives["all_gather"][0] == entry["latency_s"]
     assert fallback.node.collective_time("all_gather", size) == pytest.approx(
         entry["latency_s"] + 7 / 8 * size / entry["bus_bandwidth_bytes_per_s"])
+
+
+def test_every_group_a_graph_communicates_over_is_mapped_to_its_dim():
+    """hpZ's node group appears only in ``gather_activation`` (no functional collective): it must
+    still reach ``group_cost_models``, or its re-gathers are priced on the world ring."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    gathered = graph.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, (x, 4, "world"))
+    regathered = graph.call_function(GATHER_ACTIVATION, (x, [8], "node", 2))
+    graph.output((gathered, regathered))
+    sizes = {"world": ("shard", 4), "node": ("secondary", 2)}
+    assert bench.mesh_dims_of([fx.GraphModule({}, graph)], sizes.__getitem__) == sizes
 
 
 def test_a_bad_cluster_table_is_refused_naming_the_field(tmp_path):

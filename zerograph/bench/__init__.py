@@ -119,6 +119,7 @@ from .simulation import (
     cluster_links,
     group_cost_models,
     load_cluster_table,
+    mesh_dims_of,
     simulate_system,
 )
 from .systems import SystemSpec, build_system, check_world_size, parse_system, parse_systems, train_step
@@ -137,7 +138,7 @@ __all__ = [
     "cluster_links",
     "comm_breakdown", "count_collectives", "describe_rank_failure", "format_report", "format_simulation",
     "format_table", "group_cost_models", "held_bytes", "load_cluster_table", "load_factory", "load_workload", "loss_check",
-    "machine_description", "main", "match_nodes", "measure_all", "merge_ranks", "padded_params",
+    "machine_description", "main", "mesh_dims_of", "match_nodes", "measure_all", "merge_ranks", "padded_params",
     "parse_system", "parse_systems", "peak_allocations", "plot", "prime_systems", "profile_allocations", "profile_steps",
     "rank_main", "report", "roofline_seconds", "run", "run_system", "simulate_system", "train_step",
     "unique_params", "validate_args",

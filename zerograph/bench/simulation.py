@@ -16,16 +16,18 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 
 from ..costmodel import CostModel, calibrate
 from ..errors import ConfigError
+from ..ops import GATHER_ACTIVATION
 from ..plan import plan as memory_plan
 from ..profile import ProfiledCost, profile_step
 from ..state import runtime_of_model
@@ -173,6 +175,17 @@ def group_cost_models(links: Links, dims: Mapping[str, tuple[str, int]], shard_s
     return costs
 
 
+def mesh_dims_of(graphs: Sequence[fx.GraphModule], comm_dim: Callable[[str], tuple[str, int]]
+                 ) -> dict[str, tuple[str, int]]:
+    """``{process-group name: (mesh dim, group size)}`` of every group the graphs communicate over:
+    the functional collectives' groups and ``zerograph::gather_activation``'s (hpZ's node group,
+    P_a's group). ``comm_dim``: ``Runtime.comm_dim``."""
+    groups = {group_name_of(node) if node.target in COLLECTIVE_KINDS else node.args[2]
+              for graph in graphs for node in graph.graph.nodes
+              if node.target in COLLECTIVE_KINDS or node.target is GATHER_ACTIVATION}
+    return {name: comm_dim(name) for name in groups if name is not None}
+
+
 def clusters_for(args: argparse.Namespace, device: torch.device) -> list[Cluster]:
     """Calibrate this machine (every rank takes part), then describe each requested cluster.
     The first entry is always this machine (``LOCAL_CLUSTER``); it is reported only when asked."""
@@ -238,9 +251,7 @@ def simulate_system(spec: SystemSpec, model: nn.Module, events: Sequence[Any], w
         return {"error": str(exc)}
     seconds, outside_s = measured.by_node(), measured.outside_s
     runtime = runtime_of_model(model)
-    groups = {group_name_of(node) for graph in measured.graphs for node in graph.graph.nodes
-              if node.target in COLLECTIVE_KINDS}
-    dims = {name: runtime.comm_dim(name) for name in groups if name is not None}
+    dims = mesh_dims_of(measured.graphs, runtime.comm_dim)
     out: dict[str, Any] = {"matched_node_fraction": measured.matched_fraction, "outside_graphs_s": outside_s,
                            "profiled_step_s": measured.step_s}
     for cluster in clusters:
