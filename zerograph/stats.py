@@ -182,9 +182,9 @@ def stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> S
     master = _bytes_per_element(rt, lambda layout: layout.dtype)  # shards and their .grad
     formula = formula_bytes(rt.stage, rt.world_size, num_params, compute, compute, opt_bytes_per_elem,
                             master_bytes=master, grad_shard_bytes=master)
-    saved = sum(state.captured.saved_activation_bytes.get(graph_id, 0) for graph_id in sorted(step.graphs))
-    offloaded = sum(state.captured.offloaded_activation_bytes.get(graph_id, 0) for graph_id in sorted(step.graphs))
-    secondary = sum(state.captured.secondary_partition_bytes.get(graph_id, 0) for graph_id in sorted(step.graphs))
+    saved, offloaded, secondary = (sum(per_graph.get(graph_id, 0) for graph_id in step.graphs) for per_graph in (
+        state.captured.saved_activation_bytes, state.captured.offloaded_activation_bytes,
+        state.captured.secondary_partition_bytes))
     return Stats(rt.stage, rt.world_size, num_params, dict(step.elements), dict(step.bytes), resident,
                  formula, transient, saved, offloaded, fake_world=rt.fake_world,
                  comm_elements_per_dim={d: dict(c) for d, c in step.dim_elements.items()},
