@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["zerograph.errors", "zerograph.vocab", "zerograph.registry", "zerograph.policies", "zerograph.fake",
               "zerograph.state", "zerograph.models*"]),
     ("tensors", ["zerograph.kernels*", "zerograph.ops", "zerograph.buffer_pool", "zerograph.sharding",
-                 "zerograph.loading"]),
+                 "zerograph.flat", "zerograph.loading"]),
     ("passes", ["zerograph.costmodel", "zerograph.passes*"]),
     ("config", ["zerograph.config"]),
     ("execution", ["zerograph.runtime", "zerograph.capture", "zerograph.templates"]),

@@ -21,6 +21,7 @@ from . import loading
 from .capture import CapturedGraphs, ZeroGraphBackend
 from .config import Config, check_stage
 from .errors import ConfigError, ProcessGroupError, ShardingError, TemplateUnavailable, UnshardedParameterError, ZeroGraphError
+from .flat import FlatShard, flatten_unit_, flattenable
 from .hybrid import hybrid_groups, secondary_group
 from .policies import MixedPrecisionPolicy
 from .registry import next_key
@@ -28,7 +29,7 @@ from .replicas import sync_replicas
 from .runtime import Runtime
 from .sharding import ParameterWatch, find_units, own_code, set_gathering, set_grad_mode, shard_module_, sharded_parameter
 from .state import STATE_ATTR, ZeroGraphState, state_of
-from .templates import install_unit_templates
+from .templates import FlatPlan, install_unit_templates, unit_parameters
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +146,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
                                        param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
                                        full_precision_classes=precision.full_precision_classes,
                                        device=device)
-    uninitialised = None
-    if meta_built:  # every shard and meta buffer is empty until an init or a load writes it
-        fresh = loading.allocate_meta_buffers_(model, device)
-        uninitialised = loading.UninitialisedTracker(list(model.named_parameters()) + fresh)
+    fresh = loading.allocate_meta_buffers_(model, device) if meta_built else []
     runtime = Runtime(group, stage, layouts, unit_objs, timeout_s=config.timeout_s, device=device,
                       replicate_group=replicate_group, world_group=world_group, secondary_group=node_group)
     runtime.shards = {layout.key: model.get_parameter(layout.fqn) for layout in layouts}
@@ -159,9 +157,16 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     _install_optimizer_guard()
 
     captured = CapturedGraphs()
-    unit_kinds = (install_unit_templates(units, {id(shard): key for key, shard in runtime.shards.items()},
-                                         config.resolved_lowering(device), captured.templates)
-                  if config.unit_templates else [])
+    unit_kinds = []
+    if config.unit_templates:
+        key_of = {id(shard): key for key, shard in runtime.shards.items()}
+        unit_kinds = install_unit_templates(units, key_of, config.resolved_lowering(device), captured.templates,
+                                            _flat_plan(runtime, config, units, key_of))
+        runtime.add_flat_shards([flat for kind in unit_kinds for flat in kind.flat_shards])
+    uninitialised = None
+    if meta_built:  # every shard and meta buffer is empty until an init or a load writes it (counted
+        # from here: moving shards into flat buffers above wrote them, with no values yet)
+        uninitialised = loading.UninitialisedTracker(list(model.named_parameters()) + fresh)
     param_names = {id(p): n for n, p in model.named_parameters()}  # first name of each (tied) parameter
     watch = ParameterWatch(model)
     backend = _checking_trainable(ZeroGraphBackend(runtime, config, param_names, captured), watch)
@@ -186,9 +191,41 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
 
 
 
+def _flat_plan(runtime: Runtime, config: Config, units: list[tuple[str, nn.Module]],
+               key_of: dict[int, int]) -> FlatPlan | None:
+    """How the templated units' shards move into one flat buffer per unit (``flat.py``), or
+    ``None`` where they stay one input per parameter: below stage 3 (parameters live whole from
+    forward to backward there), and with hpZ or quantized collectives (not built for them yet)."""
+    if (runtime.stage != 3 or config.secondary_partition_size is not None or config.gather_quantization
+            or config.reduce_quantization):
+        return None
+    uses: dict[int, int] = {}
+    for _, module in units:
+        for param in unit_parameters(module):
+            uses[id(param)] = uses.get(id(param), 0) + 1
+
+    def layouts(module: nn.Module) -> tuple[list[nn.Parameter], list]:
+        params = unit_parameters(module)
+        return params, [runtime.layouts[key_of[id(p)]] for p in params]
+
+    def can(index: int, module: nn.Module) -> str | None:
+        params, param_layouts = layouts(module)
+        shared = next((layout.fqn for p, layout in zip(params, param_layouts) if uses[id(p)] > 1), None)
+        if shared is not None:
+            return f"parameter {shared!r} is used by another unit too (tied)"
+        return flattenable(params, param_layouts, index)
+
+    def make(index: int, name: str, module: nn.Module) -> FlatShard:
+        return flatten_unit_(index, name, *layouts(module), runtime.rank, next_key())
+
+    return FlatPlan(can, make)
+
+
 def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: ZeroGraphState = getattr(self, STATE_ATTR)
     state.watch.check_unchanged()
+    for flat in state.runtime.flat_shards.values():
+        flat.check_views()
     if state.uninitialised is not None:  # a meta-built model until every shard got values
         state.uninitialised.check()
         state.uninitialised = None

@@ -83,7 +83,7 @@ class ZeroGraphBackend:
     def pass_context(self, kind: str) -> PassContext:
         """The ``PassContext`` of a graph of ``kind``: the runtime's layout and the config's policies."""
         runtime, config = self.runtime, self.config
-        return PassContext(kind, runtime.stage, runtime.world_size, runtime.group_name, runtime.layouts,
+        return PassContext(kind, runtime.stage, runtime.world_size, runtime.group_name, runtime.marker_layouts,
                            tuple(runtime.units), schedule=config.schedule, memory=config.memory,
                            activations=dataclasses.replace(config.activations, group=None),
                            activation_group=config.activations.group_for_passes(),
@@ -96,7 +96,7 @@ class ZeroGraphBackend:
                                             else (runtime.secondary_group_name, runtime.secondary_size)))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        check_no_parameter_writes(gm.graph, self.runtime.layouts)
+        check_no_parameter_writes(gm.graph, self.runtime.marker_layouts)
         graph = _GraphCompile(self, next(self._graph_ids), gm, example_inputs)
         return aot_module_simplified(
             gm, example_inputs,
@@ -220,6 +220,9 @@ def written_arguments(node: fx.Node) -> list[tuple[Any, str]]:
     return found
 
 
+_CUTS = frozenset({"view", "reshape", operator.getitem})  # how FlatShard.full_parameter cuts, as Dynamo records it
+
+
 def check_no_parameter_writes(graph: fx.Graph, layouts: dict[int, Any]) -> None:
     """Refuse a captured forward that writes a gathered parameter in place.
 
@@ -239,8 +242,17 @@ def check_no_parameter_writes(graph: fx.Graph, layouts: dict[int, Any]) -> None:
     """
     marker_of: dict[StorageWeakRef, int] = {}
     for node in graph.nodes:
-        if node.target is UNSHARD and isinstance(node.meta.get("example_value"), torch.Tensor):
-            marker_of.setdefault(StorageWeakRef(node.meta["example_value"].untyped_storage()), node.args[1])
+        value = node.meta.get("example_value")
+        if not isinstance(value, torch.Tensor):
+            continue
+        if node.target is UNSHARD:
+            marker_of.setdefault(StorageWeakRef(value.untyped_storage()), node.args[1])
+        elif node.target in _CUTS and isinstance(node.args[0], fx.Node) \
+                and isinstance(node.args[0].meta.get("example_value"), torch.Tensor):
+            # a parameter cut out of its unit's gathered flat shard (flat.py) is a reshape's copy
+            key = marker_of.get(StorageWeakRef(node.args[0].meta["example_value"].untyped_storage()))
+            if key is not None:
+                marker_of.setdefault(StorageWeakRef(value.untyped_storage()), key)
     if not marker_of:
         return
     for node in graph.nodes:

@@ -29,6 +29,7 @@ from . import registry
 from .buffer_pool import BufferPool
 from .errors import CollectiveError, ProcessGroupError, ScheduleMismatchError
 from .fake import is_fake_world
+from .flat import FlatShard
 from .kernels.ops import to_wire
 from .kernels.quantize import BLOCK, DEQUANTIZE_SUM, PACK_QUANTIZED, QUANTIZABLE_DTYPES, UNPACK_DEQUANTIZED, quantizes
 from .sharding import ParamLayout, Unit
@@ -190,7 +191,10 @@ class Runtime:
         self.mesh_rank = dist.get_rank(self.world_group)
         self.fake_world = is_fake_world(group)  # zerograph.fake_world: no peers, collectives move no data
         self.stage = stage
-        self.layouts = {layout.key: layout for layout in layouts}
+        self.layouts = {layout.key: layout for layout in layouts}  # the model's parameters
+        # every key a marker may carry: the parameters' and the units' flat shards' (``add_flat_shards``)
+        self.marker_layouts: dict[int, ParamLayout] = dict(self.layouts)
+        self.flat_shards: dict[int, FlatShard] = {}  # flat shard key -> the unit's FlatShard (flat.py)
         self.units = units
         self.current = CommCounter()
         self.last: CommCounter | None = None
@@ -359,7 +363,7 @@ class Runtime:
         """Add a full gradient to ``key``'s unsynced buffer, in ``reduce_dtype`` (FSDP2 also
         accumulates unsharded gradients in the reduce dtype). No collective. Returns zeros of the
         local shard shape in the parameter's dtype: the shard's gradient for this micro-batch."""
-        layout = self.layouts[key]
+        layout = self.marker_layouts[key]
         self.backward_ran = True
         held = self.unsynced.get(key)
         if held is None:
@@ -389,9 +393,19 @@ class Runtime:
                 tensors, lambda grads: torch.autograd.Variable._execution_engine.queue_callback(
                     self._reduce_leftovers), mode="any")
 
+    def add_flat_shards(self, flat_shards: list[FlatShard]) -> None:
+        """Make the units' flat shards (``flat.py``) keys the markers may carry."""
+        for flat in flat_shards:
+            self.marker_layouts[flat.layout.key] = flat.layout
+            self.flat_shards[flat.layout.key] = flat
+        registry.register([flat.layout for flat in flat_shards], self)
+
     def _reduce_leftovers(self) -> None:
         for key in sorted(self.unsynced):
             local = self.reduce_grad_eager(self.unsynced.pop(key), key, GRAD_SYNC)  # (local rows, *rest)
+            if key in self.flat_shards:
+                self.flat_shards[key].add_grad(local)
+                continue
             shard = self.shards[key]
             with torch.no_grad():
                 if shard.grad is None:
@@ -402,18 +416,18 @@ class Runtime:
 
     def take_unsynced(self, grad: torch.Tensor, key: int) -> torch.Tensor:
         """``grad`` plus ``key``'s unsynced buffer, in ``reduce_dtype`` (a new tensor); forgets the buffer."""
-        out = grad.to(self.layouts[key].reduce_dtype, copy=True, memory_format=torch.contiguous_format)
+        out = grad.to(self.marker_layouts[key].reduce_dtype, copy=True, memory_format=torch.contiguous_format)
         held = self.unsynced.pop(key, None)
         return out if held is None else out.add_(held)
 
     # -- eager fallback of the graph markers ------------------------------------------------
     def local_shape(self, key: int) -> tuple[int, ...]:
-        return self.layouts[key].local_shape(self.rank)
+        return self.marker_layouts[key].local_shape(self.rank)
 
     def unshard_eager(self, shard: torch.Tensor, key: int) -> torch.Tensor:
         """All-gather one parameter outside a graph. ``shard``: (local_rows, *rest) -> full shape,
         in ``param_dtype`` (cast before sending, as the graphs' copy-in does)."""
-        layout = self.layouts[key]
+        layout = self.marker_layouts[key]
         if (self.gather_quantization is not None and layout.sharded and self.world_size > 1
                 and quantizes([layout.shard_numel], layout.param_dtype)):
             return self._unshard_quantized_eager(shard, key)
@@ -430,7 +444,7 @@ class Runtime:
     def _unshard_quantized_eager(self, shard: torch.Tensor, key: int) -> torch.Tensor:
         """``unshard_eager`` with ``gather_quantization``: the graphs' quantized copy-in, all-gather of
         bytes and dequantizing copy-out (``passes/insert_allgather.py``), for one parameter."""
-        layout = self.layouts[key]
+        layout = self.marker_layouts[key]
         send = PACK_QUANTIZED([shard], [layout.chunk_rows], 1, layout.param_dtype, BLOCK)  # (rank_bytes,) uint8
         gathered = send.new_empty(self.world_size * send.numel())
         self._eager("all_gather", key, lambda: all_gather_single(gathered, send, group=self.group))
@@ -443,7 +457,7 @@ class Runtime:
         shard (stages 1-3) or all-reduce (stage 0), in ``reduce_dtype``. ``grad``: full shape ->
         local shard shape in the parameter's dtype. ``grad_mode`` as ``ops.reduce_grad``'s (at world
         size 1 nothing is worth keeping: every mode hands the gradient straight to the shard)."""
-        layout = self.layouts[key]
+        layout = self.marker_layouts[key]
         self.backward_ran = True
         if self.dp_size == 1:
             return grad.to(layout.reduce_dtype).to(layout.dtype, copy=True)
@@ -491,7 +505,7 @@ class Runtime:
     def _reduce_quantized_eager(self, grad: torch.Tensor, key: int) -> torch.Tensor:
         """``reduce_grad_eager`` with ``reduce_quantization``: the graphs' quantized all-to-all and
         fp32 sum (``passes/insert_reduce_scatter.py``), for one parameter."""
-        layout, n = self.layouts[key], self.world_size
+        layout, n = self.marker_layouts[key], self.world_size
         send = PACK_QUANTIZED([grad], [layout.chunk_rows], n, layout.reduce_dtype, BLOCK)  # (N * rank_bytes,) uint8
         received = torch.empty_like(send)
         self._eager("reduce_scatter", key, lambda: dist.all_to_all_single(received, send, group=self.group))
@@ -512,7 +526,7 @@ class Runtime:
                 raise
             self.check_group()
             raise CollectiveError(
-                f"rank {self.rank}: the eager {kind} of {self.layouts[key].fqn!r} (run outside a graph: Dynamo fell "
+                f"rank {self.rank}: the eager {kind} of {self.marker_layouts[key].fqn!r} (run outside a graph: Dynamo fell "
                 f"back to eager for this frame) failed after {time.monotonic() - start:.1f} s. A peer rank probably "
                 "died, raised, or is stuck elsewhere: check the other ranks' logs. Eager collectives wait the "
                 f"process group's timeout. Cause: {type(exc).__name__}: {exc}") from exc

@@ -207,12 +207,16 @@ def original_class(mod: nn.Module) -> type[nn.Module]:
     return cls.__mro__[1] if issubclass(cls, _ShardedParamAccess) else cls
 
 
-def full_parameter(shard: DTensor, key: int) -> torch.Tensor:
-    """The full parameter of marker key ``key`` from its ``DTensor`` shard, inside a zerograph
-    forward: ``zerograph::unshard`` of the local shard, in the gradient mode of this forward."""
+def full_parameter(shard: torch.Tensor, key: int) -> torch.Tensor:
+    """The full parameter of marker key ``key`` from its shard (a ``DTensor``, or a plain local
+    tensor: a unit's flat shard), inside a zerograph forward: ``zerograph::unshard`` of the local
+    shard, in the gradient mode of this forward."""
     # without autograd there is no backward to configure: one graph serves every mode
     mode = _grad_mode if torch.is_grad_enabled() else GRAD_SYNC
-    return unshard(shard.to_local(), key, mode)
+    return unshard(shard.to_local() if isinstance(shard, DTensor) else shard, key, mode)
+
+
+FLAT_READS_ATTR = "_zerograph_flat_reads"  # parameter name -> what reads it from its unit's flat shard (flat.py)
 
 
 def _param_property(name: str, key: int) -> property:
@@ -220,6 +224,9 @@ def _param_property(name: str, key: int) -> property:
         shard = self._parameters[name]
         if not _gathering or _tracing_unit:
             return shard
+        flat_read = getattr(self, FLAT_READS_ATTR, {}).get(name)
+        if flat_read is not None:  # its unit's shards live in one flat buffer: read it through that
+            return flat_read()
         return full_parameter(shard, key)
 
     return property(get, doc=f"parameter {name!r}: the full tensor inside forward, this rank's DTensor shard outside")

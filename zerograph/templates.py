@@ -47,9 +47,11 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import CheckpointPolicy
 
 from . import registry
 from .errors import ShardingError, TemplateUnavailable
+from .flat import FlatShard
 from .ops import unit_forward
 from .sharding import full_parameter, original_class, own_code, set_tracing_unit, tracing_unit
 
@@ -127,6 +129,8 @@ class UnitKind:
         self.modules: list[nn.Module] = [module]  # every unit of the kind
         self.templates: dict[tuple, UnitTemplate] = {}  # (input metas, mode) -> template
         self.inline_reason: str | None = None  # set when the kind fell back to running inline
+        self.flat_reason: str | None = "not asked"  # why its units have no flat shards (None: they have)
+        self.flat_shards: list[FlatShard] = []  # its units' flat shards, in unit order
         self._record = record
 
     def template(self, mode: int, primals: Sequence[torch.Tensor]) -> UnitTemplate:
@@ -151,24 +155,25 @@ class UnitKind:
 
 
 def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[int, int], lowering: str,
-                           record: list[UnitTemplate]) -> list[UnitKind]:
+                           record: list[UnitTemplate], flat: FlatPlan | None = None) -> list[UnitKind]:
     """Make each unit's forward one ``zerograph::unit_forward`` call of its kind's template.
 
     Args:
         units: ``(name, module)`` of every unit, after ``shard_module_`` (so its parameter
-            attributes are the unshard properties).
+            attributes are the unshard properties), in unit order (unit index ``i + 1``).
         key_of: ``id(shard)`` -> its marker key, for every parameter of the units.
         lowering: ``"eager"`` or ``"inductor"``: how the templates' graphs are lowered.
         record: where each template is appended when it is traced (``CapturedGraphs.templates``).
+        flat: when given, the units of every kind whose units all qualify (``flat.flattenable``)
+            get their shards in one flat buffer each (``flat.py``): one graph input and one
+            marker per unit. ``None``: one per parameter.
 
-    Returns the kinds in order of first unit; the caller keeps them alive (the registry holds
-    them weakly).
+    Returns the kinds in order of first unit (their ``flat_shards`` list the flat buffers made);
+    the caller keeps them alive (the registry holds them weakly).
     """
     kinds: dict[tuple, UnitKind] = {}
-    # a code object per model, as for the model's forward (sharding.own_code): a graph break in a
-    # unit makes Dynamo compile this function as a frame of its own, at most 8 times per code object
-    forward = own_code(_templated_forward)
-    for name, module in units:
+    members: list[tuple[UnitKind, int, str, nn.Module]] = []
+    for index, (name, module) in enumerate(units, start=1):
         signature = unit_signature(module)
         kind = kinds.get(signature)
         if kind is None:
@@ -177,12 +182,42 @@ def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[
         else:
             kind.units.append(name)
             kind.modules.append(module)
+        members.append((kind, index, name, module))
+    if flat is not None:
+        for kind in kinds.values():
+            reasons = [flat.flattenable(index, module) for k, index, _, module in members if k is kind]
+            kind.flat_reason = next((r for r in reasons if r is not None), None)
+    # a code object per model, as for the model's forward (sharding.own_code): a graph break in a
+    # unit makes Dynamo compile this function as a frame of its own, at most 8 times per code object
+    forward = own_code(_templated_forward)
+    for kind, index, name, module in members:
         param_slots, buffer_slots = _slots(module)
         keys = tuple(key_of[id(mod._parameters[name])] for mod, name in param_slots)
-        object.__setattr__(module, UNIT_ATTR, (kind.kind, param_slots, buffer_slots, keys, tuple(module.modules())))
+        flat_shard = None
+        if flat is not None and kind.flat_reason is None:
+            flat_shard = flat.flatten(index, name, module)
+            flat_shard.install_reads(module)
+            kind.flat_shards.append(flat_shard)
+        object.__setattr__(module, UNIT_ATTR,
+                           (kind.kind, param_slots, buffer_slots, keys, tuple(module.modules()), flat_shard))
         object.__setattr__(module, INLINE_ATTR, False)
         object.__setattr__(module, "forward", types.MethodType(forward, module))
     return list(kinds.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatPlan:
+    """How ``install_unit_templates`` asks whether a unit's shards can share one flat buffer
+    (``flattenable(unit index, module)``: ``None``, or why not) and makes it (``flatten(unit
+    index, name, module)``: the ``FlatShard``); ``api.compile`` builds it from the layouts."""
+
+    flattenable: Callable[[int, nn.Module], str | None]
+    flatten: Callable[[int, str, nn.Module], FlatShard]
+
+
+def unit_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The unit's distinct parameters in slot order (the order a template's primals take)."""
+    return [mod._parameters[name] for mod, name in _slots(module)[0]]
 
 
 def _slots(module: nn.Module) -> tuple[tuple[tuple[nn.Module, str], ...], tuple[tuple[nn.Module, str], ...]]:
@@ -208,15 +243,18 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if (getattr(self, INLINE_ATTR) or tracing_unit() or kwargs or not args
             or not all(isinstance(a, torch.Tensor) for a in args) or torch.is_autocast_enabled(args[0].device.type)):
         return body(self, *args, **kwargs)
-    kind, param_slots, buffer_slots, keys, modules = getattr(self, UNIT_ATTR)
+    kind, param_slots, buffer_slots, keys, modules, flat = getattr(self, UNIT_ATTR)
     mode = 0
     for i, module in enumerate(modules):
         if module.training:
             mode |= 1 << i
     # the shards straight from their slots, not through the parameter properties: the same
     # markers, for less of Dynamo's time per parameter
-    primals = [*args, *[full_parameter(mod._parameters[name], key) for (mod, name), key in zip(param_slots, keys)],
-               *[mod._buffers[name] for mod, name in buffer_slots]]
+    if flat is not None:  # one marker for the unit: the template cuts the parameters out of its output
+        params = [full_parameter(flat.param, flat.layout.key)]
+    else:
+        params = [full_parameter(mod._parameters[name], key) for (mod, name), key in zip(param_slots, keys)]
+    primals = [*args, *params, *[mod._buffers[name] for mod, name in buffer_slots]]
     return unit_forward(kind, mode, primals)[0]
 
 
@@ -285,23 +323,33 @@ def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, dev
 def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, device: torch.device) -> UnitTemplate:
     start = time.perf_counter()
     module = kind.module
-    _, param_slots, buffer_slots, _, modules = getattr(module, UNIT_ATTR)
-    n_params, n_buffers = len(param_slots), len(buffer_slots)
+    _, param_slots, buffer_slots, _, modules, flat = getattr(module, UNIT_ATTR)
+    n_params, n_buffers = (1 if flat is not None else len(param_slots)), len(buffer_slots)
     n_args = len(metas) - n_params - n_buffers
-    wants_grad = ([dtype.is_floating_point for _, _, dtype in metas[:n_args]]
-                  + [mod._parameters[name].requires_grad for mod, name in param_slots] + [False] * n_buffers)
+    param_grads = [True] if flat is not None else [mod._parameters[name].requires_grad for mod, name in param_slots]
+    wants_grad = [dtype.is_floating_point for _, _, dtype in metas[:n_args]] + param_grads + [False] * n_buffers
     fake_mode = FakeTensorMode()
     with fake_mode:
         primals = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
                    for (shape, stride, dtype), grad in zip(metas, wants_grad)]
+    # storages of the parameters the body computes with, when they are cut out of a flat shard (a
+    # write to one is refused as a write to the parameter is; the last trace's are what count)
+    cut_out: dict[StorageWeakRef, str] = {}
 
     def body(*p: torch.Tensor) -> list[torch.Tensor]:
         slots = [(mod._parameters, name) for mod, name in param_slots] + [(mod._buffers, name) for mod, name in buffer_slots]
+        params = list(p[n_args:n_args + n_params])
+        if flat is not None:
+            params = flat.unflatten(params[0])
+            cut_out.clear()
+            cut_out.update({StorageWeakRef(t.untyped_storage()): _slot_name(module, slot)
+                            for t, slot in zip(params, param_slots)})
+        values = [*params, *p[n_args + n_params:]]
         previous_values = [table[name] for table, name in slots]
         previous_flags = [m.training for m in modules]
         previous = set_tracing_unit(True)
         try:
-            for (table, name), value in zip(slots, p[n_args:]):
+            for (table, name), value in zip(slots, values):
                 table[name] = value
             for i, m in enumerate(modules):  # the calling unit's train / eval flags
                 m.training = bool(mode >> i & 1)
@@ -326,9 +374,13 @@ def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, device: tor
         return outs, [next(grads) if p.requires_grad else None for p in primals]
 
     joint_graph = make_fx(joint)(primals, tangents)
-    paths = {id(m): path for path, m in module.named_modules()}
-    parameters = {n_args + i: f"{paths[id(mod)]}.{name}".lstrip(".") for i, (mod, name) in enumerate(param_slots)}
-    _check_no_writes(kind.name, joint_graph, len(metas), parameters)
+    if flat is not None:
+        parameters = {n_args: "<flat shard>"}
+    else:
+        parameters = {n_args + i: _slot_name(module, slot) for i, slot in enumerate(param_slots)}
+    _check_no_writes(kind.name, joint_graph, len(metas), parameters, cut_out)
+    if flat is not None:
+        _recompute_cut_out(joint_graph, n_args)
     # views of a primal (a weight's transpose) are replayed in backward instead of saved: the
     # op cannot return a view of its input, and the primal itself is saved by autograd anyway
     with torch._functorch.config.patch(recompute_views=True):
@@ -398,14 +450,46 @@ def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[list[tuple[str, i
     return sources, saved_primals
 
 
-def _check_no_writes(name: str, joint: fx.GraphModule, n_primals: int, parameters: dict[int, str]) -> None:
+# what ``FlatShard.unflatten`` traces to: the cuts that make a unit's parameters out of its flat shard
+_CUTTING_OPS = frozenset({torch.ops.aten.view.default, torch.ops.aten.slice.Tensor, torch.ops.aten.clone.default,
+                          torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+                          torch.ops.aten.alias.default, torch.ops.aten.t.default, torch.ops.aten.transpose.int,
+                          torch.ops.aten.permute.default, torch.ops.aten.expand.default})
+
+
+def _recompute_cut_out(joint: fx.GraphModule, flat_index: int) -> None:
+    """Mark the cuts of the gathered flat shard (primal ``flat_index``) into parameters, and their
+    views, ``MUST_RECOMPUTE``: the partitioner then hands backward the flat primal, which the model
+    graph re-gathers there (stage 3), instead of saving the cut-out parameters as activations
+    (which would keep every gathered parameter alive from forward to backward)."""
+    flat = [n for n in joint.graph.nodes if n.op == "placeholder"][flat_index]
+    stack = [flat]
+    while stack:
+        for user in stack.pop().users:
+            if user.target in _CUTTING_OPS and user.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
+                user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                stack.append(user)
+
+
+def _slot_name(module: nn.Module, slot: tuple[nn.Module, str]) -> str:
+    """A parameter slot's name inside its unit (``attn.proj.weight``)."""
+    paths = {id(m): path for path, m in module.named_modules()}
+    return f"{paths[id(slot[0])]}.{slot[1]}".lstrip(".")
+
+
+def _check_no_writes(name: str, joint: fx.GraphModule, n_primals: int, parameters: dict[int, str],
+                     cut_out: dict[StorageWeakRef, str] | None = None) -> None:
     """Refuse a body that writes a primal in place: a parameter with ``ShardingError`` (as
     ``capture.check_no_parameter_writes`` refuses it inline: the write would be lost), anything
     else (an argument, a buffer: a batch norm's statistics) with ``ValueError``, which makes the
-    kind run inline. ``parameters``: primal index -> the parameter's name in the unit."""
+    kind run inline. ``parameters``: primal index -> the parameter's name in the unit;
+    ``cut_out``: storages of parameters cut out of a flat shard -> their names (writes refused too)."""
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"][:n_primals]
-    index_of = {StorageWeakRef(n.meta["val"].untyped_storage()): i for i, n in enumerate(placeholders)
-                if isinstance(n.meta.get("val"), torch.Tensor)}
+    index_of: dict[StorageWeakRef, int | str] = {
+        StorageWeakRef(n.meta["val"].untyped_storage()): i for i, n in enumerate(placeholders)
+        if isinstance(n.meta.get("val"), torch.Tensor)}
+    for ref, param_name in (cut_out or {}).items():
+        index_of.setdefault(ref, param_name)
     for node in joint.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -417,9 +501,10 @@ def _check_no_writes(name: str, joint: fx.GraphModule, n_primals: int, parameter
             index = index_of.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
             if index is None:
                 continue
-            if index in parameters:
+            if isinstance(index, str) or index in parameters:
+                param_name = index if isinstance(index, str) else parameters[index]
                 raise ShardingError(
-                    f"parameter {name}.{parameters[index]} is written in place inside forward by {node.target}. "
+                    f"parameter {name}.{param_name} is written in place inside forward by {node.target}. "
                     "Inside a zerograph forward a parameter is a gathered copy of the shards, so the write would "
                     "never reach the parameter and would be lost silently: compute with a changed copy instead, "
                     "or change the parameter outside forward (after opt.step(), under torch.no_grad())")

@@ -1,0 +1,177 @@
+"""A unit's parameter shards in one flat buffer: one graph input and one marker per unit.
+
+With ``Config(unit_templates=True)`` at stage 3, each templated unit's shards are stored back to
+back in one 1-D buffer, this rank's *flat shard*: parameter ``i`` at element offset ``offsets[i]``,
+its padded chunk of ``chunk_rows * row_numel`` elements, of which the first ``local_rows *
+row_numel`` hold its rows (the rest is padding, zero). That is the layout every rank's copy-in
+sends to the unit's all-gather anyway (FSDP2's), so the all-gathered flat shards, ``(N * T,)``,
+hold each parameter's rows rank by rank, and ``unflatten`` cuts the full parameters out of it.
+Source: FSDP1's ``FlatParameter`` (one flat tensor per unit), with FSDP2's per-parameter
+``DTensor`` view kept for everything outside forward.
+
+What it buys is compile time: Dynamo and AOTAutograd see one input, one ``zerograph::unshard``
+and one ``zerograph::reduce_grad`` per unit instead of one of each per parameter (``DTensor``
+inputs at that), so the model-level graph holds a handful of nodes per unit and its traces stop
+growing with a block's parameter count.
+
+What users see does not change: each parameter is still its own ``DTensor`` shard (the optimizer,
+``state_dict``, checkpoints, ``stats`` read those), whose local tensor is a view of the flat
+shard's storage, so in-place updates (``opt.step()``, ``load_state_dict``, ``init_weights``)
+reach the buffer the graph reads. The gradient the graph produces for the flat shard is handed to
+the parameters' ``.grad`` after each backward (``add_grad``: views of it, or added in place
+where a ``.grad`` is already held, so accumulation over micro-batches works as without it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .errors import ModelChangedError
+from .sharding import FLAT_READS_ATTR, ParamLayout, full_parameter
+
+
+@dataclasses.dataclass(eq=False)
+class FlatShard:
+    """One unit's parameter shards in one flat buffer (module docstring).
+
+    Attributes:
+        layout: the flat shard as one parameter of the markers: shape ``(N * T,)``, ``chunk_rows``
+            T elements on every rank, the unit's dtypes; its key is what the unit's ``unshard``
+            and ``reduce_grad`` carry.
+        param: this rank's flat shard, ``(T,)`` in the parameters' dtype, a leaf that requires
+            grad; the graph input. Not registered on any module: the optimizer and
+            ``state_dict`` see the parameters, not it.
+        shards: the unit's parameters (``DTensor`` shards), each a view of ``param``'s storage.
+        layouts: their layouts, in the same order.
+        offsets: element offset of each parameter's padded chunk in ``param``.
+        rank: this rank in the shard group.
+    """
+
+    layout: ParamLayout
+    param: nn.Parameter
+    shards: tuple[nn.Parameter, ...]
+    layouts: tuple[ParamLayout, ...]
+    offsets: tuple[int, ...]
+    rank: int
+
+    def unflatten(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """The full parameters from the all-gathered flat shards. ``full``: ``(N * T,)`` ->
+        one tensor of ``layout.shape`` per parameter (a copy where ranks' rows interleave)."""
+        n, total = self.layout.world_size, self.layout.chunk_rows
+        by_rank = full.view(n, total)
+        out = []
+        for layout, offset in zip(self.layouts, self.offsets):
+            block = by_rank[:, offset : offset + layout.shard_numel]  # (N, chunk_rows * row_numel)
+            out.append(block.reshape(n * layout.chunk_rows, *layout.shape[1:])[: layout.shape[0]])
+        return out
+
+    def full_parameter(self, index: int) -> torch.Tensor:
+        """Parameter ``index`` of the unit in full, inside a zerograph forward that runs the unit
+        inline (a kind that fell back from its template): the unit's one ``unshard`` marker (one
+        all-gather however many parameters read it), then the cut. Reading the ``DTensor`` shards
+        themselves would hand Dynamo several tensors on one storage, which it cannot fake."""
+        n, total = self.layout.world_size, self.layout.chunk_rows
+        layout, offset = self.layouts[index], self.offsets[index]
+        full = full_parameter(self.param, self.layout.key).view(n, total)
+        block = full[:, offset : offset + layout.shard_numel]
+        return block.reshape(n * layout.chunk_rows, *layout.shape[1:])[: layout.shape[0]]
+
+    def install_reads(self, unit: nn.Module) -> None:
+        """Make every parameter attribute of ``unit``'s modules that names one of its shards read
+        it through ``full_parameter`` inside forward (``sharding``'s parameter properties)."""
+        index_of = {id(shard): i for i, shard in enumerate(self.shards)}
+        for module in unit.modules():
+            reads = {name: functools.partial(self.full_parameter, index_of[id(p)])
+                     for name, p in module._parameters.items() if p is not None and id(p) in index_of}
+            if reads:
+                object.__setattr__(module, FLAT_READS_ATTR, reads)
+
+    def add_grad(self, flat_grad: torch.Tensor) -> None:
+        """Hand this rank's reduced flat gradient, ``(T,)``, to the parameters' ``.grad``: a
+        ``DTensor`` view of it where ``.grad`` is ``None``, added in place otherwise."""
+        with torch.no_grad():
+            for shard, layout, offset in zip(self.shards, self.layouts, self.offsets):
+                shape = layout.local_shape(self.rank)
+                local = flat_grad[offset : offset + math.prod(shape)].view(shape)
+                if shard.grad is None:
+                    shard.grad = DTensor.from_local(local, shard.device_mesh, shard.placements, run_check=False,
+                                                    shape=shard.shape, stride=shard.stride())
+                else:
+                    shard.grad.to_local().add_(local)
+
+    def check_views(self) -> None:
+        """Raise ``ModelChangedError`` when a parameter's local tensor no longer lives in the flat
+        shard (its ``.data`` replaced, ``.to()`` or ``set_`` after compile): the graph would read
+        values the optimizer no longer writes."""
+        storage = self.param.untyped_storage().data_ptr()
+        for shard, layout in zip(self.shards, self.layouts):
+            if shard._local_tensor.untyped_storage().data_ptr() != storage:  # to_local() costs autograd's dispatch
+                raise ModelChangedError(
+                    f"parameter {layout.fqn!r} no longer lives in its unit's flat shard (Config.unit_templates "
+                    "stores a unit's shards in one buffer): its data was replaced after zerograph.compile "
+                    "(.data =, .to(), set_). Change parameters in place (copy_ under torch.no_grad()) instead")
+
+
+def flatten_unit_(unit: int, name: str, shards: Sequence[nn.Parameter], layouts: Sequence[ParamLayout],
+                  rank: int, key: int) -> FlatShard:
+    """Move the shards of unit ``unit`` (named ``name``) into one flat buffer, in place: each
+    ``DTensor``'s local tensor becomes a view of it, with the same values. ``shards`` and
+    ``layouts`` in the unit's parameter order; every layout sharded, of one dtype, ``param_dtype``
+    and ``reduce_dtype`` (``flattenable``). ``key``: the flat shard's marker key."""
+    first = layouts[0]
+    offsets, total = [], 0
+    for layout in layouts:
+        offsets.append(total)
+        total += layout.shard_numel
+    local0 = shards[0].to_local()
+    flat = torch.zeros(total, dtype=first.dtype, device=local0.device)
+    with torch.no_grad():
+        for shard, layout, offset in zip(shards, layouts, offsets):
+            local = shard._local_tensor  # the DTensor's own (to_local() may hand out a fresh view)
+            view = flat[offset : offset + local.numel()].view(local.shape)
+            view.copy_(local)
+            # the DTensor keeps its identity (the optimizer holds it); its local tensor becomes a view
+            # of the buffer (a view, with its base, so that fake tensors of it alias as the real ones do)
+            shard._local_tensor = view
+    world_size = first.world_size
+    layout = ParamLayout(key, f"{name}.<flat shard>" if name else "<flat shard>", unit, (world_size * total,),
+                         first.dtype, world_size, True, (total,) * world_size, total, first.param_dtype,
+                         first.reduce_dtype)
+    param = nn.Parameter(flat, requires_grad=True)  # shares flat's storage
+    result = FlatShard(layout, param, tuple(shards), tuple(layouts), tuple(offsets), rank)
+
+    def hand_over(leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None  # the parameters' .grad hold it from here on
+        result.add_grad(grad)
+
+    param.register_post_accumulate_grad_hook(hand_over)
+    return result
+
+
+def flattenable(shards: Sequence[nn.Parameter], layouts: Sequence[ParamLayout], unit: int) -> str | None:
+    """Why the unit's shards cannot share one flat buffer, or ``None`` when they can: every
+    parameter sharded, trainable, owned by this unit, of one dtype, ``param_dtype`` and
+    ``reduce_dtype``, and a local tensor of its own (contiguous, not shared)."""
+    if not layouts:
+        return "it has no parameters"
+    first = layouts[0]
+    for shard, layout in zip(shards, layouts):
+        if layout.unit != unit:
+            return f"parameter {layout.fqn!r} belongs to another unit (tied)"
+        if not layout.sharded:
+            return f"parameter {layout.fqn!r} is not sharded"
+        if not shard.requires_grad:
+            return f"parameter {layout.fqn!r} is frozen"
+        if (layout.dtype, layout.param_dtype, layout.reduce_dtype) != (first.dtype, first.param_dtype,
+                                                                       first.reduce_dtype):
+            return f"parameter {layout.fqn!r} has dtypes of its own"
+        if not shard.to_local().is_contiguous():
+            return f"parameter {layout.fqn!r} has a non-contiguous shard"
+    return None
+
