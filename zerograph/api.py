@@ -168,6 +168,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
         # from here: moving shards into flat buffers above wrote them, with no values yet)
         uninitialised = loading.UninitialisedTracker(list(model.named_parameters()) + fresh)
     param_names = {id(p): n for n, p in model.named_parameters()}  # first name of each (tied) parameter
+    param_names.update({id(flat.param): flat.layout.fqn for flat in runtime.flat_shards.values()})
     watch = ParameterWatch(model)
     backend = _checking_trainable(ZeroGraphBackend(runtime, config, param_names, captured), watch)
     # dynamic=None (torch.compile's automatic dynamic shapes): a graph is first compiled for the shapes

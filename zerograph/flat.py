@@ -64,12 +64,11 @@ class FlatShard:
         """The full parameters from the all-gathered flat shards. ``full``: ``(N * T,)`` ->
         one tensor of ``layout.shape`` per parameter (a copy where ranks' rows interleave)."""
         n, total = self.layout.world_size, self.layout.chunk_rows
-        by_rank = full.view(n, total)
-        out = []
-        for layout, offset in zip(self.layouts, self.offsets):
-            block = by_rank[:, offset : offset + layout.shard_numel]  # (N, chunk_rows * row_numel)
-            out.append(block.reshape(n * layout.chunk_rows, *layout.shape[1:])[: layout.shape[0]])
-        return out
+        # one split, not a slice per parameter: its backward is one concatenation of the
+        # gradients, where slices' would add a zero-filled (N * T,) buffer per parameter
+        blocks = full.view(n, total).split([layout.shard_numel for layout in self.layouts], dim=1)
+        return [_rows(block.reshape(n * layout.chunk_rows, *layout.shape[1:]), layout.shape[0])
+                for block, layout in zip(blocks, self.layouts)]  # block: (N, chunk_rows * row_numel)
 
     def full_parameter(self, index: int) -> torch.Tensor:
         """Parameter ``index`` of the unit in full, inside a zerograph forward that runs the unit
@@ -80,7 +79,7 @@ class FlatShard:
         layout, offset = self.layouts[index], self.offsets[index]
         full = full_parameter(self.param, self.layout.key).view(n, total)
         block = full[:, offset : offset + layout.shard_numel]
-        return block.reshape(n * layout.chunk_rows, *layout.shape[1:])[: layout.shape[0]]
+        return _rows(block.reshape(n * layout.chunk_rows, *layout.shape[1:]), layout.shape[0])
 
     def install_reads(self, unit: nn.Module) -> None:
         """Make every parameter attribute of ``unit``'s modules that names one of its shards read
@@ -175,3 +174,8 @@ def flattenable(shards: Sequence[nn.Parameter], layouts: Sequence[ParamLayout], 
             return f"parameter {layout.fqn!r} has a non-contiguous shard"
     return None
 
+
+def _rows(padded: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows of ``padded``; itself when there is no padding (no slice, so no
+    zero-filled ``slice_backward`` in the gradient)."""
+    return padded if padded.shape[0] == rows else padded[:rows]

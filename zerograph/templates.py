@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import threading
 import time
 import types
@@ -454,7 +455,8 @@ def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[list[tuple[str, i
 _CUTTING_OPS = frozenset({torch.ops.aten.view.default, torch.ops.aten.slice.Tensor, torch.ops.aten.clone.default,
                           torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
                           torch.ops.aten.alias.default, torch.ops.aten.t.default, torch.ops.aten.transpose.int,
-                          torch.ops.aten.permute.default, torch.ops.aten.expand.default})
+                          torch.ops.aten.permute.default, torch.ops.aten.expand.default,
+                          torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor, operator.getitem})
 
 
 def _recompute_cut_out(joint: fx.GraphModule, flat_index: int) -> None:

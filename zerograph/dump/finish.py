@@ -38,7 +38,7 @@ def finish_graph(directory: str | None, kind: str, gm: fx.GraphModule, runtime: 
     ``calibrate_once`` cached at the backend's entry; without it they are skipped. No collective.
     """
     param_bytes = {layout.fqn: math.prod(layout.local_shape(runtime.rank)) * layout.dtype.itemsize
-                   for layout in runtime.layouts.values()}
+                   for layout in runtime.marker_layouts.values()}  # the units' flat shards too
     held = held_inputs(gm, captured.graphs[graph_id].get("dynamo"), captured.input_params[graph_id], param_bytes)
     memory = memory_timeline(gm.graph, held, carried)
     cost = _COST_MODELS.get(runtime.group_name)  # from ``calibrate_once`` at the backend's entry
