@@ -7,9 +7,14 @@ bias, with an extra parameter or with a flag that changes their control flow are
 own. Each unit's ``forward`` becomes one ``zerograph::unit_forward(kind, primals)`` node
 (``install_unit_templates``): Dynamo traces the unit's parameter reads, which are still the
 ``zerograph::unshard`` markers the passes expand into all-gathers, and the call, but not the
-unit's body. The body is traced once per kind and input signature (``trace_template``): make_fx
-of forward + backward on fake tensors, then the min-cut partitioner, as AOTAutograd does for a
-whole graph; the two graphs are lowered once and called by every unit of the kind.
+unit's body. At stage 3 a kind's units also keep their shards in one flat buffer each
+(``flat.py``, FSDP1's layout): the read is then one marker of the whole unit, and the template
+cuts the parameters out of the gathered buffer itself (the cuts are recomputed in backward, so
+the gathered buffer, not the parameters, is what backward re-gathers); the model graph then holds
+a handful of nodes per unit, whatever the unit's parameter count. The body is traced once per
+kind and input signature (``trace_template``): make_fx of forward + backward on fake tensors,
+then the min-cut partitioner, as AOTAutograd does for a whole graph; the two graphs are lowered
+once and called by every unit of the kind.
 
 So the model graph the passes see holds every unit's all-gathers, reduce-scatters, prefetches and
 releases, as before, around one node per unit; its size, and the time of the Dynamo and

@@ -1,0 +1,155 @@
+"""A templated unit's shards in one flat buffer (``zerograph/flat.py``): one graph input and one
+marker per unit, with the parameters, optimizer, checkpoints and gradient accumulation unchanged.
+
+In process: the structure as rank 0 of a fake world of 2 (where a parameter's cut out of the
+gathered buffer is a copy), the numbers at world size 1 against eager training of a copy."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import zerograph
+from zerograph.errors import ModelChangedError, ShardingError
+from zerograph.models.gpt import GPT, GPTConfig
+from zerograph.ops import UNSHARD
+from zerograph.runtime import schedule_of
+from zerograph.state import graphs_of, runtime_of_model, state_of
+
+from .distributed import fake_rank
+
+TEMPLATES = zerograph.Config(unit_templates=True)
+
+
+def _gpt(blocks: int) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=blocks, n_embd=32, n_head=2, block_size=16))
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_each_block_is_one_input_and_one_marker_and_backward_gathers_it_again() -> None:
+    with fake_rank(2):
+        model = zerograph.compile(_gpt(4), 3, config=TEMPLATES)
+        idx = torch.randint(0, 256, (2, 16))
+        model(idx, idx).backward()
+        runtime = runtime_of_model(model)
+        record = graphs_of(model)[0]
+        flats = list(runtime.flat_shards.values())
+        assert [flat.layout.unit for flat in flats] == [1, 2, 3, 4]
+        root_params = sum(1 for layout in runtime.layouts.values() if layout.unit == 0)
+        keys = {n.args[1] for n in record["dynamo"].graph.nodes if "unshard" in str(n.target)}
+        assert len(keys) == root_params + 4  # per parameter at the root, per unit in the blocks
+        assert keys >= {flat.layout.key for flat in flats}
+        for flat in flats:
+            assert flat.layout.shape == (2 * sum(layout.shard_numel for layout in flat.layouts),)
+            for shard in flat.shards:  # every block parameter lives in its unit's buffer
+                assert shard.to_local().untyped_storage().data_ptr() == flat.param.untyped_storage().data_ptr()
+        # the template hands backward the gathered flat primal (index 1: after the block's input),
+        # not parameters cut out of it, so backward gathers each block again
+        (template,) = state_of(model).captured.templates
+        assert template.saved_primals == [0, 1]
+        backward = schedule_of(record["backward"].graph, "backward", "").entries
+        assert {e.units for e in backward if e.kind == "all_gather"} >= {(1,), (2,), (3,), (4,)}
+        assert all(n.target is not UNSHARD for n in record["backward"].graph.nodes)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(torch.tanh(self.fc(x)))
+
+
+def _blocks(n: int = 3) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[_Block() for _ in range(n)])
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_accumulation_optimizer_and_checkpoint_match_eager() -> None:
+    """World size 1: three AdamW steps of two micro-batches each (the second with sync off and
+    on, as with DDP's ``no_sync``), ``zero_grad(set_to_none=True)`` between them, equal eager's;
+    a state dict loaded back after the parameters were overwritten is what the next forward
+    reads (the flat buffer, not stale values)."""
+    reference = _blocks()
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    assert len(runtime_of_model(model).flat_shards) == 3
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    batches = [torch.randn(4, 8) for _ in range(6)]
+    for step in range(3):
+        first, second = batches[2 * step], batches[2 * step + 1]
+        with model.no_sync():
+            model(first).square().mean().backward()
+        model(second).square().mean().backward()
+        for x in (first, second):
+            reference(x).square().mean().backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.full_tensor(), ref.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+    x = torch.randn(4, 8)
+    expected = reference(x).square().mean().item()
+    saved = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for param in model.parameters():
+            param.to_local().fill_(3.0)  # in place: reaches the flat buffer the graph reads
+    assert model(x).square().mean().item() != pytest.approx(expected, rel=1e-3)
+    model.load_state_dict(saved)
+    assert model(x).square().mean().item() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_parameter_moved_out_of_its_flat_buffer_is_refused() -> None:
+    model = zerograph.compile(_blocks(2), 3, config=TEMPLATES)
+    model(torch.randn(2, 8)).sum().backward()
+    shard = model[1].fc.weight
+    shard._local_tensor = shard._local_tensor.clone()  # what a `.data =` swap leaves behind
+    with pytest.raises(ModelChangedError, match=r"1\.fc\.weight.*flat shard"):
+        model(torch.randn(2, 8))
+
+
+class _Writer(_Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fc.weight.data.clamp_(-1, 1)
+        return super().forward(x)
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_unit_run_inline_that_writes_its_parameter_is_refused() -> None:
+    """Under autocast a templated unit runs inline and reads its parameters cut out of the
+    gathered flat buffer; at world size 2 the cut is a copy, and writing it is still refused."""
+    with fake_rank(2):
+        torch.manual_seed(0)
+        model = zerograph.compile(nn.Sequential(_Writer(), _Writer()), 3, config=TEMPLATES)
+        assert len(runtime_of_model(model).flat_shards) == 2
+        with pytest.raises(ShardingError, match="in place"), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(2, 8))
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_kind_with_a_frozen_parameter_keeps_one_input_per_parameter() -> None:
+    """A frozen parameter has no gradient to hand over: its kind is not flattened, says why,
+    and trains as eager does (world size 1)."""
+    reference = _blocks(2)
+    for block in reference:
+        block.fc.bias.requires_grad_(False)
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    (kind,) = state_of(model).unit_kinds
+    assert kind.flat_shards == [] and "frozen" in kind.flat_reason
+    x = torch.randn(4, 8)
+    model(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        assert (param.grad is None) == (ref.grad is None)
+        if ref.grad is not None:
+            torch.testing.assert_close(param.grad.full_tensor(), ref.grad, rtol=1e-6, atol=1e-7)
