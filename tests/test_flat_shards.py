@@ -153,3 +153,58 @@ def test_a_kind_with_a_frozen_parameter_keeps_one_input_per_parameter() -> None:
         assert (param.grad is None) == (ref.grad is None)
         if ref.grad is not None:
             torch.testing.assert_close(param.grad.full_tensor(), ref.grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_freezing_a_flattened_parameter_after_compile_is_refused_by_name() -> None:
+    """The graph's guards see the flat leaf, not the parameters, so the per-forward view check
+    asks the watch: a freeze after compile is refused as without templates."""
+    model = zerograph.compile(_blocks(2), 3, config=TEMPLATES)
+    model(torch.randn(2, 8)).sum().backward()
+    model[1].out.bias.requires_grad_(False)
+    with pytest.raises(ModelChangedError, match=r"'1\.out\.bias' \(trainable -> frozen\)"):
+        model(torch.randn(2, 8))
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_an_inline_write_names_the_parameter_cut_out_of_the_flat_shard() -> None:
+    """Embedding(max_norm=...) renormalises its weight in place: its kind cannot be a template
+    and runs inline, where the refusal names the parameter, not the unit's flat shard."""
+    model = zerograph.compile(nn.Sequential(nn.Embedding(11, 8, max_norm=1.0), nn.Linear(8, 3)), 3, config=TEMPLATES)
+    assert len(runtime_of_model(model).flat_shards) == 2
+    with pytest.raises(ShardingError, match=r"'0\.weight'.*max_norm"):
+        model(torch.arange(11))
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_meta_built_model_with_flat_shards_initialises_like_an_ordinary_build() -> None:
+    """Meta-device construction: shards moved into flat buffers hold no values until
+    ``init_weights`` writes them (the forward refuses before), then equal an ordinary build;
+    an ``fn`` writing another unit's shards directly is still refused, though a unit's shards
+    share one version counter."""
+    config = GPTConfig(vocab_size=251, block_size=15, n_layer=2, n_head=2, n_embd=10)  # rows uneven
+    torch.manual_seed(0)
+    ordinary = GPT(config)
+    with torch.device("meta"):
+        model = zerograph.compile(GPT(config), 3, config=TEMPLATES)
+    assert len(runtime_of_model(model).flat_shards) == 2
+    idx = torch.randint(0, 251, (2, 15))
+    with pytest.raises(ShardingError, match="never initialised"):
+        model(idx, idx)
+    torch.manual_seed(0)
+    assert zerograph.init_weights(model, model.init_passes()) == []  # GPT.__init__'s random stream
+    full = zerograph.checkpoint.full_state_dict(model, cpu_offload=False)
+    for name, value in ordinary.state_dict().items():
+        assert torch.equal(full[name], value), name
+    assert model(idx, idx).item() == pytest.approx(ordinary(idx, idx).item(), rel=1e-6)
+
+    with torch.device("meta"):
+        other = zerograph.compile(GPT(config), 3, config=TEMPLATES)
+
+    def root_loop(module: nn.Module) -> None:  # writes the blocks' shards while only the root's are open
+        if isinstance(module, GPT):
+            for p in module.blocks.parameters():
+                nn.init.zeros_(p)
+
+    with pytest.raises(ShardingError, match="blocks.0"):
+        zerograph.init_weights(other, root_loop)

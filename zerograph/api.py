@@ -226,7 +226,8 @@ def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: ZeroGraphState = getattr(self, STATE_ATTR)
     state.watch.check_unchanged()
     for flat in state.runtime.flat_shards.values():
-        flat.check_views()
+        if not flat.check_views():  # a flattened parameter was frozen: Dynamo guards on the flat leaf only
+            state.watch.check_trainable()
     if state.uninitialised is not None:  # a meta-built model until every shard got values
         state.uninitialised.check()
         state.uninitialised = None

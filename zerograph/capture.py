@@ -96,7 +96,9 @@ class ZeroGraphBackend:
                                             else (runtime.secondary_group_name, runtime.secondary_size)))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        check_no_parameter_writes(gm.graph, self.runtime.marker_layouts)
+        check_no_parameter_writes(gm.graph, self.runtime.marker_layouts, {
+            flat.layout.fqn: {offset: layout.fqn for offset, layout in zip(flat.offsets, flat.layouts)}
+            for flat in self.runtime.flat_shards.values()})
         graph = _GraphCompile(self, next(self._graph_ids), gm, example_inputs)
         return aot_module_simplified(
             gm, example_inputs,
@@ -223,7 +225,8 @@ def written_arguments(node: fx.Node) -> list[tuple[Any, str]]:
 _CUTS = frozenset({"view", "reshape", operator.getitem})  # how FlatShard.full_parameter cuts, as Dynamo records it
 
 
-def check_no_parameter_writes(graph: fx.Graph, layouts: dict[int, Any]) -> None:
+def check_no_parameter_writes(graph: fx.Graph, layouts: dict[int, Any],
+                              flat_members: dict[str, dict[int, str]] | None = None) -> None:
     """Refuse a captured forward that writes a gathered parameter in place.
 
     Inside a zerograph forward a parameter attribute is ``zerograph::unshard``'s output, a new
@@ -237,22 +240,31 @@ def check_no_parameter_writes(graph: fx.Graph, layouts: dict[int, Any]) -> None:
     Also refuses ``F.embedding(..., sparse=True)`` on a parameter (a sparse gradient; see
     ``api._check_no_sparse_gradients`` for the module form).
 
+    ``flat_members``: a unit's flat shard name -> element offset -> the name of the parameter there
+    (``flat.py``), so that a write to a parameter cut out of the flat shard names the parameter.
+
     Raises:
         ShardingError: naming the parameter (its first name), the op and what to do instead.
     """
-    marker_of: dict[StorageWeakRef, int] = {}
+    marker_of: dict[StorageWeakRef, str] = {}  # storage of a full parameter (or a view) -> its name
+    name_of: dict[fx.Node, str] = {}  # the markers and their cuts -> the parameter's name
     for node in graph.nodes:
         value = node.meta.get("example_value")
         if not isinstance(value, torch.Tensor):
             continue
         if node.target is UNSHARD:
-            marker_of.setdefault(StorageWeakRef(value.untyped_storage()), node.args[1])
-        elif node.target in _CUTS and isinstance(node.args[0], fx.Node) \
-                and isinstance(node.args[0].meta.get("example_value"), torch.Tensor):
-            # a parameter cut out of its unit's gathered flat shard (flat.py) is a reshape's copy
-            key = marker_of.get(StorageWeakRef(node.args[0].meta["example_value"].untyped_storage()))
-            if key is not None:
-                marker_of.setdefault(StorageWeakRef(value.untyped_storage()), key)
+            name_of[node] = layouts[node.args[1]].fqn
+        elif node.target in _CUTS and node.args and node.args[0] in name_of:
+            # a parameter cut out of its unit's gathered flat shard (flat.py), a reshape's copy at
+            # world size > 1; the cut's column slice says which parameter it is
+            name = name_of[node.args[0]]
+            index = node.args[1] if len(node.args) > 1 else None
+            if isinstance(index, tuple) and len(index) == 2 and isinstance(index[1], slice):
+                name = (flat_members or {}).get(name, {}).get(index[1].start, name)
+            name_of[node] = name
+        else:
+            continue
+        marker_of.setdefault(StorageWeakRef(value.untyped_storage()), name_of[node])
     if not marker_of:
         return
     for node in graph.nodes:
@@ -260,20 +272,20 @@ def check_no_parameter_writes(graph: fx.Graph, layouts: dict[int, Any]) -> None:
                 .arguments.get("sparse") is True:  # F.embedding(..., sparse=True): see api's module check
             weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
             value = weight.meta.get("example_value") if isinstance(weight, fx.Node) else None
-            key = marker_of.get(StorageWeakRef(value.untyped_storage())) if isinstance(value, torch.Tensor) else None
-            if key is not None:
+            fqn = name_of.get(weight) or (marker_of.get(StorageWeakRef(value.untyped_storage()))
+                                          if isinstance(value, torch.Tensor) else None)
+            if fqn is not None:
                 raise ShardingError(
-                    f"parameter {layouts[key].fqn!r} gets a sparse gradient from F.{node.target.__name__}(sparse=True) "
+                    f"parameter {fqn!r} gets a sparse gradient from F.{node.target.__name__}(sparse=True) "
                     f"(graph node {node.name!r}), which zerograph's sharded parameters (DTensors) cannot hold: "
                     "use sparse=False")
         for arg, op in written_arguments(node):
             value = arg.meta.get("example_value") if isinstance(arg, fx.Node) else None
             if not isinstance(value, torch.Tensor):
                 continue
-            key = marker_of.get(StorageWeakRef(value.untyped_storage()))
-            if key is None:
+            fqn = name_of.get(arg) or marker_of.get(StorageWeakRef(value.untyped_storage()))
+            if fqn is None:
                 continue
-            fqn = layouts[key].fqn
             hint = ("build the embedding with max_norm=None and, if the norm bound matters, renormalise after "
                     "opt.step() under torch.no_grad() (outside forward the weight is this rank's DTensor shard of "
                     "whole rows, Shard(0), e.g. w.to_local().copy_(torch.renorm(w.to_local(), 2, 0, max_norm)); "

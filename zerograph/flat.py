@@ -104,17 +104,22 @@ class FlatShard:
                 else:
                     shard.grad.to_local().add_(local)
 
-    def check_views(self) -> None:
+    def check_views(self) -> bool:
         """Raise ``ModelChangedError`` when a parameter's local tensor no longer lives in the flat
         shard (its ``.data`` replaced, ``.to()`` or ``set_`` after compile): the graph would read
-        values the optimizer no longer writes."""
+        values the optimizer no longer writes. Returns whether every parameter still requires
+        grad (all did when flattened; the graph's guards see the flat leaf, not them, so the
+        caller checks a change: ``ParameterWatch.check_trainable``)."""
         storage = self.param.untyped_storage().data_ptr()
+        trainable = True
         for shard, layout in zip(self.shards, self.layouts):
+            trainable = trainable and shard.requires_grad
             if shard._local_tensor.untyped_storage().data_ptr() != storage:  # to_local() costs autograd's dispatch
                 raise ModelChangedError(
                     f"parameter {layout.fqn!r} no longer lives in its unit's flat shard (Config.unit_templates "
                     "stores a unit's shards in one buffer): its data was replaced after zerograph.compile "
                     "(.data =, .to(), set_). Change parameters in place (copy_ under torch.no_grad()) instead")
+        return trainable
 
 
 def flatten_unit_(unit: int, name: str, shards: Sequence[nn.Parameter], layouts: Sequence[ParamLayout],

@@ -101,6 +101,7 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
     pending, rng_diverged = _agree(runtime.world_group, pending, device)  # replicas too
     rng_start = _rng_state(device)
     written = {key: versions(p) for key, p in shard_of.items()}  # what our own copies leave
+    direct: set[int] = set()  # keys whose shards fn wrote directly
 
     unit_of_module = _unit_of_modules(model, runtime.units)
     unit_roots = {id(model.get_submodule(u.name)) for u in runtime.units if u.index != ROOT_INDEX}
@@ -112,6 +113,9 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
             raise ShardingError("init_weights: fn draws random numbers but the ranks' random number generators "
                                 "were in different states, so their rows would come from different streams; call "
                                 "torch.manual_seed(seed) with the same seed on every rank before init_weights")
+        # written directly before this release's own copies (checked now: a unit's shards may be
+        # views of one flat buffer, flat.py, sharing one version counter that the copies move)
+        direct.update(k for k in runtime.units[unit].keys if versions(shard_of[k]) != written[k])
         for key, full in open_units.pop(unit).items():
             del key_of[id(full)]
             for mod, name in holders[key]:
@@ -123,6 +127,8 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
                 _local(shard_of[key]).copy_(full[start:stop] if layout.sharded else full)
             written[key] = versions(shard_of[key])
             pending.discard(key)
+        for key in runtime.units[unit].keys:  # what this release wrote into one moved them all
+            written[key] = versions(shard_of[key])
 
     def materialise(unit: int) -> None:
         fulls = {}
@@ -153,10 +159,11 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
             for key in fulls:
                 for mod, name in holders[key]:
                     mod._parameters[name] = shard_of[key]
-    direct = [layout_of[k].fqn for k, p in shard_of.items() if versions(p) != written[k]]
-    if direct:
+    direct.update(k for k, p in shard_of.items() if versions(p) != written[k])
+    direct_names = [layout_of[k].fqn for k in sorted(direct)]
+    if direct_names:
         raise ShardingError(
-            f"init_weights: fn wrote the shards of {', '.join(direct[:5])} directly (a module initialised "
+            f"init_weights: fn wrote the shards of {', '.join(direct_names[:5])} directly (a module initialised "
             "parameters of another sharding unit, outside the ones materialised for it), so they hold DTensor "
             "random values, not an ordinary build's: write fn to initialise the module it is given")
     return state.uninitialised.pending() if state.uninitialised is not None else []
