@@ -208,3 +208,21 @@ def test_a_meta_built_model_with_flat_shards_initialises_like_an_ordinary_build(
 
     with pytest.raises(ShardingError, match="blocks.0"):
         zerograph.init_weights(other, root_loop)
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_mixed_precision_gradients_equal_the_per_parameter_build() -> None:
+    """bf16 ``param_dtype``, fp32 ``reduce_dtype``: the flat shard is cast as a whole where each
+    parameter was cast alone, and the gradients are bitwise those of the build without templates."""
+    reference = _blocks()
+    x = torch.randn(4, 8)
+    grads = []
+    for templates in (False, True):
+        config = zerograph.Config(unit_templates=templates, mixed_precision=zerograph.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        model = zerograph.compile(copy.deepcopy(reference), 3, config=config)
+        assert len(runtime_of_model(model).flat_shards) == (3 if templates else 0)
+        model(x).float().square().mean().backward()
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+    for plain, flat in zip(*grads):
+        torch.testing.assert_close(flat, plain, rtol=0, atol=0)
