@@ -166,6 +166,31 @@ def test_train_and_eval_get_templates_of_their_own() -> None:
     assert len(state_of(model).captured.templates) == 2  # train and eval (unit 1 back in train reuses train)
 
 
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _ModeBlock()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.inner(x))
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_submodule_switched_alone_runs_its_own_mode() -> None:
+    """The unit's mode is refreshed from every submodule's flag before each forward
+    (``templates.refresh_unit_modes``): ``eval()`` of one submodule of one unit is seen."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(_Outer(), _Outer())
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    model[0].inner.eval()
+    reference[0].inner.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_shapes_that_change_fall_back_to_inline_and_keep_parity() -> None:
     """A sequence length that changes between steps (Dynamo then makes it dynamic): the kind

@@ -29,7 +29,7 @@ from .replicas import sync_replicas
 from .runtime import Runtime
 from .sharding import ParameterWatch, find_units, own_code, set_gathering, set_grad_mode, shard_module_, sharded_parameter
 from .state import STATE_ATTR, ZeroGraphState, state_of
-from .templates import FlatPlan, install_unit_templates, unit_parameters
+from .templates import FlatPlan, install_unit_templates, refresh_unit_modes, unit_parameters
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +231,7 @@ def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if state.uninitialised is not None:  # a meta-built model until every shard got values
         state.uninitialised.check()
         state.uninitialised = None
+    refresh_unit_modes(state.unit_kinds)
     state.runtime.start_forward()
     previous = set_gathering(True)
     mode = state.runtime.grad_mode()

@@ -63,6 +63,7 @@ from .sharding import full_parameter, original_class, own_code, set_tracing_unit
 
 UNIT_ATTR = "_zerograph_unit"  # a templated unit's (kind, parameter slots, buffer slots, keys, modules)
 INLINE_ATTR = "_zerograph_unit_inline"  # True once the unit's kind fell back to running inline
+MODE_ATTR = "_zerograph_unit_mode"  # the unit's submodules' training flags as bits (refresh_unit_modes)
 
 # (shape, stride, dtype) of one tensor; a template is traced per tuple of these of its primals
 TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
@@ -208,7 +209,23 @@ def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[
                            (kind.kind, param_slots, buffer_slots, keys, tuple(module.modules()), flat_shard))
         object.__setattr__(module, INLINE_ATTR, False)
         object.__setattr__(module, "forward", types.MethodType(forward, module))
+    refresh_unit_modes(list(kinds.values()))
     return list(kinds.values())
+
+
+def refresh_unit_modes(kinds: Sequence[UnitKind]) -> None:
+    """Store each templated unit's mode: its submodules' training flags as bits (submodule ``i``
+    in ``modules()`` order -> bit ``i``), read by the unit's forward. Called before every model
+    forward, outside the trace, so Dynamo guards on one int per unit instead of on every
+    submodule's flag (a quarter of a 64-block first step), and a flag changed anywhere in a unit,
+    ``eval()`` of the model or of one submodule, still changes it and retraces."""
+    for kind in kinds:
+        for unit in kind.modules:
+            mode = 0
+            for i, module in enumerate(getattr(unit, UNIT_ATTR)[4]):
+                if module.training:
+                    mode |= 1 << i
+            object.__setattr__(unit, MODE_ATTR, mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,19 +258,16 @@ def _slots(module: nn.Module) -> tuple[tuple[tuple[nn.Module, str], ...], tuple[
 
 def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A templated unit's ``forward``: its parameters (unshard markers) and buffers, then one
-    ``unit_forward`` in the mode of its submodules' training flags (read here, so Dynamo guards on
-    them and ``eval()`` retraces). The body runs inline instead for keyword or non-tensor
+    ``unit_forward`` in the mode of its submodules' training flags (``MODE_ATTR``, read here, so
+    Dynamo guards on it and ``eval()`` retraces). The body runs inline instead for keyword or non-tensor
     arguments, under autocast (a template is traced without it), once its kind fell back to
     inline, and in the template's own trace of the body."""
     body = type(self).forward
     if (getattr(self, INLINE_ATTR) or tracing_unit() or kwargs or not args
             or not all(isinstance(a, torch.Tensor) for a in args) or torch.is_autocast_enabled(args[0].device.type)):
         return body(self, *args, **kwargs)
-    kind, param_slots, buffer_slots, keys, modules, flat = getattr(self, UNIT_ATTR)
-    mode = 0
-    for i, module in enumerate(modules):
-        if module.training:
-            mode |= 1 << i
+    kind, param_slots, buffer_slots, keys, _, flat = getattr(self, UNIT_ATTR)
+    mode = getattr(self, MODE_ATTR)  # one guard per unit; refresh_unit_modes keeps it current
     # the shards straight from their slots, not through the parameter properties: the same
     # markers, for less of Dynamo's time per parameter
     if flat is not None:  # one marker for the unit: the template cuts the parameters out of its output
