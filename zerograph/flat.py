@@ -67,8 +67,7 @@ class FlatShard:
         # one split, not a slice per parameter: its backward is one concatenation of the
         # gradients, where slices' would add a zero-filled (N * T,) buffer per parameter
         blocks = full.view(n, total).split([layout.shard_numel for layout in self.layouts], dim=1)
-        return [_rows(block.reshape(n * layout.chunk_rows, *layout.shape[1:]), layout.shape[0])
-                for block, layout in zip(blocks, self.layouts)]  # block: (N, chunk_rows * row_numel)
+        return [_cut(block, layout) for block, layout in zip(blocks, self.layouts)]
 
     def full_parameter(self, index: int) -> torch.Tensor:
         """Parameter ``index`` of the unit in full, inside a zerograph forward that runs the unit
@@ -78,8 +77,7 @@ class FlatShard:
         n, total = self.layout.world_size, self.layout.chunk_rows
         layout, offset = self.layouts[index], self.offsets[index]
         full = full_parameter(self.param, self.layout.key).view(n, total)
-        block = full[:, offset : offset + layout.shard_numel]
-        return _rows(block.reshape(n * layout.chunk_rows, *layout.shape[1:]), layout.shape[0])
+        return _cut(full[:, offset : offset + layout.shard_numel], layout)
 
     def install_reads(self, unit: nn.Module) -> None:
         """Make every parameter attribute of ``unit``'s modules that names one of its shards read
@@ -180,7 +178,9 @@ def flattenable(shards: Sequence[nn.Parameter], layouts: Sequence[ParamLayout], 
     return None
 
 
-def _rows(padded: torch.Tensor, rows: int) -> torch.Tensor:
-    """The first ``rows`` rows of ``padded``; itself when there is no padding (no slice, so no
-    zero-filled ``slice_backward`` in the gradient)."""
-    return padded if padded.shape[0] == rows else padded[:rows]
+def _cut(block: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
+    """One parameter in full from its column block of the gathered flat shards, ``(N,
+    chunk_rows * row_numel)``: the ranks' chunks stacked, then the padding rows dropped (no slice
+    where there is none, so no zero-filled ``slice_backward`` in the gradient)."""
+    padded = block.reshape(layout.world_size * layout.chunk_rows, *layout.shape[1:])
+    return padded if padded.shape[0] == layout.shape[0] else padded[: layout.shape[0]]

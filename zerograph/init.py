@@ -125,7 +125,6 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
             layout, start, stop = rows[id(shard_of[key])]
             with torch.no_grad():
                 _local(shard_of[key]).copy_(full[start:stop] if layout.sharded else full)
-            written[key] = versions(shard_of[key])
             pending.discard(key)
         for key in runtime.units[unit].keys:  # what this release wrote into one moved them all
             written[key] = versions(shard_of[key])

@@ -352,6 +352,7 @@ def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, device: tor
     with fake_mode:
         primals = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
                    for (shape, stride, dtype), grad in zip(metas, wants_grad)]
+    slot_names = [_slot_name(module, slot) for slot in param_slots]
     # storages of the parameters the body computes with, when they are cut out of a flat shard (a
     # write to one is refused as a write to the parameter is; the last trace's are what count)
     cut_out: dict[StorageWeakRef, str] = {}
@@ -362,8 +363,7 @@ def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, device: tor
         if flat is not None:
             params = flat.unflatten(params[0])
             cut_out.clear()
-            cut_out.update({StorageWeakRef(t.untyped_storage()): _slot_name(module, slot)
-                            for t, slot in zip(params, param_slots)})
+            cut_out.update({StorageWeakRef(t.untyped_storage()): name for t, name in zip(params, slot_names)})
         values = [*params, *p[n_args + n_params:]]
         previous_values = [table[name] for table, name in slots]
         previous_flags = [m.training for m in modules]
@@ -397,7 +397,7 @@ def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, device: tor
     if flat is not None:
         parameters = {n_args: "<flat shard>"}
     else:
-        parameters = {n_args + i: _slot_name(module, slot) for i, slot in enumerate(param_slots)}
+        parameters = {n_args + i: name for i, name in enumerate(slot_names)}
     _check_no_writes(kind.name, joint_graph, len(metas), parameters, cut_out)
     if flat is not None:
         _recompute_cut_out(joint_graph, n_args)
