@@ -8,6 +8,7 @@ processes that ended meanwhile (subprocess checks; the ranks that tests/distribu
 its forkserver, as they report); and an estimate of its wall time
 on an idle 2-core machine, ``self + children / 2`` (the ranks of a spawn run side by side).
 
+Works under pytest-xdist too (each row rides on the test's teardown report to the controller).
 Loaded by tests/conftest.py; outside this repository: ``-p tests.cpu_durations``.
 """
 from __future__ import annotations
@@ -19,9 +20,6 @@ import time
 import pytest
 
 CORES = 2  # this project's machines: the children of one test share 2 cores
-
-_KEY = pytest.StashKey[dict]()
-
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--cpu-durations", type=int, default=None, metavar="N",
@@ -35,23 +33,43 @@ def _cpu() -> tuple[float, float]:
     return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime + forked
 
 
+_START = pytest.StashKey[tuple]()
+_PROPERTY = "cpu_durations"  # (self CPU s, children CPU s, wall s) on a test's teardown report
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    if item.config.getoption("--cpu-durations") is None:
-        yield
-        return
-    wall, (own, children) = time.monotonic(), _cpu()
+    if item.config.getoption("--cpu-durations") is not None:
+        item.stash[_START] = (time.monotonic(), *_cpu())
     yield
-    own_after, children_after = _cpu()
-    item.config.stash.setdefault(_KEY, {})[item.nodeid] = (
-        own_after - own, children_after - children, time.monotonic() - wall)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "teardown" and _START in item.stash:
+        wall, own, children = item.stash[_START]
+        own_after, children_after = _cpu()
+        # a report's user_properties travel from a pytest-xdist worker to the controller
+        report.user_properties.append((_PROPERTY, (own_after - own, children_after - children,
+                                                   time.monotonic() - wall)))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for name, value in report.user_properties:
+        if name == _PROPERTY and report.when == "teardown":
+            _ROWS[report.nodeid] = tuple(value)
+
+
+_ROWS: dict[str, tuple[float, float, float]] = {}  # nodeid -> row, on the controller (or the only process)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     count = config.getoption("--cpu-durations")
     if count is None:
         return
-    rows = config.stash.get(_KEY, {})
+    rows = _ROWS
     def estimate(row: tuple[float, float, float]) -> float:
         return row[0] + row[1] / CORES
     ordered = sorted(rows.items(), key=lambda kv: estimate(kv[1]), reverse=True)

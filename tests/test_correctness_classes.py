@@ -40,9 +40,12 @@ def _fresh_dynamo():
 
 
 # --------------------------------------------------------------------- 1: in-place writes in forward
+@pytest.mark.parametrize("templates", [False, True], ids=["inline", "unit_templates"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_embedding_max_norm_is_refused_naming_parameter_and_op(stage):
-    model = zerograph.compile(nn.Sequential(nn.Embedding(11, 8, max_norm=1.0), nn.Linear(8, 3)), stage=stage)
+def test_embedding_max_norm_is_refused_naming_parameter_and_op(stage, templates):
+    """Refused with one wording whether the model graph or a unit template's body holds the write."""
+    model = zerograph.compile(nn.Sequential(nn.Embedding(11, 8, max_norm=1.0), nn.Linear(8, 3)), stage=stage,
+                              config=zerograph.Config(unit_templates=templates))
     with pytest.raises(ShardingError, match=r"'0\.weight'.*max_norm.*max_norm=None"):
         model(torch.arange(11))
 

@@ -76,6 +76,31 @@ def test_eight_identical_blocks_trace_one_template_and_keep_the_schedule() -> No
     assert sum(e.kind == "all_gather" for e in schedules["forward"]) >= 8
 
 
+def _mlp_schedules(templates: bool) -> tuple[dict[str, list], dict[str, torch.Tensor]]:
+    """Stage 3, rank 0 of a fake world of 2: the collective schedules of four identical
+    Linear + ReLU units on an input that needs no gradient, and the gradients of one step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(24, 24), nn.ReLU()) for _ in range(4)])
+    config = zerograph.Config(unit_templates=templates, unit_classes=(nn.Sequential,))
+    with fake_rank(2):
+        model = zerograph.compile(model, 3, config=config)
+        model(torch.randn(3, 24)).sum().backward()
+        record = graphs_of(model)[0]
+        schedules = {kind: schedule_of(record[kind].graph, kind, "").entries for kind in ("forward", "backward")}
+    return schedules, len(state_of(model).captured.templates)
+
+
+def test_an_input_without_gradient_is_not_differentiated() -> None:
+    """The first unit's input needs no gradient, so its template computes none: its weight, which
+    only that gradient reads, is not gathered again in backward (the untemplated build's schedule,
+    three backward all-gathers for four units). Two templates: the first unit's, the others'."""
+    schedules, n_templates = _mlp_schedules(templates=True)
+    plain_schedules, _ = _mlp_schedules(templates=False)
+    assert n_templates == 2
+    assert schedules == plain_schedules
+    assert sum(e.kind == "all_gather" for e in schedules["backward"]) == 3
+
+
 class _Block(nn.Module):
     def __init__(self, width: int = 32, bias: bool = True, extra: bool = False, squash: bool = False) -> None:
         super().__init__()
@@ -106,7 +131,8 @@ class _LookAlikes(nn.Module):
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_look_alike_blocks_get_templates_of_their_own_and_keep_parity() -> None:
     """Blocks of one class that differ in width, bias, an extra parameter or a flag are five
-    kinds (the three plain blocks share one); gradients equal eager's exactly (world of one)."""
+    kinds (the three plain blocks share one); gradients equal eager's exactly (world of one). The
+    plain kind has two templates: blocks.0's input needs no gradient, the others' do."""
     torch.manual_seed(0)
     reference = _LookAlikes()
     model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
@@ -120,7 +146,11 @@ def test_look_alike_blocks_get_templates_of_their_own_and_keep_parity() -> None:
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=0, msg=name)
     kinds = state_of(model).unit_kinds
     assert sorted(len(k.units) for k in kinds) == [1, 1, 1, 1, 3]
-    assert len(state_of(model).captured.templates) == 5
+    templates = state_of(model).captured.templates
+    assert len(templates) == 6
+    plain = next(k for k in kinds if len(k.units) == 3)
+    input_grads = sorted(t.grad_mask[0] for t in plain.templates.values())
+    assert input_grads == [False, True]  # one template computes no input gradient: blocks.0's
     # the dump's summary says which units share a template
     summary = summary_markdown(build_report(runtime_of_model(model), state_of(model).captured, None))
     assert "## Unit templates" in summary
@@ -163,7 +193,11 @@ def test_train_and_eval_get_templates_of_their_own() -> None:
     reference[1].train()
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
-    assert len(state_of(model).captured.templates) == 2  # train and eval (unit 1 back in train reuses train)
+    # train and eval, each for an input without and with a gradient (unit 0's input needs none;
+    # unit 1 back in train, under no_grad, reuses unit 0's train template)
+    assert len(state_of(model).captured.templates) == 4
+    keys = [(mode, arg_grads) for _, mode, arg_grads in state_of(model).unit_kinds[0].templates]
+    assert len({mode for mode, _ in keys}) == 2 and sorted(arg_grads for _, arg_grads in keys) == [0, 0, 1, 1]
 
 
 class _Outer(nn.Module):

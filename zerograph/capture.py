@@ -286,17 +286,26 @@ def check_no_parameter_writes(graph: fx.Graph, layouts: dict[int, Any],
             fqn = name_of.get(arg) or marker_of.get(StorageWeakRef(value.untyped_storage()))
             if fqn is None:
                 continue
-            hint = ("build the embedding with max_norm=None and, if the norm bound matters, renormalise after "
-                    "opt.step() under torch.no_grad() (outside forward the weight is this rank's DTensor shard of "
-                    "whole rows, Shard(0), e.g. w.to_local().copy_(torch.renorm(w.to_local(), 2, 0, max_norm)); "
-                    "this bounds every row, not only those looked up)" if "max_norm" in op else
-                    "compute with a changed copy instead (w = self.weight.clamp(...)), or change the parameter "
-                    "outside forward, e.g. after opt.step() under torch.no_grad(), where it is this rank's "
-                    "DTensor shard")
-            raise ShardingError(
-                f"parameter {fqn!r} is written in place inside forward by {op} (graph node {node.name!r}). "
-                "Inside a zerograph forward a parameter is a gathered copy of the shards (at every stage), so "
-                f"the write would never reach the parameter and would be lost silently. To fix: {hint}")
+            raise parameter_write_error(fqn, op, node.name)
+
+
+def parameter_write_error(fqn: str, op: str, node_name: str) -> ShardingError:
+    """The error for parameter ``fqn`` written in place by ``op`` (graph node ``node_name``) inside
+    forward, with what to do instead; one wording for the model graph and a unit template's body."""
+    if "embedding_renorm" in op:  # as a traced body records F.embedding(max_norm=...)
+        op = f"{op}, which F.embedding(max_norm=...) calls to renormalise the rows it looks up in place"
+    renormalising = "max_norm" in op
+    hint = ("build the embedding with max_norm=None and, if the norm bound matters, renormalise after "
+            "opt.step() under torch.no_grad() (outside forward the weight is this rank's DTensor shard of "
+            "whole rows, Shard(0), e.g. w.to_local().copy_(torch.renorm(w.to_local(), 2, 0, max_norm)); "
+            "this bounds every row, not only those looked up)" if renormalising else
+            "compute with a changed copy instead (w = self.weight.clamp(...)), or change the parameter "
+            "outside forward, e.g. after opt.step() under torch.no_grad(), where it is this rank's "
+            "DTensor shard")
+    return ShardingError(
+        f"parameter {fqn!r} is written in place inside forward by {op} (graph node {node_name!r}). "
+        "Inside a zerograph forward a parameter is a gathered copy of the shards (at every stage), so "
+        f"the write would never reach the parameter and would be lost silently. To fix: {hint}")
 
 
 def _offloading(joint: fx.GraphModule) -> contextlib.AbstractContextManager:

@@ -149,18 +149,20 @@ def _empty_like_meta(like: torch.Tensor, metas: Sequence[tuple]) -> list[torch.T
 
 
 @torch.library.custom_op("zerograph::unit_forward", mutates_args=())
-def unit_forward(kind: int, mode: int, primals: list[torch.Tensor]) -> list[torch.Tensor]:
+def unit_forward(kind: int, mode: int, arg_grads: int, primals: list[torch.Tensor]) -> list[torch.Tensor]:
     """One unit's forward through its kind's template. ``mode``: the unit's submodules' training
-    flags as bits (submodule ``i`` in ``modules()`` order -> bit ``i``); ``primals``: the unit's
-    tensor arguments, then its full parameters and buffers (template order) -> the unit's output,
-    then the activations its backward needs (new tensors: none aliases an input or another
-    output)."""
-    return registry.unit_template(kind, mode, primals).forward(primals)
+    flags as bits (submodule ``i`` in ``modules()`` order -> bit ``i``); ``arg_grads``: which of
+    the unit's tensor arguments need a gradient, as bits (argument ``i`` -> bit ``i``; the
+    template differentiates only those, so an input that needs none costs no backward matmul and
+    no re-gather of the weights only its gradient would read); ``primals``: the unit's tensor
+    arguments, then its full parameters and buffers (template order) -> the unit's output, then
+    the activations its backward needs (new tensors: none aliases an input or another output)."""
+    return registry.unit_template(kind, mode, arg_grads, primals).forward(primals)
 
 
 @unit_forward.register_fake
-def _unit_forward_fake(kind: int, mode: int, primals: list[torch.Tensor]) -> list[torch.Tensor]:
-    return _empty_like_meta(primals[0], registry.unit_template(kind, mode, primals).output_metas)
+def _unit_forward_fake(kind: int, mode: int, arg_grads: int, primals: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _empty_like_meta(primals[0], registry.unit_template(kind, mode, arg_grads, primals).output_metas)
 
 
 @torch.library.custom_op("zerograph::unit_backward", mutates_args=())
@@ -180,8 +182,8 @@ def _unit_backward_fake(template: int, primals: list[torch.Tensor], saved: list[
 
 
 def _unit_forward_setup(ctx, inputs, output) -> None:
-    kind, mode, primals = inputs
-    template = registry.unit_template(kind, mode, primals)
+    kind, mode, arg_grads, primals = inputs
+    template = registry.unit_template(kind, mode, arg_grads, primals)
     ctx.template, ctx.template_object = template.id, template  # the object: alive until backward
     ctx.n_primals, ctx.grad_mask, ctx.output_metas = len(primals), template.grad_mask, template.output_metas
     ctx.n_needed = len(template.saved_primals)
@@ -199,7 +201,7 @@ def _unit_forward_backward(ctx, grads: list[torch.Tensor | None]):
     tangents = [g.contiguous() if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                 for g, (shape, _, dtype) in zip(grads[:ctx.n_outputs], ctx.output_metas)]
     grad_iter = iter(unit_backward(ctx.template, needed, saved, tangents))
-    return None, None, [next(grad_iter) if differentiable else None for differentiable in ctx.grad_mask]
+    return None, None, None, [next(grad_iter) if differentiable else None for differentiable in ctx.grad_mask]
 
 
 unit_forward.register_autograd(_unit_forward_backward, setup_context=_unit_forward_setup)

@@ -4,7 +4,7 @@
 each submodule's class and plain attributes, each parameter's and buffer's name, shape, dtype and
 ``requires_grad``), so a GPT's 32 blocks are one kind, while blocks of another width, without a
 bias, with an extra parameter or with a flag that changes their control flow are kinds of their
-own. Each unit's ``forward`` becomes one ``zerograph::unit_forward(kind, primals)`` node
+own. Each unit's ``forward`` becomes one ``zerograph::unit_forward(kind, mode, arg_grads, primals)`` node
 (``install_unit_templates``): Dynamo traces the unit's parameter reads, which are still the
 ``zerograph::unshard`` markers the passes expand into all-gathers, and the call, but not the
 unit's body. At stage 3 a kind's units also keep their shards in one flat buffer each
@@ -33,7 +33,10 @@ trace raises ``TemplateUnavailable``, and the compiled forward traces the model 
 
 Train and eval are separate templates: each unit passes its submodules' training flags to the op
 (``mode``), so Dynamo guards on them and ``eval()`` retraces, and the template is traced with the
-calling unit's flags.
+calling unit's flags. Likewise each call passes which of its tensor arguments need a gradient
+(``arg_grads``): the template differentiates only those, so the first unit of a model whose input
+needs no gradient computes no input gradient, and its backward does not re-gather the weights
+only that gradient would read.
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import registry
+from .capture import parameter_write_error
 from .errors import ShardingError, TemplateUnavailable
 from .flat import FlatShard
 from .ops import unit_forward
@@ -134,19 +138,20 @@ class UnitKind:
         self.kind, self.name, self.module, self.lowering = kind, name, module, lowering
         self.units: list[str] = [name]
         self.modules: list[nn.Module] = [module]  # every unit of the kind
-        self.templates: dict[tuple, UnitTemplate] = {}  # (input metas, mode) -> template
+        self.templates: dict[tuple, UnitTemplate] = {}  # (input metas, mode, arg_grads) -> template
         self.inline_reason: str | None = None  # set when the kind fell back to running inline
         self.flat_reason: str | None = "not asked"  # why its units have no flat shards (None: they have)
         self.flat_shards: list[FlatShard] = []  # its units' flat shards, in unit order
         self._record = record
 
-    def template(self, mode: int, primals: Sequence[torch.Tensor]) -> UnitTemplate:
+    def template(self, mode: int, arg_grads: int, primals: Sequence[torch.Tensor]) -> UnitTemplate:
         if any(not isinstance(d, int) for p in primals for d in (*p.shape, *p.stride())):
             self.fall_back("an input has a dynamic shape (a template is traced for static shapes)")
         metas = tuple((tuple(p.shape), tuple(p.stride()), p.dtype) for p in primals)
-        template = self.templates.get((metas, mode))
+        template = self.templates.get((metas, mode, arg_grads))
         if template is None:
-            template = self.templates[metas, mode] = trace_template(self, metas, mode, primals[0].device)
+            template = trace_template(self, metas, mode, arg_grads, primals[0].device)
+            self.templates[metas, mode, arg_grads] = template
             self._record.append(template)
         return template
 
@@ -268,6 +273,8 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return body(self, *args, **kwargs)
     kind, param_slots, buffer_slots, keys, _, flat = getattr(self, UNIT_ATTR)
     mode = getattr(self, MODE_ATTR)  # one guard per unit; refresh_unit_modes keeps it current
+    # Dynamo guards on each input's requires_grad already: a constant for this trace
+    arg_grads = sum(1 << i for i, a in enumerate(args) if a.requires_grad)
     # the shards straight from their slots, not through the parameter properties: the same
     # markers, for less of Dynamo's time per parameter
     if flat is not None:  # one marker for the unit: the template cuts the parameters out of its output
@@ -275,7 +282,7 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     else:
         params = [full_parameter(mod._parameters[name], key) for (mod, name), key in zip(param_slots, keys)]
     primals = [*args, *params, *[mod._buffers[name] for mod, name in buffer_slots]]
-    return unit_forward(kind, mode, primals)[0]
+    return unit_forward(kind, mode, arg_grads, primals)[0]
 
 
 def unit_signature(module: nn.Module) -> tuple:
@@ -308,9 +315,11 @@ def _attribute_key(value: Any) -> Any:
     return ("object", id(value))
 
 
-def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, device: torch.device) -> UnitTemplate:
+def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
+                   device: torch.device) -> UnitTemplate:
     """Trace ``kind``'s body for primals of ``metas`` with its submodules' training flags set from
-    ``mode``: forward + backward on fake tensors, the min-cut partitioner, lowering. Runs in a
+    ``mode``, differentiating the floating-point arguments of ``arg_grads``'s bits and the
+    trainable parameters: forward + backward on fake tensors, the min-cut partitioner, lowering. Runs in a
     thread of its own: it is called from the op's fake implementation inside Dynamo's and
     AOTAutograd's traces, below autograd and under their fake modes, and the trace needs autograd
     and a fake mode of its own.
@@ -325,7 +334,7 @@ def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, dev
 
     def run() -> None:
         try:
-            outcome["template"] = _trace(kind, metas, mode, device)
+            outcome["template"] = _trace(kind, metas, mode, arg_grads, device)
         except BaseException as exc:  # handed to the calling thread
             outcome["error"] = exc
 
@@ -340,14 +349,16 @@ def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, dev
     return outcome["template"]
 
 
-def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, device: torch.device) -> UnitTemplate:
+def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
+           device: torch.device) -> UnitTemplate:
     start = time.perf_counter()
     module = kind.module
     _, param_slots, buffer_slots, _, modules, flat = getattr(module, UNIT_ATTR)
     n_params, n_buffers = (1 if flat is not None else len(param_slots)), len(buffer_slots)
     n_args = len(metas) - n_params - n_buffers
     param_grads = [True] if flat is not None else [mod._parameters[name].requires_grad for mod, name in param_slots]
-    wants_grad = [dtype.is_floating_point for _, _, dtype in metas[:n_args]] + param_grads + [False] * n_buffers
+    wants_grad = ([dtype.is_floating_point and bool(arg_grads >> i & 1) for i, (_, _, dtype) in enumerate(metas[:n_args])]
+                  + param_grads + [False] * n_buffers)
     fake_mode = FakeTensorMode()
     with fake_mode:
         primals = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
@@ -524,11 +535,7 @@ def _check_no_writes(name: str, joint: fx.GraphModule, n_primals: int, parameter
                 continue
             if isinstance(index, str) or index in parameters:
                 param_name = index if isinstance(index, str) else parameters[index]
-                raise ShardingError(
-                    f"parameter {name}.{param_name} is written in place inside forward by {node.target}. "
-                    "Inside a zerograph forward a parameter is a gathered copy of the shards, so the write would "
-                    "never reach the parameter and would be lost silently: compute with a changed copy instead, "
-                    "or change the parameter outside forward (after opt.step(), under torch.no_grad())")
+                raise parameter_write_error(f"{name}.{param_name}", str(node.target), f"{node.name} in the unit's body")
             raise ValueError(f"unit {name!r} writes an input or buffer in place ({node.target}); a template's "
                              "inputs are copies")
 
