@@ -101,6 +101,43 @@ def test_an_input_without_gradient_is_not_differentiated() -> None:
     assert sum(e.kind == "all_gather" for e in schedules["backward"]) == 3
 
 
+class _MatmulBlock(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 5, dtype=dtype) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+class _MatmulChain(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_MatmulBlock(dtype), _MatmulBlock(dtype)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.abs().float().mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_complex_units_run_inline_and_match_eager(dtype: torch.dtype) -> None:
+    """A complex unit runs inline (its template gave the first block's weight another gradient
+    than eager's); a real one keeps its template. World of one, gradients equal eager's."""
+    torch.manual_seed(0)
+    reference = _MatmulChain(dtype)
+    config = zerograph.Config(unit_templates=True, unit_classes=(_MatmulBlock,))
+    model = zerograph.compile(copy.deepcopy(reference), 0, config=config)
+    x = torch.randn(3, 5).to(dtype)
+    model(x).backward()
+    reference(x).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    (kind,) = state_of(model).unit_kinds
+    assert (kind.inline_reason is not None and "complex" in kind.inline_reason) == dtype.is_complex
+
+
 class _Block(nn.Module):
     def __init__(self, width: int = 32, bias: bool = True, extra: bool = False, squash: bool = False) -> None:
         super().__init__()
