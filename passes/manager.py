@@ -199,6 +199,18 @@ def check_no_saved_gathers(fwd: fx.GraphModule) -> None:
             raise PassError(f"stage 3 forward saves gathered parameter {saved.name} for backward")
 
 
+def check_no_gradient_reduction_in_forward(fwd: fx.GraphModule) -> None:
+    """The partitioned forward graph holds no ``zerograph::reduce_grad`` marker: a gradient is
+    reduced in backward, after the tangents it depends on. One in the forward means a gradient
+    that does not depend on the tangents (a unit whose backward got none), which the min-cut
+    partitioner may place in either graph depending on sizes that differ from rank to rank, so
+    the ranks' collective schedules would diverge; refused on every rank alike instead."""
+    reductions = fwd.graph.find_nodes(op="call_function", target=REDUCE_GRAD)
+    if reductions:
+        raise PassError(f"the forward graph reduces gradients ({', '.join(n.name for n in reductions)}): a "
+                        "gradient that does not depend on the output's gradient; report it with the model")
+
+
 def collective_volume(graph: fx.Graph) -> list[tuple[str, int, int, str | None]]:
     """``[(kind, full_numel, itemsize, group_name)]`` of every collective in the graph, in graph
     order; ``group_name`` is the process group it runs over (hybrid sharding: the shard or the

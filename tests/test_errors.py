@@ -87,3 +87,26 @@ def test_a_rank_that_leaves_makes_the_others_fail() -> None:
 def test_module_without_parameters() -> None:
     with pytest.raises(zerograph.ShardingError, match="no parameters"):
         zerograph.compile(nn.ReLU(), stage=3)
+
+
+def test_a_forward_graph_that_reduces_gradients_is_refused() -> None:
+    """A gradient reduction the partitioner placed in the forward graph (a gradient independent of
+    the tangents, which ranks could place differently) is a PassError, not a divergent schedule;
+    the same graph with the reduction moved out of forward passes."""
+    from torch import fx
+
+    from zerograph.errors import PassError
+    from zerograph.ops import REDUCE_GRAD
+    from zerograph.passes.manager import check_no_gradient_reduction_in_forward
+
+    def forward_graph(reduce: bool) -> fx.GraphModule:
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        y = graph.call_function(torch.ops.aten.mul.Tensor, (x, x))
+        outputs = (y, graph.call_function(REDUCE_GRAD, (y, 0))) if reduce else (y,)
+        graph.output(outputs)
+        return fx.GraphModule(torch.nn.Module(), graph)
+
+    with pytest.raises(PassError, match="forward graph reduces gradients"):
+        check_no_gradient_reduction_in_forward(forward_graph(reduce=True))
+    check_no_gradient_reduction_in_forward(forward_graph(reduce=False))

@@ -29,7 +29,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from zerograph.passes.activation_partition import offloaded_outputs, saved_activation_outputs, wants_offload
 from zerograph.passes.context import PassContext
 from zerograph.passes.liveness import Timeline, timeline
-from zerograph.passes.manager import check_no_saved_gathers, collective_volume, pipeline, run_pipeline, structured_trace_on
+from zerograph.passes.manager import (
+    check_no_gradient_reduction_in_forward,
+    check_no_saved_gathers,
+    collective_volume,
+    pipeline,
+    run_pipeline,
+    structured_trace_on,
+)
 from zerograph.passes.secondary_partition import secondary_partition_outputs
 
 from . import registry
@@ -153,6 +160,7 @@ class _GraphCompile:
         joint = self.run_passes("joint", joint)
         with _offloading(joint):
             fwd, bwd = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        check_no_gradient_reduction_in_forward(fwd)
         if self.backend.runtime.stage == 3:
             check_no_saved_gathers(fwd)
         return fwd, bwd
