@@ -138,6 +138,21 @@ def test_complex_units_run_inline_and_match_eager(dtype: torch.dtype) -> None:
     assert (kind.inline_reason is not None and "complex" in kind.inline_reason) == dtype.is_complex
 
 
+@pytest.mark.parametrize("call", ["direct", "torch_compile"])
+def test_a_templated_unit_called_alone_is_refused_as_without_templates(call: str) -> None:
+    """Outside the model's forward a templated unit runs its body, which refuses the call with
+    ``ShardingError`` (its parameters are this rank's shards there), as without templates; the
+    template path would gather them eagerly, a collective only this rank joins."""
+    torch.manual_seed(0)
+    config = zerograph.Config(unit_templates=True, unit_classes=(_MatmulBlock,))
+    model = zerograph.compile(_MatmulChain(torch.float32), 3, config=config)
+    x = torch.randn(3, 5)
+    model(x).backward()
+    block = model.blocks[0] if call == "direct" else torch.compile(model.blocks[0], backend="eager")
+    with pytest.raises(ShardingError, match="called on its own"):
+        block(x)
+
+
 class _Block(nn.Module):
     def __init__(self, width: int = 32, bias: bool = True, extra: bool = False, squash: bool = False) -> None:
         super().__init__()

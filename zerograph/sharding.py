@@ -171,6 +171,11 @@ def set_gathering(active: bool) -> bool:
     return previous
 
 
+def gathering() -> bool:
+    """True while a zerograph forward runs or is traced (``set_gathering``)."""
+    return _gathering
+
+
 # Set by the compiled model's forward from its runtime (as _gathering is). The parameter
 # properties read it, so Dynamo guards on it: each mode traces, and caches, its own graphs.
 _grad_mode = GRAD_SYNC

@@ -64,7 +64,7 @@ from .capture import parameter_write_error
 from .errors import ShardingError, TemplateUnavailable
 from .flat import FlatShard
 from .ops import unit_forward
-from .sharding import full_parameter, original_class, own_code, set_tracing_unit, tracing_unit
+from .sharding import full_parameter, gathering, original_class, own_code, set_tracing_unit, tracing_unit
 
 UNIT_ATTR = "_zerograph_unit"  # a templated unit's (kind, parameter slots, buffer slots, keys, modules)
 INLINE_ATTR = "_zerograph_unit_inline"  # True once the unit's kind fell back to running inline
@@ -267,9 +267,10 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     ``unit_forward`` in the mode of its submodules' training flags (``MODE_ATTR``, read here, so
     Dynamo guards on it and ``eval()`` retraces). The body runs inline instead for keyword or non-tensor
     arguments, under autocast (a template is traced without it), once its kind fell back to
-    inline, and in the template's own trace of the body."""
+    inline, in the template's own trace of the body, and outside the model's forward (a direct
+    call of the unit, which the body refuses with ``ShardingError`` as without templates)."""
     body = type(self).forward
-    if (getattr(self, INLINE_ATTR) or tracing_unit() or kwargs or not args
+    if (getattr(self, INLINE_ATTR) or tracing_unit() or not gathering() or kwargs or not args
             or not all(isinstance(a, torch.Tensor) for a in args) or torch.is_autocast_enabled(args[0].device.type)):
         return body(self, *args, **kwargs)
     kind, param_slots, buffer_slots, keys, _, flat = getattr(self, UNIT_ATTR)
