@@ -367,6 +367,49 @@ def test_dropout_blocks_run_inline() -> None:
     assert kind.inline_reason is not None
 
 
+class _NormedUnit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = nn.Linear(6, 6), nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.lin(x)))
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_kind_falls_back_in_training_only_and_keeps_its_eval_template() -> None:
+    """Batch norm writes its running statistics in training, so the kind runs inline in training
+    mode; in eval it keeps its template, and the eval graph compiled before the fallback is
+    reused after it (one inference graph, not two). Outputs and gradients equal eager's."""
+    # a fresh Dynamo: nn.Sequential models share one cache entry and automatic-dynamic state (README)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = nn.Sequential(_NormedUnit(), _NormedUnit())
+    config = zerograph.Config(unit_templates=True, unit_classes=(_NormedUnit,))
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=config)
+    x = torch.randn(4, 6)
+
+    def evaluate(net: nn.Module) -> torch.Tensor:
+        net.eval()
+        with torch.no_grad():
+            out = net(x)
+        net.train()
+        return out
+
+    torch.testing.assert_close(evaluate(model), evaluate(reference), rtol=0, atol=0)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    _grads_equal(model, reference)
+    for _ in range(2):
+        torch.testing.assert_close(evaluate(model), evaluate(reference), rtol=1e-6, atol=1e-6)
+    (kind,) = state_of(model).unit_kinds
+    train_mode = (1 << len(list(_NormedUnit().modules()))) - 1
+    assert list(kind.inline_modes) == [train_mode] and "in place" in kind.inline_modes[train_mode]
+    assert [key[1:] for key in kind.templates] == [(0, 0)]  # the eval template, input without gradient
+    graph_kinds = [sorted(k for k in record if k != "dynamo") for record in graphs_of(model)]
+    assert graph_kinds == [["inference"], ["backward", "forward", "joint"]]
+
+
 class _Writer(nn.Module):
     def __init__(self) -> None:
         super().__init__()

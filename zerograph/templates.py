@@ -23,14 +23,16 @@ repeated block once, as FSDP2 + ``torch.compile`` per block does, and Dynamo's
 ``nested_compile_region`` (``invoke_subgraph``); README "Compile time" says why not those.
 
 Where a template cannot stand for the body, the unit runs inline, traced with the model as without
-templates: a call with keyword or non-tensor arguments, or under autocast (per call); and, for
-the whole kind from then on (logged as a warning, named in ``UnitKind.inline_reason``), a body
-that returns something other than one tensor, cannot be traced on fake tensors (data-dependent
-control flow, dropout's random ops in the partitioner), writes an input or buffer in place (a
-batch norm's running statistics), is met with a dynamic shape, or has a complex input, parameter
-or buffer (its template's gradients were found to differ from eager's). A body that writes a parameter
-in place is refused (``ShardingError``), as it is inline. The kind's first
-trace raises ``TemplateUnavailable``, and the compiled forward traces the model again.
+templates: a call with keyword or non-tensor arguments, or under autocast (per call); for the
+whole kind from then on, in the training-flag mode it was traced for (logged as a warning, named
+in ``UnitKind.inline_modes``; a batch norm or dropout fails in training only, so in eval the kind
+keeps its template and its eval graphs), a body that returns something other than one tensor,
+cannot be traced on fake tensors (data-dependent control flow, dropout's random ops in the
+partitioner), writes an input or buffer in place (a batch norm's running statistics), or has a
+complex input, parameter or buffer (its template's gradients were found to differ from eager's);
+and in every mode, a kind met with a dynamic shape. A body that writes a parameter in place is
+refused (``ShardingError``), as it is inline. The kind's first failed trace raises
+``TemplateUnavailable``, and the compiled forward traces the model again.
 
 Train and eval are separate templates: each unit passes its submodules' training flags to the op
 (``mode``), so Dynamo guards on them and ``eval()`` retraces, and the template is traced with the
@@ -67,7 +69,10 @@ from .ops import unit_forward
 from .sharding import full_parameter, gathering, original_class, own_code, set_tracing_unit, tracing_unit
 
 UNIT_ATTR = "_zerograph_unit"  # a templated unit's (kind, parameter slots, buffer slots, keys, modules)
-INLINE_ATTR = "_zerograph_unit_inline"  # True once the unit's kind fell back to running inline
+INLINE_ATTR = "_zerograph_unit_inline"  # True once the unit's kind fell back to running inline in every mode
+# + str(mode): True once the kind fell back in that training-flag mode only (one attribute per mode,
+# so Dynamo's guard on one mode's flag is not broken when another mode falls back)
+INLINE_MODE_PREFIX = "_zerograph_unit_inline_mode_"
 MODE_ATTR = "_zerograph_unit_mode"  # the unit's submodules' training flags as bits (refresh_unit_modes)
 
 # (shape, stride, dtype) of one tensor; a template is traced per tuple of these of its primals
@@ -140,7 +145,8 @@ class UnitKind:
         self.units: list[str] = [name]
         self.modules: list[nn.Module] = [module]  # every unit of the kind
         self.templates: dict[tuple, UnitTemplate] = {}  # (input metas, mode, arg_grads) -> template
-        self.inline_reason: str | None = None  # set when the kind fell back to running inline
+        self.inline_reason: str | None = None  # set when the kind fell back to running inline (in some mode)
+        self.inline_modes: dict[int, str] = {}  # training-flag mode -> why the kind runs inline in it
         self.flat_reason: str | None = "not asked"  # why its units have no flat shards (None: they have)
         self.flat_shards: list[FlatShard] = []  # its units' flat shards, in unit order
         self._record = record
@@ -156,14 +162,18 @@ class UnitKind:
             self._record.append(template)
         return template
 
-    def fall_back(self, reason: str) -> NoReturn:
-        """Make every unit of the kind run inline from now on, and raise ``TemplateUnavailable``
-        (the compiled forward catches it and traces the model again)."""
+    def fall_back(self, reason: str, mode: int | None = None) -> NoReturn:
+        """Make every unit of the kind run inline from now on, in training-flag mode ``mode`` only
+        (a body that cannot be a template in training: dropout, a batch norm's statistics) or in
+        every mode (``None``), and raise ``TemplateUnavailable`` (the compiled forward catches it
+        and traces the model again)."""
         self.inline_reason = reason
+        if mode is not None:
+            self.inline_modes[mode] = reason
         for module in self.modules:
-            object.__setattr__(module, INLINE_ATTR, True)
-        log.warning("zerograph: unit template for %s (%d units) not used, they run inline: %s",
-                    self.name, len(self.modules), reason)
+            object.__setattr__(module, INLINE_ATTR if mode is None else f"{INLINE_MODE_PREFIX}{mode}", True)
+        log.warning("zerograph: unit template for %s (%d units) not used, they run inline%s: %s", self.name,
+                    len(self.modules), "" if mode is None else f" in mode {mode:#b} (training flags)", reason)
         raise TemplateUnavailable(f"unit {self.name!r}: {reason}")
 
 
@@ -270,11 +280,12 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     inline, in the template's own trace of the body, and outside the model's forward (a direct
     call of the unit, which the body refuses with ``ShardingError`` as without templates)."""
     body = type(self).forward
-    if (getattr(self, INLINE_ATTR) or tracing_unit() or not gathering() or kwargs or not args
-            or not all(isinstance(a, torch.Tensor) for a in args) or torch.is_autocast_enabled(args[0].device.type)):
+    mode = getattr(self, MODE_ATTR)  # one guard per unit; refresh_unit_modes keeps it current
+    if (getattr(self, INLINE_ATTR) or getattr(self, f"{INLINE_MODE_PREFIX}{mode}", False) or tracing_unit()
+            or not gathering() or kwargs or not args or not all(isinstance(a, torch.Tensor) for a in args)
+            or torch.is_autocast_enabled(args[0].device.type)):
         return body(self, *args, **kwargs)
     kind, param_slots, buffer_slots, keys, _, flat = getattr(self, UNIT_ATTR)
-    mode = getattr(self, MODE_ATTR)  # one guard per unit; refresh_unit_modes keeps it current
     # Dynamo guards on each input's requires_grad already: a constant for this trace
     arg_grads = sum(1 << i for i, a in enumerate(args) if a.requires_grad)
     # the shards straight from their slots, not through the parameter properties: the same
@@ -347,7 +358,7 @@ def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg
         error = outcome["error"]
         if isinstance(error, ShardingError):  # refused inline too (an in-place parameter write)
             raise error
-        kind.fall_back(f"{type(error).__name__}: {error}".splitlines()[0][:300])
+        kind.fall_back(f"{type(error).__name__}: {error}".splitlines()[0][:300], mode)
     return outcome["template"]
 
 
