@@ -35,6 +35,7 @@ def _cpu() -> tuple[float, float]:
 
 _START = pytest.StashKey[tuple]()
 _PROPERTY = "cpu_durations"  # (self CPU s, children CPU s, wall s) on a test's teardown report
+_ROWS: dict[str, tuple[float, float, float]] = {}  # nodeid -> row, on the controller (or the only process)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -62,22 +63,18 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             _ROWS[report.nodeid] = tuple(value)
 
 
-_ROWS: dict[str, tuple[float, float, float]] = {}  # nodeid -> row, on the controller (or the only process)
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     count = config.getoption("--cpu-durations")
     if count is None:
         return
-    rows = _ROWS
     def estimate(row: tuple[float, float, float]) -> float:
         return row[0] + row[1] / CORES
-    ordered = sorted(rows.items(), key=lambda kv: estimate(kv[1]), reverse=True)
+    ordered = sorted(_ROWS.items(), key=lambda kv: estimate(kv[1]), reverse=True)
     write = terminalreporter.write_line
     terminalreporter.section(f"cpu durations (idle {CORES}-core estimate = self + children / {CORES})")
     for nodeid, row in ordered[:count or None]:
         write(f"{estimate(row):7.1f}s idle-est {row[0]:7.1f}s self {row[1]:7.1f}s children "
               f"{row[2]:7.1f}s wall  {nodeid}")
-    own, children, wall = (sum(r[i] for r in rows.values()) for i in range(3))
-    write(f"TOTAL {len(rows)} tests: idle-est {own + children / CORES:.0f} s, self {own:.0f} s, children "
+    own, children, wall = (sum(r[i] for r in _ROWS.values()) for i in range(3))
+    write(f"TOTAL {len(_ROWS)} tests: idle-est {own + children / CORES:.0f} s, self {own:.0f} s, children "
           f"{children:.0f} s (CPU {own + children:.0f} s), wall {wall:.0f} s")

@@ -28,9 +28,9 @@ whole kind from then on, in the training-flag mode it was traced for (logged as 
 in ``UnitKind.inline_modes``; a batch norm or dropout fails in training only, so in eval the kind
 keeps its template and its eval graphs), a body that returns something other than one tensor,
 cannot be traced on fake tensors (data-dependent control flow, dropout's random ops in the
-partitioner), writes an input or buffer in place (a batch norm's running statistics), or has a
-complex input, parameter or buffer (its template's gradients were found to differ from eager's);
-and in every mode, a kind met with a dynamic shape. A body that writes a parameter in place is
+partitioner), or writes an input or buffer in place (a batch norm's running statistics); and in
+every mode, a kind met with a dynamic shape or a complex input, parameter or buffer (its
+template's gradients were found to differ from eager's). A body that writes a parameter in place is
 refused (``ShardingError``), as it is inline. The kind's first failed trace raises
 ``TemplateUnavailable``, and the compiled forward traces the model again.
 
@@ -154,6 +154,10 @@ class UnitKind:
     def template(self, mode: int, arg_grads: int, primals: Sequence[torch.Tensor]) -> UnitTemplate:
         if any(not isinstance(d, int) for p in primals for d in (*p.shape, *p.stride())):
             self.fall_back("an input has a dynamic shape (a template is traced for static shapes)")
+        if any(p.dtype.is_complex for p in primals):
+            # a complex unit's template gave its weight a gradient other than eager's (found in the
+            # every-dtype test; complex autograd's conjugate views, not diagnosed further): inline is exact
+            self.fall_back("it has a complex input, parameter or buffer (templates are traced for real dtypes)")
         metas = tuple((tuple(p.shape), tuple(p.stride()), p.dtype) for p in primals)
         template = self.templates.get((metas, mode, arg_grads))
         if template is None:
@@ -277,7 +281,7 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     ``unit_forward`` in the mode of its submodules' training flags (``MODE_ATTR``, read here, so
     Dynamo guards on it and ``eval()`` retraces). The body runs inline instead for keyword or non-tensor
     arguments, under autocast (a template is traced without it), once its kind fell back to
-    inline, in the template's own trace of the body, and outside the model's forward (a direct
+    inline (in this mode or every mode), in the template's own trace of the body, and outside the model's forward (a direct
     call of the unit, which the body refuses with ``ShardingError`` as without templates)."""
     body = type(self).forward
     mode = getattr(self, MODE_ATTR)  # one guard per unit; refresh_unit_modes keeps it current
@@ -365,10 +369,6 @@ def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg
 def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
            device: torch.device) -> UnitTemplate:
     start = time.perf_counter()
-    if any(dtype.is_complex for _, _, dtype in metas):
-        # a complex unit's template gave its weight a gradient other than eager's (found in the
-        # every-dtype test; complex autograd's conjugate views, not diagnosed further): inline is exact
-        raise ValueError("it has a complex input, parameter or buffer (templates are traced for real dtypes)")
     module = kind.module
     _, param_slots, buffer_slots, _, modules, flat = getattr(module, UNIT_ATTR)
     n_params, n_buffers = (1 if flat is not None else len(param_slots)), len(buffer_slots)
