@@ -6,6 +6,7 @@ rank of a fake world (the collective schedule equals the untemplated build's, on
 kind); look-alike blocks and untraceable blocks in a world of one."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 
@@ -25,6 +26,7 @@ from .distributed import fake_rank, spawn
 from .models import reference_training
 from .test_parity import LR, STEPS, check_parity
 from .workers import train_stages
+from .workers_classes import SometimesHead
 
 TEMPLATES = zerograph.Config(unit_templates=True)
 
@@ -220,8 +222,8 @@ class _ModeBlock(nn.Module):
 
 def _grads_equal(model: nn.Module, reference: nn.Module) -> None:
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-        if q.grad is None:  # unused in this step (a branch not taken), as in eager
-            assert p.grad is None or not p.grad.full_tensor().any(), name
+        if q.grad is None:  # unused in this step (a branch not taken): no gradient, as in eager
+            assert p.grad is None, name
             continue
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=0, msg=name)
 
@@ -365,6 +367,55 @@ def test_dropout_blocks_run_inline() -> None:
     assert all(p.grad is not None for p in model.parameters())
     (kind,) = state_of(model).unit_kinds
     assert kind.inline_reason is not None
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+@pytest.mark.parametrize("stage", [0, 3])  # one input per parameter; a flat shard per unit
+def test_parameters_the_loss_never_reaches_keep_no_gradient(stage: int) -> None:
+    """A unit that runs a layer and discards its output (``SideBlock.aux``): eager leaves that
+    layer's ``.grad`` ``None``, so AdamW skips it; a template's backward gave it zeros, which
+    AdamW's weight decay then shrank. Three steps, the second with an unsynced micro-batch; world
+    of one: the ``None`` set of every step and the parameters equal eager's."""
+    torch.manual_seed(0)
+    reference = SometimesHead()
+    model = zerograph.compile(copy.deepcopy(reference), stage, config=zerograph.Config(unit_templates=True))
+    x = torch.randn(4, 4)
+    none_sets = []
+    for net in (model, reference):
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+        sets = []
+        for step in range(3):
+            if step == 1:
+                with model.no_sync() if net is model else contextlib.nullcontext():
+                    net(x, True).backward()
+            net(x, False).backward()
+            sets.append({n for n, p in net.named_parameters() if p.grad is None})
+            opt.step()
+            opt.zero_grad()
+        none_sets.append(sets)
+    assert none_sets[0] == none_sets[1] and "blocks.0.aux.weight" in none_sets[1][0]
+    assert all(not kind.inline_reason for kind in state_of(model).unit_kinds)  # the templates ran
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-6, atol=1e-6, msg=name)
+
+
+class _Scale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_unit_without_parameters_keeps_its_template_under_no_grad() -> None:
+    """Under ``torch.no_grad()`` nothing a parameterless unit takes needs a gradient: its
+    template is forward only (before, its trace asked autograd for the gradient of nothing, and
+    the kind fell back to running inline)."""
+    model = zerograph.compile(nn.Sequential(nn.Linear(4, 4), _Scale(), nn.Linear(4, 4)), 0,
+                              config=zerograph.Config(unit_templates=True, unit_classes=(_Scale, nn.Linear)))
+    torch._dynamo.reset()  # nn.Sequential models share one cache entry (README)
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    kinds = state_of(model).unit_kinds
+    assert len(kinds) == 2 and all(kind.inline_reason is None for kind in kinds)
 
 
 class _NormedUnit(nn.Module):

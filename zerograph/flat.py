@@ -51,6 +51,9 @@ class FlatShard:
         layouts: their layouts, in the same order.
         offsets: element offset of each parameter's padded chunk in ``param``.
         rank: this rank in the shard group.
+        no_grad: indices of the parameters the unit's output does not reach (its template
+            found them, ``templates.UnitTemplate.no_grad_params``): ``add_grad`` leaves their
+            ``.grad`` as it is, ``None`` in a first backward, as eager does.
     """
 
     layout: ParamLayout
@@ -59,6 +62,7 @@ class FlatShard:
     layouts: tuple[ParamLayout, ...]
     offsets: tuple[int, ...]
     rank: int
+    no_grad: frozenset[int] = frozenset()
 
     def unflatten(self, full: torch.Tensor) -> list[torch.Tensor]:
         """The full parameters from the all-gathered flat shards. ``full``: ``(N * T,)`` ->
@@ -91,9 +95,12 @@ class FlatShard:
 
     def add_grad(self, flat_grad: torch.Tensor) -> None:
         """Hand this rank's reduced flat gradient, ``(T,)``, to the parameters' ``.grad``: a
-        ``DTensor`` view of it where ``.grad`` is ``None``, added in place otherwise."""
+        ``DTensor`` view of it where ``.grad`` is ``None``, added in place otherwise; nothing
+        for the parameters of ``no_grad`` (their part is zeros)."""
         with torch.no_grad():
-            for shard, layout, offset in zip(self.shards, self.layouts, self.offsets):
+            for index, (shard, layout, offset) in enumerate(zip(self.shards, self.layouts, self.offsets)):
+                if index in self.no_grad:
+                    continue
                 shape = layout.local_shape(self.rank)
                 local = flat_grad[offset : offset + math.prod(shape)].view(shape)
                 if shard.grad is None:

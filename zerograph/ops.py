@@ -63,13 +63,19 @@ def _reduce_grad_fake(grad: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) 
     return grad.new_empty(registry.runtime_of(key).local_shape(key), dtype=registry.layout_of(key).dtype)
 
 
-def _unshard_backward(ctx, grad: torch.Tensor):
+def _unshard_backward(ctx, grad: torch.Tensor | None):
+    if grad is None:  # the full parameter was read, but nothing the loss depends on used it
+        return None, None, None
     return reduce_grad(grad.contiguous(), ctx.key, ctx.grad_mode), None, None
 
 
 def _unshard_setup(ctx, inputs, output) -> None:
     ctx.key = inputs[1]
     ctx.grad_mode = inputs[2] if len(inputs) > 2 else GRAD_SYNC
+    # autograd runs this backward for every read parameter, with an undefined gradient where the
+    # read reached no loss (a unit template's None); materialized, that would be a zero gradient
+    # reduced and handed to the optimizer (AdamW would decay it), where eager leaves .grad None
+    ctx.set_materialize_grads(False)
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)

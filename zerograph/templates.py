@@ -95,9 +95,13 @@ class UnitTemplate:
         saved_primals: indices of the primals the backward reads (saved by autograd, not returned,
             since a custom op's output may not alias its input).
         grad_mask: per primal, whether the backward returns its gradient (floating-point arguments
-            and parameters that require grad).
+            and parameters that require grad and that the output reaches through autograd; for
+            the others autograd gets ``None``, as in eager).
         grad_metas: ``(shape, stride, dtype)`` of each gradient returned (``grad_mask`` order).
         forward_graph, backward_graph: the partitioned graphs (ATen ops), for tests and dumps.
+        no_grad_params: with a flat shard, the indices (slot order) of the unit's parameters the
+            output does not reach: their part of the flat gradient is zeros, their ``.grad``
+            stays ``None`` (``FlatShard.no_grad``).
         trace_seconds: wall seconds the trace, partition and lowering took.
         units: names of the units that call it (its kind's units).
     """
@@ -115,6 +119,7 @@ class UnitTemplate:
     backward_sources: list[tuple[str, int]]  # per backward input but tangents: ("primal"|"output", index)
     run_forward: Callable[..., Any]
     run_backward: Callable[..., Any]
+    no_grad_params: frozenset[int] = frozenset()
     trace_seconds: float = 0.0
     units: list[str] = dataclasses.field(default_factory=list)
 
@@ -123,15 +128,10 @@ class UnitTemplate:
 
     def backward(self, primals: Sequence[torch.Tensor], saved: Sequence[torch.Tensor],
                  tangents: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradients of the differentiable primals; zeros where the unit does not use one."""
+        """Gradients of the primals of ``grad_mask`` (those the output reaches), in primal order."""
         args = [primals[i] if source == "primal" else saved[i] for source, i in self.backward_sources]
         grads = self.run_backward(*args, *tangents)
-        out = []
-        for grad, wanted, (shape, stride, dtype) in zip(grads, self.grad_mask, self.input_metas):
-            if wanted:
-                out.append(grad if grad is not None else
-                           torch.zeros(shape, dtype=dtype, device=tangents[0].device))
-        return out
+        return [grad for grad, wanted in zip(grads, self.grad_mask) if wanted]
 
 
 class UnitKind:
@@ -162,9 +162,29 @@ class UnitKind:
         template = self.templates.get((metas, mode, arg_grads))
         if template is None:
             template = trace_template(self, metas, mode, arg_grads, primals[0].device)
+            if self.flat_shards:
+                self._agree_on_no_grad(template, mode)
             self.templates[metas, mode, arg_grads] = template
             self._record.append(template)
         return template
+
+    def _agree_on_no_grad(self, template: UnitTemplate, mode: int) -> None:
+        """Tell the kind's flat shards which parameters get no gradient (``FlatShard.no_grad``);
+        the first template that trains decides, and one that disagrees (a parameter used in one
+        training-flag mode or input shape only) makes the kind run inline: one flat shard hands
+        its gradient over one way. A template for input that needs no gradient at all
+        (``torch.no_grad()`` around an eval forward) has no say. Once the kind runs inline in
+        any mode, every parameter gets the flat gradient's part, zeros where unused (inline, the
+        graph cannot tell), so no gradient is ever dropped."""
+        if not any(template.grad_mask) or self.inline_reason is not None:
+            return
+        decided = [t for t in self.templates.values() if any(t.grad_mask)]
+        if decided and decided[0].no_grad_params != template.no_grad_params:
+            self.fall_back("its templates leave different parameters without a gradient "
+                           f"({sorted(decided[0].no_grad_params)} against {sorted(template.no_grad_params)}); "
+                           "one flat shard's gradient cannot follow both")
+        for flat in self.flat_shards:
+            flat.no_grad = template.no_grad_params
 
     def fall_back(self, reason: str, mode: int | None = None) -> NoReturn:
         """Make every unit of the kind run inline from now on, in training-flag mode ``mode`` only
@@ -172,6 +192,8 @@ class UnitKind:
         every mode (``None``), and raise ``TemplateUnavailable`` (the compiled forward catches it
         and traces the model again)."""
         self.inline_reason = reason
+        for flat in self.flat_shards:  # inline, a flat shard's unused parameters get zeros (_agree_on_no_grad)
+            flat.no_grad = frozenset()
         if mode is not None:
             self.inline_modes[mode] = reason
         for module in self.modules:
@@ -384,12 +406,14 @@ def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: 
     # storages of the parameters the body computes with, when they are cut out of a flat shard (a
     # write to one is refused as a write to the parameter is; the last trace's are what count)
     cut_out: dict[StorageWeakRef, str] = {}
+    cut_params: list[torch.Tensor] = []  # the parameters as the last trace cut them out of the flat shard
 
     def body(*p: torch.Tensor) -> list[torch.Tensor]:
         slots = [(mod._parameters, name) for mod, name in param_slots] + [(mod._buffers, name) for mod, name in buffer_slots]
         params = list(p[n_args:n_args + n_params])
         if flat is not None:
             params = flat.unflatten(params[0])
+            cut_params[:] = params
             cut_out.clear()
             cut_out.update({StorageWeakRef(t.untyped_storage()): name for t, name in zip(params, slot_names)})
         values = [*params, *p[n_args + n_params:]]
@@ -414,14 +438,25 @@ def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: 
 
     with fake_mode:
         tangents = [torch.empty_like(o, memory_format=torch.contiguous_format) for o in body(*primals)]
+    # which primals, and which parameters cut out of a flat shard, the output depends on through
+    # autograd: eager leaves the others' .grad None (AdamW then skips them), so must we
+    reached: dict[str, list[bool]] = {}
 
     def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list, list]:
         outs = body(*primals)
         differentiable = [p for p in primals if p.requires_grad]
-        grads = iter(torch.autograd.grad(outs, differentiable, tangents, allow_unused=True))
-        return outs, [next(grads) if p.requires_grad else None for p in primals]
+        grads = list(torch.autograd.grad(outs, differentiable, tangents, allow_unused=True)) if differentiable else []
+        reached["primals"] = [g is not None for g in grads]
+        reached["cut_out"] = [_reaches(outs, t) for t in cut_params]
+        grads_iter = iter(grads)
+        return outs, [next(grads_iter) if p.requires_grad else None for p in primals]
 
-    joint_graph = make_fx(joint)(primals, tangents)
+    with fake_mode:  # so that what autograd creates (zeros for an unused output's gradient) is fake too
+        joint_graph = make_fx(joint)(primals, tangents)
+    used = iter(reached["primals"])
+    grad_mask = [wanted and next(used) for wanted in wants_grad]
+    # a flat shard's parameters the output never reaches: one flat gradient cannot say so itself
+    no_grad_params = frozenset(i for i, hit in enumerate(reached["cut_out"]) if not hit)
     if flat is not None:
         parameters = {n_args: "<flat shard>"}
     else:
@@ -441,15 +476,31 @@ def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: 
     bwd_inputs = [n for n in bwd.graph.nodes if n.op == "placeholder"]
     assert len(bwd_inputs) == len(backward_sources) + n_outputs, (len(bwd_inputs), len(backward_sources))
     output_metas = [_meta(n.meta["val"]) for n in outputs]
-    grad_metas = [_meta(primals[i]) for i, wanted in enumerate(wants_grad) if wanted]
+    grad_metas = [_meta(primals[i]) for i, wanted in enumerate(grad_mask) if wanted]
     run_forward, run_backward = _lower(kind.lowering, fwd, bwd, fake_mode, primals, outputs, backward_sources,
                                        saved_primals, tangents)
-    template = UnitTemplate(template_id, kind.kind, metas, n_outputs, output_metas, saved_primals, wants_grad,
-                            grad_metas, fwd, bwd, backward_sources, run_forward, run_backward)
+    template = UnitTemplate(template_id, kind.kind, metas, n_outputs, output_metas, saved_primals, grad_mask,
+                            grad_metas, fwd, bwd, backward_sources, run_forward, run_backward, no_grad_params)
     registry.register_template_as(template_id, template)
     template.trace_seconds = time.perf_counter() - start
     template.units = kind.units
     return template
+
+
+def _reaches(outs: Sequence[torch.Tensor], tensor: torch.Tensor) -> bool:
+    """Whether autograd reaches ``tensor`` from ``outs``: its gradient is not ``None``."""
+    if tensor.grad_fn is None:
+        return False
+    seen, stack = set(), [o.grad_fn for o in outs if o.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is tensor.grad_fn:
+            return True
+        if fn in seen:
+            continue
+        seen.add(fn)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
+    return False
 
 
 def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[list[tuple[str, int]], list[int]]:
