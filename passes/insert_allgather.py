@@ -221,14 +221,29 @@ def _mark_recompute(fulls: list[fx.Node]) -> None:
     _recompute_views(fulls)
 
 
+# ops that only move a tensor's data (after AOTAutograd's decompositions, ``reshape`` of a
+# non-contiguous view is ``clone`` + ``_unsafe_view``): one made from gathered parameters alone
+# is a gathered parameter too, as large, and as cheap to make again as a view
+_LAYOUT_COPIES = frozenset({torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default,
+                            torch.ops.aten.cat.default, torch.ops.aten._to_copy.default})
+
+
 def _recompute_views(bases: list[fx.Node]) -> None:
-    """Mark every view of ``bases`` (transitively, e.g. a weight's transpose) ``MUST_RECOMPUTE``."""
-    stack = list(bases)
+    """Mark every view of ``bases`` (transitively, e.g. a weight's transpose), and every layout
+    copy made of them alone (a parameter cut out of a unit's gathered flat shard: a column slice,
+    copied by the reshape, ``flat.py``), ``MUST_RECOMPUTE``: otherwise the partitioner saves
+    that copy for backward, and a stage-3 unit keeps its gathered parameters from forward to
+    backward instead of gathering them again."""
+    derived, stack = set(bases), list(bases)
     while stack:
         node = stack.pop()
         for user in node.users:
-            if is_alias_of_input(user) and user.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
+            if user in derived or user.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
+                continue
+            if is_alias_of_input(user) or (user.target in _LAYOUT_COPIES
+                                           and all(inp in derived for inp in user.all_input_nodes)):
                 user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                derived.add(user)
                 stack.append(user)
 
 

@@ -370,6 +370,36 @@ def test_dropout_blocks_run_inline() -> None:
 
 
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+@pytest.mark.parametrize("why", ["dropout", "dynamic shapes"])
+def test_units_that_run_inline_gather_again_in_backward(why: str) -> None:
+    """At stage 3 a kind that runs inline reads its parameters out of its units' gathered flat
+    shards. Those cuts are copies (a reshape of a column slice), which the partitioner used to
+    save for backward: the units kept their gathered parameters from forward to backward (ZeRO-3's
+    memory saving gone), and with per-rank sequence lengths a rank on the static templated graph
+    and a rank on the dynamic inline one ran different collectives (``ScheduleMismatchError``).
+    Rank 0 of a fake world of 2: every backward graph's schedule equals the untemplated build's,
+    which gathers each block again."""
+    config = GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=16, dropout=0.1 if why == "dropout" else 0.0)
+    lengths = (16, 8) if why == "dynamic shapes" else (16,)
+    schedules = {}
+    for templates in (False, True):
+        with fake_rank(2):
+            torch.manual_seed(0)
+            model = zerograph.compile(GPT(config), 3, config=zerograph.Config(unit_templates=templates))
+            for length in lengths:
+                idx = torch.randint(0, 256, (2, length))
+                model(idx, idx).backward()
+            schedules[templates] = [schedule_of(record["backward"].graph, "backward", "").entries
+                                    for record in graphs_of(model) if "backward" in record]
+            if templates:
+                (kind,) = state_of(model).unit_kinds
+                assert kind.inline_reason is not None and kind.flat_shards  # inline, on flat shards
+    assert len(schedules[True]) == len(lengths) and schedules[True] == schedules[False]
+    for entries in schedules[True]:
+        assert {e.units for e in entries if e.kind == "all_gather"} == {(0,), (1,), (2,)}
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 @pytest.mark.parametrize("stage", [0, 3])  # one input per parameter; a flat shard per unit
 def test_parameters_the_loss_never_reaches_keep_no_gradient(stage: int) -> None:
     """A unit that runs a layer and discards its output (``SideBlock.aux``): eager leaves that
@@ -478,6 +508,13 @@ def test_a_block_that_writes_its_parameter_is_refused() -> None:
     model = zerograph.compile(nn.Sequential(_Writer(), _Writer()), 3, config=TEMPLATES)
     with pytest.raises(ShardingError, match="in place"):
         model(torch.randn(2, 8))
+
+
+def test_config_refuses_templates_with_an_activation_budget() -> None:
+    """The activation plan moves a unit's activations op by op; a templated unit is one op, and
+    the budget was exceeded (measured), so the pair is refused before anything compiles."""
+    with pytest.raises(zerograph.ConfigError, match="unit_templates with activation_budget_bytes"):
+        zerograph.Config(unit_templates=True, activation_budget_bytes=1 << 20)
 
 
 def test_config_refuses_a_non_bool() -> None:
