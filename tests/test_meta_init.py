@@ -15,9 +15,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 import zerograph
-from zerograph.models.gpt import GPT
+from zerograph.models.gpt import GPT, GPTConfig
+from zerograph.state import state_of
 
-from .distributed import spawn
+from .distributed import fake_rank, spawn
 from .workers_meta import UNEVEN_GPT, gpt_init_passes, meta_gpt, meta_parity, meta_parity_and_memory
 
 STAGES = [0, 1, 2, 3]
@@ -100,6 +101,34 @@ def test_partly_meta_model_is_refused_naming_the_parameters() -> None:
     real.register_buffer("table", torch.empty(2, device="meta"))
     with pytest.raises(zerograph.ShardingError, match="table"):
         zerograph.compile(real, stage=3)
+
+
+def test_a_partial_init_of_flat_shards_is_refused_naming_what_is_missing() -> None:
+    """With ``unit_templates`` a unit's shards live in one flat buffer and share its version
+    counter, so an init that wrote a block's weights hid its biases and norms from the guard (3
+    names reported, not 19, and training read uninitialised memory). Rank 0 of a fake world of 2:
+    the same 19 names as the per-parameter build, and the model runs once the rest is written."""
+    cfg = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=16)
+    x = torch.randint(0, 256, (2, 16))
+
+    def weights_only(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+
+    left = {}
+    for templates in (False, True):
+        with fake_rank(2):
+            with torch.device("meta"):
+                meta = GPT(cfg)
+            model = zerograph.compile(meta, stage=3, device="cpu", config=zerograph.Config(unit_templates=templates))
+            assert bool(state_of(model).runtime.flat_shards) == templates
+            left[templates] = zerograph.init_weights(model, weights_only)
+            with pytest.raises(zerograph.ShardingError, match=rf"{len(left[templates])} of its tensors"):
+                model(x, x)
+            if templates:  # a unit's neighbours written, not it: "blocks.0.ln_1.weight" is still missing
+                assert zerograph.init_weights(model, model.init_passes()) == []
+                model(x, x)  # no longer refused
+    assert left[True] == left[False] and "blocks.0.ln_1.weight" in left[True] and len(left[True]) == 19
 
 
 def test_meta_model_without_a_usable_device_is_refused() -> None:

@@ -166,7 +166,8 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     uninitialised = None
     if meta_built:  # every shard and meta buffer is empty until an init or a load writes it (counted
         # from here: moving shards into flat buffers above wrote them, with no values yet)
-        uninitialised = loading.UninitialisedTracker(list(model.named_parameters()) + fresh)
+        in_flat_shards = frozenset(id(shard) for flat in runtime.flat_shards.values() for shard in flat.shards)
+        uninitialised = loading.UninitialisedTracker(list(model.named_parameters()) + fresh, shared=in_flat_shards)
     param_names = {id(p): n for n, p in model.named_parameters()}  # first name of each (tied) parameter
     param_names.update({id(flat.param): flat.layout.fqn for flat in runtime.flat_shards.values()})
     watch = ParameterWatch(model)

@@ -39,16 +39,35 @@ class UninitialisedTracker:
     something writes them (``init_weights``, ``load_state_dict``, ``load_safetensors``, a DCP load).
 
     A write is seen through the tensor's version counter, which every in-place op bumps, so any
-    loader counts without telling this class. The compiled forward calls ``check`` while entries
-    remain: O(entries) per forward until all are written, then nothing.
+    loader counts without telling this class. The shards of a unit in one flat buffer
+    (``Config(unit_templates=True)``, ``flat.py``) are views of it and share its counter, so a
+    write to one moves the counter of all: those (``shared``) are filled with NaN here and count
+    as unwritten while every element of their local shard still is NaN (a rank whose shard has
+    no rows cannot tell, and goes by the counter). The compiled forward calls ``check`` while
+    entries remain: O(entries) per forward (plus a read of each shared shard's rows) until all
+    are written, then nothing.
     """
 
-    def __init__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]], shared: frozenset[int] = frozenset()) -> None:
+        self.shared = {id(t) for _, t in tensors if id(t) in shared}
+        with torch.no_grad():
+            for _, t in tensors:
+                if id(t) in self.shared and t.is_floating_point():
+                    _local(t).fill_(float("nan"))
         self.entries = [(name, t, versions(t)) for name, t in tensors]
 
+    def _unwritten(self, t: torch.Tensor, version: tuple[int, int]) -> bool:
+        now = versions(t)
+        if now == version:
+            return True
+        if id(t) not in self.shared or now[0] != version[0] or not t.is_floating_point():
+            return False  # a write through the DTensor itself is this tensor's own
+        local = _local(t)  # only the shared counter moved: a write to this shard, or to a neighbour
+        return local.numel() > 0 and bool(torch.isnan(local).all())
+
     def pending(self) -> list[str]:
-        """Names not written yet (a tensor whose version moved is dropped for good)."""
-        self.entries = [(n, t, v) for n, t, v in self.entries if versions(t) == v]
+        """Names not written yet (a written tensor is dropped for good)."""
+        self.entries = [(n, t, v) for n, t, v in self.entries if self._unwritten(t, v)]
         return [n for n, _, _ in self.entries]
 
     def check(self) -> None:
@@ -70,6 +89,11 @@ def versions(tensor: torch.Tensor) -> tuple[int, int]:
         with torch.no_grad():
             return tensor._version, tensor.to_local()._version
     return tensor._version, tensor._version
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds (a ``DTensor``'s own local tensor: ``to_local()`` may make a new view)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _listed(names: list[str], limit: int = 6) -> str:
