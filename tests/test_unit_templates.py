@@ -301,6 +301,35 @@ def test_shapes_that_change_fall_back_to_inline_and_keep_parity() -> None:
 
 
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_dynamic_shape_leaves_the_static_graphs_their_templates() -> None:
+    """A length change makes Dynamo trace a dynamic graph, in which every unit runs inline; the
+    graphs traced before, for static shapes, keep their templates and stay valid: an eval at the
+    first length after it is not traced again (the fallback set a flag every graph guarded on,
+    so each was traced once more)."""
+    model = zerograph.compile(GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=16)), 3, config=TEMPLATES)
+    long, short = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 8))
+
+    def evaluate() -> None:
+        model.eval()
+        with torch.no_grad():
+            model(long, long)
+        model.train()
+
+    evaluate()
+    model(long, long).backward()
+    model(short, short).backward()  # dynamic
+    evaluate()
+    records = graphs_of(model)
+    assert [sorted(k for k in r if k != "dynamo") for r in records] == [
+        ["inference"], ["backward", "forward", "joint"], ["backward", "forward", "joint"]]
+    templated = [any(n.target is UNIT_FORWARD for n in r["inference" if "inference" in r else "forward"].graph.nodes)
+                 for r in records]
+    assert templated == [True, True, False]
+    (kind,) = state_of(model).unit_kinds
+    assert "dynamic shape" in kind.inline_reason
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_autocast_runs_units_inline() -> None:
     """Under ``torch.autocast`` a unit runs inline (its template was traced without autocast):
     bf16 autocast numbers equal the untemplated build's."""

@@ -20,7 +20,15 @@ from torch.utils._pytree import tree_map_only
 from . import loading
 from .capture import CapturedGraphs, ZeroGraphBackend
 from .config import Config, check_stage
-from .errors import ConfigError, ProcessGroupError, ShardingError, TemplateUnavailable, UnshardedParameterError, ZeroGraphError
+from .errors import (
+    ConfigError,
+    DynamicShapeTrace,
+    ProcessGroupError,
+    ShardingError,
+    TemplateUnavailable,
+    UnshardedParameterError,
+    ZeroGraphError,
+)
 from .flat import FlatShard, flatten_unit_, flattenable
 from .hybrid import hybrid_groups, secondary_group
 from .policies import MixedPrecisionPolicy
@@ -29,7 +37,7 @@ from .replicas import sync_replicas
 from .runtime import Runtime
 from .sharding import ParameterWatch, find_units, own_code, set_gathering, set_grad_mode, shard_module_, sharded_parameter
 from .state import STATE_ATTR, ZeroGraphState, state_of
-from .templates import FlatPlan, install_unit_templates, refresh_unit_modes, unit_parameters
+from .templates import FlatPlan, every_unit_inline, install_unit_templates, refresh_unit_modes, unit_parameters
 
 log = logging.getLogger(__name__)
 
@@ -259,12 +267,17 @@ def _run_falling_back(state: ZeroGraphState, model: nn.Module, args: tuple, kwar
     """The compiled forward; traced again each time a kind of unit cannot be a template
     (``TemplateUnavailable``: its units now run inline), at most once per kind. Every rank meets
     the same failure in the same trace, so the ranks stay in step."""
-    for _ in range(len(state.unit_kinds) + 1):
+    inline_trace = contextlib.nullcontext()
+    for _ in range(len(state.unit_kinds) + 2):
         try:
-            return state.compiled_forward(model, *args, **kwargs)
+            with inline_trace:
+                return state.compiled_forward(model, *args, **kwargs)
         except Exception as exc:
-            if not isinstance(_own_error(exc), TemplateUnavailable):
+            error = _own_error(exc)
+            if not isinstance(error, TemplateUnavailable):
                 raise
+            if isinstance(error, DynamicShapeTrace):  # this trace again, every unit inline (no template is asked)
+                inline_trace = every_unit_inline()
     raise AssertionError("unreachable: each retry makes one more kind of unit inline")
 
 

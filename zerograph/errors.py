@@ -55,3 +55,8 @@ class TemplateUnavailable(ZeroGraphError):
     """A kind of unit could not be traced as a unit template (``Config.unit_templates``); its
     units now run inline. Raised to the compiled forward, which traces the model again (never
     reaches the user)."""
+
+
+class DynamicShapeTrace(TemplateUnavailable):
+    """A unit template met a dynamic shape: the compiled forward traces the model again with every
+    templated unit inline, for this trace only (``templates.every_unit_inline``)."""

@@ -29,10 +29,13 @@ in ``UnitKind.inline_modes``; a batch norm or dropout fails in training only, so
 keeps its template and its eval graphs), a body that returns something other than one tensor,
 cannot be traced on fake tensors (data-dependent control flow, dropout's random ops in the
 partitioner), or writes an input or buffer in place (a batch norm's running statistics); and in
-every mode, a kind met with a dynamic shape or a complex input, parameter or buffer (its
-template's gradients were found to differ from eager's). A body that writes a parameter in place is
-refused (``ShardingError``), as it is inline. The kind's first failed trace raises
-``TemplateUnavailable``, and the compiled forward traces the model again.
+every mode, a kind with a complex input, parameter or buffer (its template's gradients were found
+to differ from eager's). A body that writes a parameter in place is refused (``ShardingError``),
+as it is inline. The kind's first failed trace raises ``TemplateUnavailable``, and the compiled
+forward traces the model again. A trace with dynamic shapes (Dynamo's automatic dynamic shapes,
+after a length changed) runs every unit inline, that trace only (``DynamicShapeTrace``,
+``inlining_every_unit``: a constant of the trace, no guard), so the graphs traced for static
+shapes keep their templates and stay valid.
 
 Train and eval are separate templates: each unit passes its submodules' training flags to the op
 (``mode``), so Dynamo guards on them and ``eval()`` retraces, and the template is traced with the
@@ -43,13 +46,14 @@ only that gradient would read.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import operator
 import threading
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -63,7 +67,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import registry
 from .capture import parameter_write_error
-from .errors import ShardingError, TemplateUnavailable
+from .errors import DynamicShapeTrace, ShardingError, TemplateUnavailable
 from .flat import FlatShard
 from .ops import unit_forward
 from .sharding import full_parameter, gathering, original_class, own_code, set_tracing_unit, tracing_unit
@@ -153,7 +157,12 @@ class UnitKind:
 
     def template(self, mode: int, arg_grads: int, primals: Sequence[torch.Tensor]) -> UnitTemplate:
         if any(not isinstance(d, int) for p in primals for d in (*p.shape, *p.stride())):
-            self.fall_back("an input has a dynamic shape (a template is traced for static shapes)")
+            # this trace only: the graphs traced for static shapes keep their templates (no flag
+            # for their guards to read, unlike fall_back's), the dynamic one runs every unit inline
+            self.inline_reason = "an input has a dynamic shape (a template is traced for static shapes)"
+            log.warning("zerograph: unit template for %s not used in a trace with dynamic shapes, every unit of "
+                        "it runs inline (a template is traced for static shapes)", self.name)
+            raise DynamicShapeTrace(f"unit {self.name!r}: {self.inline_reason}")
         if any(p.dtype.is_complex for p in primals):
             # a complex unit's template gave its weight a gradient other than eager's (found in the
             # every-dtype test; complex autograd's conjugate views, not diagnosed further): inline is exact
@@ -298,6 +307,30 @@ def _slots(module: nn.Module) -> tuple[tuple[tuple[nn.Module, str], ...], tuple[
     return tuple(params), tuple(buffers)
 
 
+# True while the compiled forward traces the model again after a template met a dynamic shape
+# (``DynamicShapeTrace``); read through ``inlining_every_unit``, a constant of the trace with no guard
+_inline_every_unit = False
+
+
+@torch._dynamo.assume_constant_result
+def inlining_every_unit() -> bool:
+    """Whether this trace runs every templated unit inline (one with dynamic shapes). Dynamo takes
+    the value as a constant and guards on nothing, so the graphs traced before, for static
+    shapes, stay valid and keep their templates; the dynamic graph is inline throughout."""
+    return _inline_every_unit
+
+
+@contextlib.contextmanager
+def every_unit_inline() -> Iterator[None]:
+    """Trace the model once more with every templated unit inline (``inlining_every_unit``)."""
+    global _inline_every_unit
+    previous, _inline_every_unit = _inline_every_unit, True
+    try:
+        yield
+    finally:
+        _inline_every_unit = previous
+
+
 def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A templated unit's ``forward``: its parameters (unshard markers) and buffers, then one
     ``unit_forward`` in the mode of its submodules' training flags (``MODE_ATTR``, read here, so
@@ -307,7 +340,8 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     call of the unit, which the body refuses with ``ShardingError`` as without templates)."""
     body = type(self).forward
     mode = getattr(self, MODE_ATTR)  # one guard per unit; refresh_unit_modes keeps it current
-    if (getattr(self, INLINE_ATTR) or getattr(self, f"{INLINE_MODE_PREFIX}{mode}", False) or tracing_unit()
+    if (getattr(self, INLINE_ATTR) or getattr(self, f"{INLINE_MODE_PREFIX}{mode}", False) or inlining_every_unit()
+            or tracing_unit()
             or not gathering() or kwargs or not args or not all(isinstance(a, torch.Tensor) for a in args)
             or torch.is_autocast_enabled(args[0].device.type)):
         return body(self, *args, **kwargs)
