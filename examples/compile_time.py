@@ -30,8 +30,8 @@ import subprocess
 import sys
 import tempfile
 
-SYSTEMS = {"zerograph eager": "zerograph-s3", "zerograph eager + templates": "zerograph-s3-tpl",
-           "zerograph inductor": "zerograph-s3-inductor", "zerograph inductor + templates": "zerograph-s3-inductor-tpl",
+SYSTEMS = {"zerograph eager": "zerograph-s3-notpl", "zerograph eager + templates": "zerograph-s3-tpl",
+           "zerograph inductor": "zerograph-s3-inductor-notpl", "zerograph inductor + templates": "zerograph-s3-inductor-tpl",
            "FSDP2 + torch.compile": "fsdp2-compile"}
 
 

@@ -16,8 +16,11 @@ from .workers import pooled_trainings
 
 STEPS = 3
 MODEL = "gpt_deep"  # 8 blocks: enough units for the in-flight bound to mean something
+# the default build (a flat shard per unit) at depths 1 and 2, the pass disabled, and the
+# per-parameter build (which pools each bucket's send buffers too)
 CONFIGS = (zerograph.Config(prefetch_depth=1), zerograph.Config(prefetch_depth=2),
-           zerograph.Config(disabled_passes=("buffer_reuse",)))
+           zerograph.Config(disabled_passes=("buffer_reuse",)), zerograph.Config(prefetch_depth=1, unit_templates=False))
+POOLED = (0, 1, 3)  # the runs with the pass on
 
 
 def test_slots_number_the_most_buffers_alive_at_once() -> None:
@@ -48,7 +51,7 @@ def runs() -> tuple:
 @pytest.mark.distributed
 def test_no_comm_buffer_is_allocated_after_the_first_step() -> None:
     for rank_runs in runs():
-        for run in rank_runs[:2]:
+        for run in (rank_runs[i] for i in POOLED):
             assert run["allocations"][0] > 0
             assert run["allocations"] == [run["allocations"][0]] * STEPS
             assert run["pool_bytes"] == [run["pool_bytes"][0]] * STEPS
@@ -56,18 +59,22 @@ def test_no_comm_buffer_is_allocated_after_the_first_step() -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("config_index, depth", [(0, 1), (1, 2)])
+@pytest.mark.parametrize("config_index, depth", [(0, 1), (1, 2), (3, 1)])
 def test_gathered_outputs_take_depth_plus_one_slots(config_index: int, depth: int) -> None:
     run = runs()[0][config_index]
     unit_bytes = run["unit_bytes"]
+    flat = config_index != 3  # the blocks on flat shards; the root unit, not a template's, per parameter
+    assert run["flat_units"] == (len(unit_bytes) - 1 if flat else 0)
     for (graph, kind), pooled in run["pooled"].items():
         gathered = [b for b in pooled if b["role"] == "gathered"]
         # stage 3: every unit gathered in both graphs; all but the root's pooled (buffer_reuse's doc)
         assert len(gathered) == len(unit_bytes) - 1, (graph, kind)
         assert all(b["tag"] == "gather" for b in gathered)
         assert len({b["slot"] for b in gathered}) == depth + 1, (graph, kind)  # the unit in use + d in flight
-        assert {b["tag"] for b in pooled if b["role"] == "send"} == ({"gather", "reduce"} if kind == "backward"
-                                                                     else {"gather"})
+        # a flat shard is its all-gather's send buffer and its gradient the reduce-scatter's: nothing
+        # to pool; per parameter, each block bucket's copy-in is pooled
+        sends = {b["tag"] for b in pooled if b["role"] == "send"}
+        assert sends == (set() if flat else {"gather", "reduce"} if kind == "backward" else {"gather"})
     # measured: the bytes the pool allocated for all-gather outputs, d + 1 buffers of at most a unit each
     assert run["pool_bytes"][-1]["gathered"] <= (depth + 1) * max(unit_bytes[1:])
 
@@ -77,8 +84,9 @@ def test_pooled_training_is_bitwise_the_unpooled_one_and_matches_eager() -> None
     """Run 0 ran in the pool's debug mode: it raised nothing (no slot written after release) and,
     bitwise equal to the unpooled run, no tensor read poison (none outlived its graph in a slot)."""
     reference = reference_training(MODEL, STEPS, 4, LR)
-    for pooled_d1, pooled_d2, unpooled in runs():
+    for pooled_d1, pooled_d2, unpooled, per_parameter in runs():
         assert pooled_d1["pool_debug"] and not pooled_d2["pool_debug"]
+        check_parity(per_parameter, reference)
         for pooled in (pooled_d1, pooled_d2):
             assert pooled["losses"] == unpooled["losses"]
             for name, value in unpooled["params"].items():

@@ -19,6 +19,10 @@ from zerograph.state import graphs_of, runtime_of_model, state_of
 
 from .distributed import fake_rank
 
+# the splice templates serve the per-parameter build, whose passes splice each block's
+# collectives into the graph (the default build's blocks are one templated op each)
+PER_PARAMETER = zerograph.Config(unit_templates=False)
+
 
 def _chain_graph(n: int) -> fx.Graph:
     graph = fx.Graph()
@@ -57,7 +61,7 @@ def test_node_order_follows_moves_and_inserts() -> None:
 def _compile_gpt(blocks: int) -> torch.nn.Module:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=blocks, n_embd=32, n_head=2, block_size=16))
-    model = zerograph.compile(model, 3)
+    model = zerograph.compile(model, 3, config=PER_PARAMETER)
     idx = torch.randint(0, 256, (2, 16))
     model(idx, idx).backward()
     return model
@@ -91,7 +95,7 @@ class _LookAlikes(torch.nn.Module):
 
 def _compile_look_alikes(blocks: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = zerograph.compile(_LookAlikes(), 3)
+    model = zerograph.compile(_LookAlikes(), 3, config=PER_PARAMETER)
     model(torch.randn(4, 16)).backward()
     return model
 

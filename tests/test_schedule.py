@@ -77,7 +77,8 @@ SCHEDULES = {
     "depth2": {"prefetch_depth": 2},
     "deep_unbounded": {"prefetch_depth": 8},
     "no_overlap": {"disabled_passes": zerograph.config.OVERLAP_PASSES},
-    "no_bucketing": {"disabled_passes": ("bucketing",)},
+    # per parameter: without bucketing, each parameter its own collective (a flat shard is one anyway)
+    "no_bucketing": {"disabled_passes": ("bucketing",), "unit_templates": False},
     "cap_all": {"bucket_bytes": 1 << 30},
 }
 RUNS = [(3, "default"), (3, "depth2"), (3, "no_overlap"), (3, "no_bucketing"), (3, "cap_all"),

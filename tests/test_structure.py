@@ -2,7 +2,11 @@
 as rank 0 of a fake world of 2 in this process (the ``one_rank`` fixture)."""
 from __future__ import annotations
 
+import zerograph
+
+from .distributed import run_as_rank
 from .models import build
+from .workers import train
 
 
 def units_with_params(result: dict) -> int:
@@ -56,6 +60,13 @@ def test_tied_weight_is_one_shard_reduced_once(one_rank) -> None:
 
 
 def test_graph_inputs_map_to_parameters(one_rank) -> None:
+    """The per-parameter build (``unit_templates=False``): every parameter is a graph input. The
+    default build: the root unit's parameters are, and each block is one input, its flat shard."""
+    per_parameter = run_as_rank(train, 2, "gpt", 3, 1, 4, 1e-3, zerograph.Config(unit_templates=False))
+    (inputs,) = per_parameter["input_params"]
+    assert set(filter(None, inputs)) >= set(per_parameter["params"])
     result = one_rank("gpt", 3)
     (inputs,) = result["input_params"]
-    assert set(filter(None, inputs)) >= set(result["params"])
+    blocks = [name for name, _ in result["units"][1:]]  # unit 0 is the root
+    root_params = {p for p in result["params"] if not any(p.startswith(f"{block}.") for block in blocks)}
+    assert set(filter(None, inputs)) == root_params | {f"{block}.<flat shard>" for block in blocks}

@@ -306,6 +306,7 @@ def test_a_dynamic_shape_leaves_the_static_graphs_their_templates() -> None:
     graphs traced before, for static shapes, keep their templates and stay valid: an eval at the
     first length after it is not traced again (the fallback set a flag every graph guarded on,
     so each was traced once more)."""
+    torch._dynamo.reset()  # GPT.forward's automatic-dynamic state from earlier tests would make the first graph dynamic
     model = zerograph.compile(GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=16)), 3, config=TEMPLATES)
     long, short = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 8))
 
@@ -539,9 +540,13 @@ def test_a_block_that_writes_its_parameter_is_refused() -> None:
         model(torch.randn(2, 8))
 
 
-def test_config_refuses_templates_with_an_activation_budget() -> None:
+def test_templates_are_the_default_except_with_an_activation_budget() -> None:
     """The activation plan moves a unit's activations op by op; a templated unit is one op, and
-    the budget was exceeded (measured), so the pair is refused before anything compiles."""
+    the budget was exceeded (measured): by default a budget turns templates off, and asking for
+    both is refused before anything compiles."""
+    assert zerograph.Config().unit_templates is True
+    assert zerograph.Config(activation_budget_bytes=1 << 20).unit_templates is False
+    assert zerograph.Config(unit_templates=False).unit_templates is False
     with pytest.raises(zerograph.ConfigError, match="unit_templates with activation_budget_bytes"):
         zerograph.Config(unit_templates=True, activation_budget_bytes=1 << 20)
 

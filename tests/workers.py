@@ -191,6 +191,7 @@ def pooled_training(rank: int, world_size: int, name: str, stage: int, steps: in
                           for kind, t in mem.items()},
         "unit_bytes": [sum(state.runtime.layouts[k].padded_numel * state.runtime.layouts[k].param_dtype.itemsize
                            for k in u.keys) for u in state.runtime.units],
+        "flat_units": len(state.runtime.flat_shards),
     }
 
 

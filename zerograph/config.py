@@ -110,8 +110,11 @@ class Config:
             quantized collectives) each such unit's shards also live in one flat buffer, one graph
             input and one all-gather marker per unit (``zerograph.flat``), so compile time grows
             about 6x more slowly with depth (README, "Compile time"). Units called with keyword
-            or non-tensor arguments run inline. ``False`` (default) traces every unit's body into
-            the graph. ``ConfigError`` with ``activation_budget_bytes`` (not supported yet).
+            or non-tensor arguments run inline. ``False``: the per-parameter build, every unit's
+            body traced into the graph (one input and marker per parameter). ``None`` (default):
+            ``True``, unless ``activation_budget_bytes`` is set (the activation plan moves a
+            unit's activations op by op; a template is one op), then ``False``; the field holds
+            the resolved value. ``True`` with ``activation_budget_bytes`` raises ``ConfigError``.
 
     Raises:
         ConfigError: a field of the wrong type or range, an unknown keyword, a policy given both
@@ -129,7 +132,7 @@ class Config:
     activations: ActivationPolicy = ActivationPolicy()
     gather_quantization: str | None = None
     reduce_quantization: str | None = None
-    unit_templates: bool = False
+    unit_templates: bool = True
     secondary_partition_size: int | None = None
 
     def __init__(self, *, unit_classes: tuple[type[nn.Module], ...] | None = None,
@@ -138,7 +141,8 @@ class Config:
                  mixed_precision: MixedPrecisionPolicy | None = None, schedule: SchedulePolicy | None = None,
                  memory: MemoryPolicy | None = None, activations: ActivationPolicy | None = None,
                  gather_quantization: str | None = None, reduce_quantization: str | None = None,
-                 unit_templates: bool = False, secondary_partition_size: int | None = None, **flat: Any) -> None:
+                 unit_templates: bool | None = None, secondary_partition_size: int | None = None,
+                 **flat: Any) -> None:
         given = {"mixed_precision": mixed_precision, "schedule": schedule, "memory": memory,
                  "activations": activations}
         for name, value in flat.items():
@@ -161,6 +165,8 @@ class Config:
                             ("reduce_quantization", reduce_quantization), ("unit_templates", unit_templates),
                             ("secondary_partition_size", secondary_partition_size)):
             object.__setattr__(self, name, value)
+        if unit_templates is None:  # the default: templates, except where the activation plan needs ops
+            object.__setattr__(self, "unit_templates", self.activations.budget_bytes is None)
         self._check()
 
     def _check(self) -> None:

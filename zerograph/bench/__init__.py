@@ -12,7 +12,7 @@ agree across systems.
 described in ``clusters.json`` (or ``local``: this machine, as a self-consistency check).
 
 Systems (``--systems``, comma-separated):
-    zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg][-tpl][-hsdp<S>][-hpz<M>]
+    zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>]
         ``zerograph.compile`` at that stage; ``-noov`` disables ``config.OVERLAP_PASSES`` (every
         wait right after its start); ``-nopool`` disables ``buffer_reuse`` (comm buffers from the
         allocator each step instead of a pool held across steps); ``-keeproot`` sets
@@ -20,8 +20,9 @@ Systems (``--systems``, comma-separated):
         to backward, as FSDP2 keeps its root); ``-pf``/``-bb`` override ``--prefetch-depth`` /
         ``--bucket-bytes``; ``-inductor`` lowers with Inductor instead of running FX eagerly;
         ``-qw`` / ``-qg`` set ``Config.gather_quantization`` / ``reduce_quantization`` to
-        ``"int8"`` (ZeRO++'s qwZ / qgZ); ``-tpl`` sets ``Config.unit_templates`` (each kind of
-        unit traced once); ``-hsdp<S>`` shards over groups of S ranks and replicates across them
+        ``"int8"`` (ZeRO++'s qwZ / qgZ); ``-tpl`` / ``-notpl`` set ``Config.unit_templates`` to
+        ``True`` / ``False`` (each kind of unit traced once / the per-parameter build; neither:
+        the default); ``-hsdp<S>`` shards over groups of S ranks and replicates across them
         (hybrid sharding, a ``(world / S, S)`` mesh of dims ``("replicate", "shard")``);
         ``-hpz<M>`` sets ``Config.secondary_partition_size`` (ZeRO++'s hpZ). Under ``--simulate``
         both groups of S or M ranks are taken to be one node of the cluster.

@@ -1,9 +1,9 @@
 """The systems the bench compares: ``--systems`` names parsed into ``SystemSpec``s, and each built.
 
 A system is zerograph at a stage with its schedule options (``zerograph-s<0-3>[-noov][-nopool]
-[-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg][-tpl][-hsdp<S>][-hpz<M>]``), DDP, FSDP2 or FSDP2 under ``torch.compile``; see
-the package docstring for what each modifier changes. ``build_system`` wraps a fresh model in
-one and gives it AdamW; ``train_step`` is the step every system runs.
+[-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>]``), DDP,
+FSDP2 or FSDP2 under ``torch.compile``; see the package docstring for what each modifier changes.
+``build_system`` wraps a fresh model in one and gives it AdamW; ``train_step`` is the step every system runs.
 
 Source: ``torch.nn.parallel.DistributedDataParallel``; ``torch.distributed.fsdp.fully_shard``;
 ZeRO (arXiv 1910.02054) section 7 for the paper's volumes.
@@ -40,7 +40,7 @@ class SystemSpec:
     compiled: bool = False
     quantized_gathers: bool = False
     quantized_reductions: bool = False
-    unit_templates: bool = False
+    unit_templates: bool | None = None  # None: Config's default
     shard_size: int | None = None
     secondary_partition_size: int | None = None
 
@@ -59,7 +59,7 @@ class SystemSpec:
                       disabled_passes=(() if self.overlap else OVERLAP_PASSES) + (() if self.pool else ("buffer_reuse",)))
 
 
-_MODIFIER = r"noov|nopool|keeproot|inductor|qw|qg|tpl|pf\d+|bb\d+|hsdp\d+|hpz\d+"
+_MODIFIER = r"noov|nopool|keeproot|inductor|qw|qg|notpl|tpl|pf\d+|bb\d+|hsdp\d+|hpz\d+"
 _ZEROGRAPH_NAME = re.compile(rf"^zerograph-s(?P<stage>[0-3])(?P<mods>(?:-(?:{_MODIFIER}))*)$")
 
 
@@ -72,7 +72,7 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
     match = _ZEROGRAPH_NAME.match(name)
     if not match:
         raise ConfigError(f"unknown system {name!r}: expected zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>]"
-                          "[-inductor][-qw][-qg][-tpl][-hsdp<S>][-hpz<M>], ddp, fsdp2 or fsdp2-compile")
+                          "[-inductor][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>], ddp, fsdp2 or fsdp2-compile")
     mods = match["mods"].split("-")[1:]
     kinds = [re.sub(r"\d+$", "", mod) for mod in mods]
     repeated = sorted({kind for kind in kinds if kinds.count(kind) > 1})
@@ -95,12 +95,15 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
         raise ConfigError(f"system {name!r}: -hsdp needs stage 1-3 (stage 0 replicates everything; nothing to shard)")
     if stage == 0 and ("qw" in mods or "qg" in mods):
         raise ConfigError(f"system {name!r}: -qw / -qg need stage 1-3 (stage 0 all-reduces gradients and gathers nothing)")
+    if "tpl" in mods and "notpl" in mods:
+        raise ConfigError(f"system {name!r}: -tpl and -notpl contradict each other (templates on / off)")
+    templates = True if "tpl" in mods else False if "notpl" in mods else None  # None: Config's default
     if secondary_partition_size is not None and stage != 3:
         raise ConfigError(f"system {name!r}: -hpz needs stage 3 (only stage 3 re-gathers parameters in backward)")
     return SystemSpec(name, "zerograph", stage=stage, overlap="noov" not in mods, pool="nopool" not in mods,
                       keep_root="keeproot" in mods, quantized_gathers="qw" in mods, quantized_reductions="qg" in mods,
                       prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes,
-                      lowering="inductor" if "inductor" in mods else "eager", unit_templates="tpl" in mods,
+                      lowering="inductor" if "inductor" in mods else "eager", unit_templates=templates,
                       shard_size=shard_size, secondary_partition_size=secondary_partition_size)
 
 
