@@ -160,6 +160,8 @@ class UnitKind:
             # this trace only: the graphs traced for static shapes keep their templates (no flag
             # for their guards to read, unlike fall_back's), the dynamic one runs every unit inline
             self.inline_reason = "an input has a dynamic shape (a template is traced for static shapes)"
+            for flat in self.flat_shards:  # inline on flat shards from now on too (_agree_on_no_grad)
+                flat.no_grad = frozenset()
             log.warning("zerograph: unit template for %s not used in a trace with dynamic shapes, every unit of "
                         "it runs inline (a template is traced for static shapes)", self.name)
             raise DynamicShapeTrace(f"unit {self.name!r}: {self.inline_reason}")
@@ -172,12 +174,12 @@ class UnitKind:
         if template is None:
             template = trace_template(self, metas, mode, arg_grads, primals[0].device)
             if self.flat_shards:
-                self._agree_on_no_grad(template, mode)
+                self._agree_on_no_grad(template)
             self.templates[metas, mode, arg_grads] = template
             self._record.append(template)
         return template
 
-    def _agree_on_no_grad(self, template: UnitTemplate, mode: int) -> None:
+    def _agree_on_no_grad(self, template: UnitTemplate) -> None:
         """Tell the kind's flat shards which parameters get no gradient (``FlatShard.no_grad``);
         the first template that trains decides, and one that disagrees (a parameter used in one
         training-flag mode or input shape only) makes the kind run inline: one flat shard hands
