@@ -6,7 +6,6 @@ rank of a fake world (the collective schedule equals the untemplated build's, on
 kind); look-alike blocks and untraceable blocks in a world of one."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 
@@ -26,7 +25,7 @@ from .distributed import fake_rank, spawn
 from .models import reference_training
 from .test_parity import LR, STEPS, check_parity
 from .workers import train_stages
-from .workers_classes import SometimesHead
+from .workers_classes import unused_case
 
 TEMPLATES = zerograph.Config(unit_templates=True)
 
@@ -78,9 +77,9 @@ def test_eight_identical_blocks_trace_one_template_and_keep_the_schedule() -> No
     assert sum(e.kind == "all_gather" for e in schedules["forward"]) >= 8
 
 
-def _mlp_schedules(templates: bool) -> tuple[dict[str, list], dict[str, torch.Tensor]]:
+def _mlp_schedules(templates: bool) -> tuple[dict[str, list], int]:
     """Stage 3, rank 0 of a fake world of 2: the collective schedules of four identical
-    Linear + ReLU units on an input that needs no gradient, and the gradients of one step."""
+    Linear + ReLU units on an input that needs no gradient, and the number of templates traced."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(24, 24), nn.ReLU()) for _ in range(4)])
     config = zerograph.Config(unit_templates=templates, unit_classes=(nn.Sequential,))
@@ -434,29 +433,19 @@ def test_units_that_run_inline_gather_again_in_backward(why: str) -> None:
 def test_parameters_the_loss_never_reaches_keep_no_gradient(stage: int) -> None:
     """A unit that runs a layer and discards its output (``SideBlock.aux``): eager leaves that
     layer's ``.grad`` ``None``, so AdamW skips it; a template's backward gave it zeros, which
-    AdamW's weight decay then shrank. Three steps, the second with an unsynced micro-batch; world
-    of one: the ``None`` set of every step and the parameters equal eager's."""
-    torch.manual_seed(0)
-    reference = SometimesHead()
-    model = zerograph.compile(copy.deepcopy(reference), stage, config=zerograph.Config(unit_templates=True))
-    x = torch.randn(4, 4)
-    none_sets = []
-    for net in (model, reference):
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
-        sets = []
-        for step in range(3):
-            if step == 1:
-                with model.no_sync() if net is model else contextlib.nullcontext():
-                    net(x, True).backward()
-            net(x, False).backward()
-            sets.append({n for n, p in net.named_parameters() if p.grad is None})
-            opt.step()
-            opt.zero_grad()
-        none_sets.append(sets)
-    assert none_sets[0] == none_sets[1] and "blocks.0.aux.weight" in none_sets[1][0]
-    assert all(not kind.inline_reason for kind in state_of(model).unit_kinds)  # the templates ran
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-6, atol=1e-6, msg=name)
+    AdamW's weight decay then shrank. Three steps, the second with an unsynced micro-batch
+    (``test_correctness_classes``' case, here in a world of one): the ``None`` set of every step
+    and the parameters equal eager's."""
+    result = unused_case(0, 1, stage, TEMPLATES)
+    ours, reference = result["ours"], result["reference"]
+
+    def none_sets(run: dict) -> list[set[str]]:
+        return [{name for name, grad in step.items() if grad is None} for step in run["grads"]]
+
+    assert none_sets(ours) == none_sets(reference) and "blocks.0.aux.weight" in none_sets(reference)[0]
+    assert result["inline_reasons"] and not any(result["inline_reasons"])  # the templates ran
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(ours["params"][name], value, rtol=1e-6, atol=1e-6, msg=name)
 
 
 class _Scale(nn.Module):

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import zerograph
-from zerograph.state import runtime_of_model
+from zerograph.state import runtime_of_model, state_of
 
 STEPS, LR, ROWS = 2, 0.1, 4  # SGD steps, learning rate, rows of the global batch
 
@@ -138,7 +138,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else full(p.grad) for n, p in model.named_parameters()}
 
 
-def _unused_case(rank: int, world: int, stage: int) -> dict:
+def unused_case(rank: int, world: int, stage: int, config: zerograph.Config | None = None) -> dict:
     """Three AdamW steps (weight decay on: a zero gradient would decay, ``None`` skips): without
     the head; two micro-batches, the first unsynced and the only one using the head; without the
     head again. Records every parameter's gradient after each step's backward, and what the
@@ -148,7 +148,7 @@ def _unused_case(rank: int, world: int, stage: int) -> dict:
     model = SometimesHead()
     batch = torch.randn(ROWS, 4)
     reference = copy.deepcopy(model)
-    compiled = zerograph.compile(model, stage=stage)
+    compiled = zerograph.compile(model, stage=stage, config=config)
     runs = []
     for net, x in ((compiled, batch.chunk(world)[rank]), (reference, batch)):
         opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
@@ -163,7 +163,8 @@ def _unused_case(rank: int, world: int, stage: int) -> dict:
             opt.zero_grad()
         held = sorted(runtime_of_model(compiled).unsynced) if net is compiled else []
         runs.append({"grads": grads, "params": {n: full(p) for n, p in net.named_parameters()}, "held": held})
-    return {"ours": runs[0], "reference": runs[1]}
+    return {"ours": runs[0], "reference": runs[1],
+            "inline_reasons": [kind.inline_reason for kind in state_of(compiled).unit_kinds]}
 
 
 def classes_runs(rank: int, world: int, parts: tuple[str, ...] = ("dtype", "unused")) -> dict:
@@ -173,6 +174,6 @@ def classes_runs(rank: int, world: int, parts: tuple[str, ...] = ("dtype", "unus
         if "dtype" in parts:
             out["dtype", stage] = _guarded(_dtype_case, rank, world, stage)
         if "unused" in parts:
-            out["unused", stage] = _guarded(_unused_case, rank, world, stage)
+            out["unused", stage] = _guarded(unused_case, rank, world, stage)
     dist.barrier()
     return out

@@ -265,8 +265,9 @@ def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _run_falling_back(state: ZeroGraphState, model: nn.Module, args: tuple, kwargs: dict) -> Any:
     """The compiled forward; traced again each time a kind of unit cannot be a template
-    (``TemplateUnavailable``: its units now run inline), at most once per kind. Every rank meets
-    the same failure in the same trace, so the ranks stay in step."""
+    (``TemplateUnavailable``: its units now run inline), at most once per kind, and once with
+    every unit inline when a template met a dynamic shape (``DynamicShapeTrace``: that trace
+    only). Every rank meets the same failure in the same trace, so the ranks stay in step."""
     inline_trace = contextlib.nullcontext()
     for _ in range(len(state.unit_kinds) + 2):
         try:
@@ -278,7 +279,7 @@ def _run_falling_back(state: ZeroGraphState, model: nn.Module, args: tuple, kwar
                 raise
             if isinstance(error, DynamicShapeTrace):  # this trace again, every unit inline (no template is asked)
                 inline_trace = every_unit_inline()
-    raise AssertionError("unreachable: each retry makes one more kind of unit inline")
+    raise AssertionError("unreachable: each retry makes one more kind of unit, or the whole trace, inline")
 
 
 def _own_error(exc: BaseException) -> ZeroGraphError | None:

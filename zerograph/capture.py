@@ -58,7 +58,7 @@ class CapturedGraphs:
         self.saved_activation_bytes: dict[int, int] = {}
         self.offloaded_activation_bytes: dict[int, int] = {}  # handed over in host memory instead (offload)
         self.secondary_partition_bytes: dict[int, int] = {}  # hpZ's pieces of gathered parameters
-        self.templates: list = []  # templates.UnitTemplate, one per unit kind and input signature traced
+        self.templates: list = []  # unit_trace.UnitTemplate, one per unit kind and input signature traced
 
 
 class ZeroGraphBackend:

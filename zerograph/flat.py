@@ -52,7 +52,7 @@ class FlatShard:
         offsets: element offset of each parameter's padded chunk in ``param``.
         rank: this rank in the shard group.
         no_grad: indices of the parameters the unit's output does not reach (its template
-            found them, ``templates.UnitTemplate.no_grad_params``): ``add_grad`` leaves their
+            found them, ``unit_trace.UnitTemplate.no_grad_params``): ``add_grad`` leaves their
             ``.grad`` as it is, ``None`` in a first backward, as eager does.
     """
 

@@ -49,7 +49,7 @@ class UninitialisedTracker:
     """
 
     def __init__(self, tensors: list[tuple[str, torch.Tensor]], shared: frozenset[int] = frozenset()) -> None:
-        self.shared = {id(t) for _, t in tensors if id(t) in shared}
+        self.shared = shared
         with torch.no_grad():
             for _, t in tensors:
                 if id(t) in self.shared and t.is_floating_point():

@@ -42,7 +42,7 @@ def runtime_of(key: int) -> Any:
 
 
 _UNIT_KINDS: dict[int, weakref.ReferenceType[Any]] = {}  # kind -> templates.UnitKind (its model's state owns it)
-# template id -> templates.UnitTemplate, weakly: its kind holds it, and so do whatever still needs it
+# template id -> unit_trace.UnitTemplate, weakly: its kind holds it, and so do whatever still needs it
 # for a backward (a compiled backward graph, an eager call's autograd context) after the model is gone
 _TEMPLATES: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _TEMPLATE_IDS = itertools.count()
@@ -67,7 +67,7 @@ def next_template_id() -> int:
 
 
 def register_template_as(template_id: int, template: Any) -> None:
-    """Record ``template`` (``templates.UnitTemplate``) as ``template_id``, for the backward op."""
+    """Record ``template`` (``unit_trace.UnitTemplate``) as ``template_id``, for the backward op."""
     _TEMPLATES[template_id] = template
 
 

@@ -12,9 +12,9 @@ unit's body. At stage 3 a kind's units also keep their shards in one flat buffer
 cuts the parameters out of the gathered buffer itself (the cuts are recomputed in backward, so
 the gathered buffer, not the parameters, is what backward re-gathers); the model graph then holds
 a handful of nodes per unit, whatever the unit's parameter count. The body is traced once per
-kind and input signature (``trace_template``): make_fx of forward + backward on fake tensors,
-then the min-cut partitioner, as AOTAutograd does for a whole graph; the two graphs are lowered
-once and called by every unit of the kind.
+kind and input signature (``trace_template``; the trace itself is ``unit_trace.py``): make_fx of
+forward + backward on fake tensors, then the min-cut partitioner, as AOTAutograd does for a whole
+graph; the two graphs are lowered once and called by every unit of the kind.
 
 So the model graph the passes see holds every unit's all-gathers, reduce-scatters, prefetches and
 releases, as before, around one node per unit; its size, and the time of the Dynamo and
@@ -49,93 +49,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import operator
 import threading
-import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
-import torch.fx as fx
 from torch import nn
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.checkpoint import CheckpointPolicy
 
 from . import registry
-from .capture import parameter_write_error
 from .errors import DynamicShapeTrace, ShardingError, TemplateUnavailable
 from .flat import FlatShard
 from .ops import unit_forward
-from .sharding import full_parameter, gathering, original_class, own_code, set_tracing_unit, tracing_unit
+from .sharding import full_parameter, gathering, original_class, own_code, tracing_unit
+from .unit_trace import UNIT_ATTR, TensorMeta, UnitTemplate, trace_unit
 
-UNIT_ATTR = "_zerograph_unit"  # a templated unit's (kind, parameter slots, buffer slots, keys, modules)
 INLINE_ATTR = "_zerograph_unit_inline"  # True once the unit's kind fell back to running inline in every mode
 # + str(mode): True once the kind fell back in that training-flag mode only (one attribute per mode,
 # so Dynamo's guard on one mode's flag is not broken when another mode falls back)
 INLINE_MODE_PREFIX = "_zerograph_unit_inline_mode_"
 MODE_ATTR = "_zerograph_unit_mode"  # the unit's submodules' training flags as bits (refresh_unit_modes)
 
-# (shape, stride, dtype) of one tensor; a template is traced per tuple of these of its primals
-TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class UnitTemplate:
-    """One unit kind traced for one input signature: its forward and backward graphs, lowered.
-
-    Attributes:
-        id: the registry id ``zerograph::unit_backward`` names it by.
-        kind: the unit kind it belongs to.
-        input_metas: ``(shape, stride, dtype)`` of each primal (unit arguments, parameters, buffers).
-        n_outputs: outputs of the unit itself (1: the unit returns one tensor); ``unit_forward``
-            returns these first, then the activations the backward needs.
-        output_metas: ``(shape, stride, dtype)`` of every ``unit_forward`` output.
-        saved_primals: indices of the primals the backward reads (saved by autograd, not returned,
-            since a custom op's output may not alias its input).
-        grad_mask: per primal, whether the backward returns its gradient (floating-point arguments
-            and parameters that require grad and that the output reaches through autograd; for
-            the others autograd gets ``None``, as in eager).
-        grad_metas: ``(shape, stride, dtype)`` of each gradient returned (``grad_mask`` order).
-        forward_graph, backward_graph: the partitioned graphs (ATen ops), for tests and dumps.
-        no_grad_params: with a flat shard, the indices (slot order) of the unit's parameters the
-            output does not reach: their part of the flat gradient is zeros, their ``.grad``
-            stays ``None`` (``FlatShard.no_grad``).
-        trace_seconds: wall seconds the trace, partition and lowering took.
-        units: names of the units that call it (its kind's units).
-    """
-
-    id: int
-    kind: int
-    input_metas: tuple[TensorMeta, ...]
-    n_outputs: int
-    output_metas: list[TensorMeta]
-    saved_primals: list[int]
-    grad_mask: list[bool]
-    grad_metas: list[TensorMeta]
-    forward_graph: fx.GraphModule
-    backward_graph: fx.GraphModule
-    backward_sources: list[tuple[str, int]]  # per backward input but tangents: ("primal"|"output", index)
-    run_forward: Callable[..., Any]
-    run_backward: Callable[..., Any]
-    no_grad_params: frozenset[int] = frozenset()
-    trace_seconds: float = 0.0
-    units: list[str] = dataclasses.field(default_factory=list)
-
-    def forward(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return list(self.run_forward(*primals))
-
-    def backward(self, primals: Sequence[torch.Tensor], saved: Sequence[torch.Tensor],
-                 tangents: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradients of the primals of ``grad_mask`` (those the output reaches), in primal order."""
-        args = [primals[i] if source == "primal" else saved[i] for source, i in self.backward_sources]
-        grads = self.run_backward(*args, *tangents)
-        return [grad for grad, wanted in zip(grads, self.grad_mask) if wanted]
 
 
 class UnitKind:
@@ -159,9 +95,7 @@ class UnitKind:
         if any(not isinstance(d, int) for p in primals for d in (*p.shape, *p.stride())):
             # this trace only: the graphs traced for static shapes keep their templates (no flag
             # for their guards to read, unlike fall_back's), the dynamic one runs every unit inline
-            self.inline_reason = "an input has a dynamic shape (a template is traced for static shapes)"
-            for flat in self.flat_shards:  # inline on flat shards from now on too (_agree_on_no_grad)
-                flat.no_grad = frozenset()
+            self._runs_inline("an input has a dynamic shape (a template is traced for static shapes)")
             log.warning("zerograph: unit template for %s not used in a trace with dynamic shapes, every unit of "
                         "it runs inline (a template is traced for static shapes)", self.name)
             raise DynamicShapeTrace(f"unit {self.name!r}: {self.inline_reason}")
@@ -197,14 +131,19 @@ class UnitKind:
         for flat in self.flat_shards:
             flat.no_grad = template.no_grad_params
 
+    def _runs_inline(self, reason: str) -> None:
+        """Record why some trace runs the kind inline; inline, a flat shard's unused parameters get
+        the flat gradient's zeros from then on (``_agree_on_no_grad``)."""
+        self.inline_reason = reason
+        for flat in self.flat_shards:
+            flat.no_grad = frozenset()
+
     def fall_back(self, reason: str, mode: int | None = None) -> NoReturn:
         """Make every unit of the kind run inline from now on, in training-flag mode ``mode`` only
         (a body that cannot be a template in training: dropout, a batch norm's statistics) or in
         every mode (``None``), and raise ``TemplateUnavailable`` (the compiled forward catches it
         and traces the model again)."""
-        self.inline_reason = reason
-        for flat in self.flat_shards:  # inline, a flat shard's unused parameters get zeros (_agree_on_no_grad)
-            flat.no_grad = frozenset()
+        self._runs_inline(reason)
         if mode is not None:
             self.inline_modes[mode] = reason
         for module in self.modules:
@@ -409,7 +348,7 @@ def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg
 
     def run() -> None:
         try:
-            outcome["template"] = _trace(kind, metas, mode, arg_grads, device)
+            outcome["template"] = trace_unit(kind, metas, mode, arg_grads, device)
         except BaseException as exc:  # handed to the calling thread
             outcome["error"] = exc
 
@@ -422,255 +361,3 @@ def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg
             raise error
         kind.fall_back(f"{type(error).__name__}: {error}".splitlines()[0][:300], mode)
     return outcome["template"]
-
-
-def _trace(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
-           device: torch.device) -> UnitTemplate:
-    start = time.perf_counter()
-    module = kind.module
-    _, param_slots, buffer_slots, _, modules, flat = getattr(module, UNIT_ATTR)
-    n_params, n_buffers = (1 if flat is not None else len(param_slots)), len(buffer_slots)
-    n_args = len(metas) - n_params - n_buffers
-    param_grads = [True] if flat is not None else [mod._parameters[name].requires_grad for mod, name in param_slots]
-    wants_grad = ([dtype.is_floating_point and bool(arg_grads >> i & 1) for i, (_, _, dtype) in enumerate(metas[:n_args])]
-                  + param_grads + [False] * n_buffers)
-    fake_mode = FakeTensorMode()
-    with fake_mode:
-        primals = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
-                   for (shape, stride, dtype), grad in zip(metas, wants_grad)]
-    slot_names = [_slot_name(module, slot) for slot in param_slots]
-    # storages of the parameters the body computes with, when they are cut out of a flat shard (a
-    # write to one is refused as a write to the parameter is; the last trace's are what count)
-    cut_out: dict[StorageWeakRef, str] = {}
-    cut_params: list[torch.Tensor] = []  # the parameters as the last trace cut them out of the flat shard
-
-    def body(*p: torch.Tensor) -> list[torch.Tensor]:
-        slots = [(mod._parameters, name) for mod, name in param_slots] + [(mod._buffers, name) for mod, name in buffer_slots]
-        params = list(p[n_args:n_args + n_params])
-        if flat is not None:
-            params = flat.unflatten(params[0])
-            cut_params[:] = params
-            cut_out.clear()
-            cut_out.update({StorageWeakRef(t.untyped_storage()): name for t, name in zip(params, slot_names)})
-        values = [*params, *p[n_args + n_params:]]
-        previous_values = [table[name] for table, name in slots]
-        previous_flags = [m.training for m in modules]
-        previous = set_tracing_unit(True)
-        try:
-            for (table, name), value in zip(slots, values):
-                table[name] = value
-            for i, m in enumerate(modules):  # the calling unit's train / eval flags
-                m.training = bool(mode >> i & 1)
-            out = type(module).forward(module, *p[:n_args])
-        finally:
-            for (table, name), value in zip(slots, previous_values):
-                table[name] = value
-            for m, flag in zip(modules, previous_flags):
-                m.training = flag
-            set_tracing_unit(previous)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"it returned {type(out).__name__}; a template returns one tensor")
-        return [out]
-
-    with fake_mode:
-        tangents = [torch.empty_like(o, memory_format=torch.contiguous_format) for o in body(*primals)]
-    # which primals, and which parameters cut out of a flat shard, the output depends on through
-    # autograd: eager leaves the others' .grad None (AdamW then skips them), so must we
-    reached: dict[str, list[bool]] = {}
-
-    def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list, list]:
-        outs = body(*primals)
-        differentiable = [p for p in primals if p.requires_grad]
-        grads = list(torch.autograd.grad(outs, differentiable, tangents, allow_unused=True)) if differentiable else []
-        reached["primals"] = [g is not None for g in grads]
-        reached["cut_out"] = [_reaches(outs, t) for t in cut_params]
-        grads_iter = iter(grads)
-        return outs, [next(grads_iter) if p.requires_grad else None for p in primals]
-
-    with fake_mode:  # so that what autograd creates (zeros for an unused output's gradient) is fake too
-        joint_graph = make_fx(joint)(primals, tangents)
-    used = iter(reached["primals"])
-    grad_mask = [wanted and next(used) for wanted in wants_grad]
-    # a flat shard's parameters the output never reaches: one flat gradient cannot say so itself
-    no_grad_params = frozenset(i for i, hit in enumerate(reached["cut_out"]) if not hit)
-    if flat is not None:
-        parameters = {n_args: "<flat shard>"}
-    else:
-        parameters = {n_args + i: name for i, name in enumerate(slot_names)}
-    _check_no_writes(kind.name, joint_graph, len(metas), parameters, cut_out)
-    if flat is not None:
-        _recompute_cut_out(joint_graph, n_args)
-    # views of a primal (a weight's transpose) are replayed in backward instead of saved: the
-    # op cannot return a view of its input, and the primal itself is saved by autograd anyway
-    with torch._functorch.config.patch(recompute_views=True):
-        fwd, bwd = min_cut_rematerialization_partition(joint_graph, (primals, tangents), num_fwd_outputs=len(tangents))
-    n_outputs = len(tangents)
-    backward_sources, saved_primals = _own_outputs(fwd, n_outputs)
-    template_id = registry.next_template_id()
-    out_node = fwd.graph.output_node()
-    outputs = out_node.args[0]
-    bwd_inputs = [n for n in bwd.graph.nodes if n.op == "placeholder"]
-    assert len(bwd_inputs) == len(backward_sources) + n_outputs, (len(bwd_inputs), len(backward_sources))
-    output_metas = [_meta(n.meta["val"]) for n in outputs]
-    grad_metas = [_meta(primals[i]) for i, wanted in enumerate(grad_mask) if wanted]
-    run_forward, run_backward = _lower(kind.lowering, fwd, bwd, fake_mode, primals, outputs, backward_sources,
-                                       saved_primals, tangents)
-    template = UnitTemplate(template_id, kind.kind, metas, n_outputs, output_metas, saved_primals, grad_mask,
-                            grad_metas, fwd, bwd, backward_sources, run_forward, run_backward, no_grad_params)
-    registry.register_template_as(template_id, template)
-    template.trace_seconds = time.perf_counter() - start
-    template.units = kind.units
-    return template
-
-
-def _reaches(outs: Sequence[torch.Tensor], tensor: torch.Tensor) -> bool:
-    """Whether autograd reaches ``tensor`` from ``outs``: its gradient is not ``None``."""
-    if tensor.grad_fn is None:
-        return False
-    seen, stack = set(), [o.grad_fn for o in outs if o.grad_fn is not None]
-    while stack:
-        fn = stack.pop()
-        if fn is tensor.grad_fn:
-            return True
-        if fn in seen:
-            continue
-        seen.add(fn)
-        stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
-    return False
-
-
-def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[list[tuple[str, int]], list[int]]:
-    """Rewrite the partitioned forward to return the unit's outputs, then each saved activation
-    once, with no output aliasing a primal or an earlier output (a clone where one would); saved
-    primals are left to autograd. Returns where each backward input comes
-    from (``("primal", i)``: the i-th saved primal; ``("output", j)``: ``unit_forward``'s j-th
-    output past the unit's own) and the indices of the saved primals."""
-    graph = fwd.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    primal_index = {n: i for i, n in enumerate(placeholders)}
-    out_node = graph.output_node()
-    values = list(out_node.args[0])
-    user, saved = values[:n_outputs], values[n_outputs:]
-    returned: list[fx.Node] = list(user)
-    sources: list[tuple[str, int]] = []
-    saved_primals: list[int] = []
-    for node in saved:
-        if node in primal_index:
-            if primal_index[node] not in saved_primals:
-                saved_primals.append(primal_index[node])
-            sources.append(("primal", saved_primals.index(primal_index[node])))
-        else:
-            if node not in returned:
-                returned.append(node)
-            sources.append(("output", returned.index(node)))
-    # outputs must be new tensors: clone any that shares a storage with a primal or an earlier output
-    storages = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in placeholders
-                if isinstance(n.meta.get("val"), torch.Tensor)}
-    final = []
-    with graph.inserting_before(out_node):
-        for node in returned:
-            ref = StorageWeakRef(node.meta["val"].untyped_storage())
-            if ref in storages:
-                clone = graph.call_function(torch.ops.aten.clone.default, (node,))
-                clone.meta["val"] = node.meta["val"].clone()
-                node = clone
-                ref = StorageWeakRef(node.meta["val"].untyped_storage())
-            storages.add(ref)
-            final.append(node)
-    out_node.args = (final,)
-    graph.lint()
-    fwd.recompile()
-    # "output" sources index unit_forward's outputs past the unit's own
-    sources = [(s, i - n_outputs if s == "output" else i) for s, i in sources]
-    return sources, saved_primals
-
-
-# what ``FlatShard.unflatten`` traces to: the cuts that make a unit's parameters out of its flat shard
-_CUTTING_OPS = frozenset({torch.ops.aten.view.default, torch.ops.aten.slice.Tensor, torch.ops.aten.clone.default,
-                          torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
-                          torch.ops.aten.alias.default, torch.ops.aten.t.default, torch.ops.aten.transpose.int,
-                          torch.ops.aten.permute.default, torch.ops.aten.expand.default,
-                          torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor, operator.getitem})
-
-
-def _recompute_cut_out(joint: fx.GraphModule, flat_index: int) -> None:
-    """Mark the cuts of the gathered flat shard (primal ``flat_index``) into parameters, and their
-    views, ``MUST_RECOMPUTE``: the partitioner then hands backward the flat primal, which the model
-    graph re-gathers there (stage 3), instead of saving the cut-out parameters as activations
-    (which would keep every gathered parameter alive from forward to backward)."""
-    flat = [n for n in joint.graph.nodes if n.op == "placeholder"][flat_index]
-    stack = [flat]
-    while stack:
-        for user in stack.pop().users:
-            if user.target in _CUTTING_OPS and user.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
-                user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                stack.append(user)
-
-
-def _slot_name(module: nn.Module, slot: tuple[nn.Module, str]) -> str:
-    """A parameter slot's name inside its unit (``attn.proj.weight``)."""
-    paths = {id(m): path for path, m in module.named_modules()}
-    return f"{paths[id(slot[0])]}.{slot[1]}".lstrip(".")
-
-
-def _check_no_writes(name: str, joint: fx.GraphModule, n_primals: int, parameters: dict[int, str],
-                     cut_out: dict[StorageWeakRef, str] | None = None) -> None:
-    """Refuse a body that writes a primal in place: a parameter with ``ShardingError`` (as
-    ``capture.check_no_parameter_writes`` refuses it inline: the write would be lost), anything
-    else (an argument, a buffer: a batch norm's statistics) with ``ValueError``, which makes the
-    kind run inline. ``parameters``: primal index -> the parameter's name in the unit;
-    ``cut_out``: storages of parameters cut out of a flat shard -> their names (writes refused too)."""
-    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"][:n_primals]
-    index_of: dict[StorageWeakRef, int | str] = {
-        StorageWeakRef(n.meta["val"].untyped_storage()): i for i, n in enumerate(placeholders)
-        if isinstance(n.meta.get("val"), torch.Tensor)}
-    for ref, param_name in (cut_out or {}).items():
-        index_of.setdefault(ref, param_name)
-    for node in joint.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        for i, arg in enumerate(node.target._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            val = value.meta.get("val") if isinstance(value, fx.Node) else None
-            index = index_of.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
-            if index is None:
-                continue
-            if isinstance(index, str) or index in parameters:
-                param_name = index if isinstance(index, str) else parameters[index]
-                raise parameter_write_error(f"{name}.{param_name}", str(node.target), f"{node.name} in the unit's body")
-            raise ValueError(f"unit {name!r} writes an input or buffer in place ({node.target}); a template's "
-                             "inputs are copies")
-
-
-def _meta(t: torch.Tensor) -> TensorMeta:
-    return tuple(t.shape), tuple(t.stride()), t.dtype
-
-
-def _lower(lowering: str, fwd: fx.GraphModule, bwd: fx.GraphModule, fake_mode: FakeTensorMode,
-           primals: list[torch.Tensor], outputs: Sequence[fx.Node], backward_sources: list[tuple[str, int]],
-           saved_primals: list[int], tangents: list[torch.Tensor]) -> tuple[Callable, Callable]:
-    if lowering != "inductor":
-        return fwd, bwd
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
-
-    with fake_mode:
-        fwd_inputs = [p.detach() for p in primals]
-        saved_values = [n.meta["val"] for n in outputs]
-        bwd_inputs = [fwd_inputs[saved_primals[i]] if s == "primal" else saved_values[len(tangents) + i]
-                      for s, i in backward_sources] + list(tangents)
-        lowered = []
-        for gm, inputs, backward in ((fwd, fwd_inputs, False), (bwd, bwd_inputs, True)):
-            decomposed = make_fx(fx.Interpreter(gm).run, decomposition_table=select_decomp_table())(*inputs)
-            compiled = compile_fx_inner(decomposed, inputs, is_backward=backward)
-            lowered.append(_unboxed(compiled))
-    return lowered[0], lowered[1]
-
-
-def _unboxed(compiled: Callable) -> Callable:
-    def call(*args: torch.Tensor) -> Any:
-        return compiled(list(args))
-
-    return call

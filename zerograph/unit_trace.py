@@ -1,0 +1,353 @@
+"""One unit kind's body traced into a template: forward + backward on fake tensors, the min-cut
+partitioner, the lowering (``trace_unit``), and what it yields (``UnitTemplate``).
+
+``templates.py`` decides which units share a template and when one is traced (in a thread of its
+own, from the unit op's fake implementation); this module is the trace itself: the body run
+with the template's primals in the unit's parameter and buffer slots (``UNIT_ATTR``), the joint
+graph made with ``make_fx``, checked for in-place writes to parameters and inputs, partitioned
+(views of parameters and the cuts of a flat shard replayed in backward, not saved), and lowered.
+Source: AOTAutograd's joint trace and ``min_cut_rematerialization_partition``, applied to one
+block instead of a whole graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import CheckpointPolicy
+
+from . import registry
+from .capture import parameter_write_error
+from .sharding import set_tracing_unit
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .templates import UnitKind
+
+UNIT_ATTR = "_zerograph_unit"  # a templated unit's (kind, parameter slots, buffer slots, keys, modules, flat shard)
+
+# (shape, stride, dtype) of one tensor; a template is traced per tuple of these of its primals
+TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+@dataclasses.dataclass
+class UnitTemplate:
+    """One unit kind traced for one input signature: its forward and backward graphs, lowered.
+
+    Attributes:
+        id: the registry id ``zerograph::unit_backward`` names it by.
+        kind: the unit kind it belongs to.
+        input_metas: ``(shape, stride, dtype)`` of each primal (unit arguments, parameters, buffers).
+        n_outputs: outputs of the unit itself (1: the unit returns one tensor); ``unit_forward``
+            returns these first, then the activations the backward needs.
+        output_metas: ``(shape, stride, dtype)`` of every ``unit_forward`` output.
+        saved_primals: indices of the primals the backward reads (saved by autograd, not returned,
+            since a custom op's output may not alias its input).
+        grad_mask: per primal, whether the backward returns its gradient (floating-point arguments
+            and parameters that require grad and that the output reaches through autograd; for
+            the others autograd gets ``None``, as in eager).
+        grad_metas: ``(shape, stride, dtype)`` of each gradient returned (``grad_mask`` order).
+        forward_graph, backward_graph: the partitioned graphs (ATen ops), for tests and dumps.
+        no_grad_params: with a flat shard, the indices (slot order) of the unit's parameters the
+            output does not reach: their part of the flat gradient is zeros, their ``.grad``
+            stays ``None`` (``FlatShard.no_grad``).
+        trace_seconds: wall seconds the trace, partition and lowering took.
+        units: names of the units that call it (its kind's units).
+    """
+
+    id: int
+    kind: int
+    input_metas: tuple[TensorMeta, ...]
+    n_outputs: int
+    output_metas: list[TensorMeta]
+    saved_primals: list[int]
+    grad_mask: list[bool]
+    grad_metas: list[TensorMeta]
+    forward_graph: fx.GraphModule
+    backward_graph: fx.GraphModule
+    backward_sources: list[tuple[str, int]]  # per backward input but tangents: ("primal"|"output", index)
+    run_forward: Callable[..., Any]
+    run_backward: Callable[..., Any]
+    no_grad_params: frozenset[int] = frozenset()
+    trace_seconds: float = 0.0
+    units: list[str] = dataclasses.field(default_factory=list)
+
+    def forward(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(self.run_forward(*primals))
+
+    def backward(self, primals: Sequence[torch.Tensor], saved: Sequence[torch.Tensor],
+                 tangents: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients of the primals of ``grad_mask`` (those the output reaches), in primal order."""
+        args = [primals[i] if source == "primal" else saved[i] for source, i in self.backward_sources]
+        grads = self.run_backward(*args, *tangents)
+        return [grad for grad, wanted in zip(grads, self.grad_mask) if wanted]
+
+
+def trace_unit(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
+               device: torch.device) -> UnitTemplate:
+    """``kind``'s body for primals of ``metas`` (``(shape, stride, dtype)`` each: the unit's tensor
+    arguments, then its parameters, or its one flat shard, then its buffers), with its submodules'
+    training flags from ``mode``'s bits and gradients for the arguments of ``arg_grads``'s bits
+    and the trainable parameters, as a registered, lowered ``UnitTemplate``. Call from a thread
+    with autograd on and no fake mode active (``templates.trace_template``).
+
+    Raises whatever the trace meets (the caller makes the kind run inline), or ``ShardingError``
+    for a body that writes a parameter in place."""
+    start = time.perf_counter()
+    module = kind.module
+    _, param_slots, buffer_slots, _, modules, flat = getattr(module, UNIT_ATTR)
+    n_params, n_buffers = (1 if flat is not None else len(param_slots)), len(buffer_slots)
+    n_args = len(metas) - n_params - n_buffers
+    param_grads = [True] if flat is not None else [mod._parameters[name].requires_grad for mod, name in param_slots]
+    wants_grad = ([dtype.is_floating_point and bool(arg_grads >> i & 1) for i, (_, _, dtype) in enumerate(metas[:n_args])]
+                  + param_grads + [False] * n_buffers)
+    fake_mode = FakeTensorMode()
+    with fake_mode:
+        primals = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
+                   for (shape, stride, dtype), grad in zip(metas, wants_grad)]
+    slot_names = [_slot_name(module, slot) for slot in param_slots]
+    # storages of the parameters the body computes with, when they are cut out of a flat shard (a
+    # write to one is refused as a write to the parameter is; the last trace's are what count)
+    cut_out: dict[StorageWeakRef, str] = {}
+    cut_params: list[torch.Tensor] = []  # the parameters as the last trace cut them out of the flat shard
+
+    def body(*p: torch.Tensor) -> list[torch.Tensor]:
+        slots = [(mod._parameters, name) for mod, name in param_slots] + [(mod._buffers, name) for mod, name in buffer_slots]
+        params = list(p[n_args:n_args + n_params])
+        if flat is not None:
+            params = flat.unflatten(params[0])
+            cut_params[:] = params
+            cut_out.clear()
+            cut_out.update({StorageWeakRef(t.untyped_storage()): name for t, name in zip(params, slot_names)})
+        values = [*params, *p[n_args + n_params:]]
+        previous_values = [table[name] for table, name in slots]
+        previous_flags = [m.training for m in modules]
+        previous = set_tracing_unit(True)
+        try:
+            for (table, name), value in zip(slots, values):
+                table[name] = value
+            for i, m in enumerate(modules):  # the calling unit's train / eval flags
+                m.training = bool(mode >> i & 1)
+            out = type(module).forward(module, *p[:n_args])
+        finally:
+            for (table, name), value in zip(slots, previous_values):
+                table[name] = value
+            for m, flag in zip(modules, previous_flags):
+                m.training = flag
+            set_tracing_unit(previous)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"it returned {type(out).__name__}; a template returns one tensor")
+        return [out]
+
+    with fake_mode:
+        tangents = [torch.empty_like(o, memory_format=torch.contiguous_format) for o in body(*primals)]
+    # which primals, and which parameters cut out of a flat shard, the output depends on through
+    # autograd: eager leaves the others' .grad None (AdamW then skips them), so must we
+    reached: dict[str, list[bool]] = {}
+
+    def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list, list]:
+        outs = body(*primals)
+        differentiable = [p for p in primals if p.requires_grad]
+        grads = list(torch.autograd.grad(outs, differentiable, tangents, allow_unused=True)) if differentiable else []
+        reached["primals"] = [g is not None for g in grads]
+        reached["cut_out"] = [_reaches(outs, t) for t in cut_params]
+        grads_iter = iter(grads)
+        return outs, [next(grads_iter) if p.requires_grad else None for p in primals]
+
+    with fake_mode:  # so that what autograd creates (zeros for an unused output's gradient) is fake too
+        joint_graph = make_fx(joint)(primals, tangents)
+    used = iter(reached["primals"])
+    grad_mask = [wanted and next(used) for wanted in wants_grad]
+    # a flat shard's parameters the output never reaches: one flat gradient cannot say so itself
+    no_grad_params = frozenset(i for i, hit in enumerate(reached["cut_out"]) if not hit)
+    if flat is not None:
+        parameters = {n_args: "<flat shard>"}
+    else:
+        parameters = {n_args + i: name for i, name in enumerate(slot_names)}
+    _check_no_writes(kind.name, joint_graph, len(metas), parameters, cut_out)
+    if flat is not None:
+        _recompute_cut_out(joint_graph, n_args)
+    # views of a primal (a weight's transpose) are replayed in backward instead of saved: the
+    # op cannot return a view of its input, and the primal itself is saved by autograd anyway
+    with torch._functorch.config.patch(recompute_views=True):
+        fwd, bwd = min_cut_rematerialization_partition(joint_graph, (primals, tangents), num_fwd_outputs=len(tangents))
+    n_outputs = len(tangents)
+    backward_sources, saved_primals = _own_outputs(fwd, n_outputs)
+    template_id = registry.next_template_id()
+    out_node = fwd.graph.output_node()
+    outputs = out_node.args[0]
+    bwd_inputs = [n for n in bwd.graph.nodes if n.op == "placeholder"]
+    assert len(bwd_inputs) == len(backward_sources) + n_outputs, (len(bwd_inputs), len(backward_sources))
+    output_metas = [_meta(n.meta["val"]) for n in outputs]
+    grad_metas = [_meta(primals[i]) for i, wanted in enumerate(grad_mask) if wanted]
+    run_forward, run_backward = _lower(kind.lowering, fwd, bwd, fake_mode, primals, outputs, backward_sources,
+                                       saved_primals, tangents)
+    template = UnitTemplate(template_id, kind.kind, metas, n_outputs, output_metas, saved_primals, grad_mask,
+                            grad_metas, fwd, bwd, backward_sources, run_forward, run_backward, no_grad_params)
+    registry.register_template_as(template_id, template)
+    template.trace_seconds = time.perf_counter() - start
+    template.units = kind.units
+    return template
+
+
+def _reaches(outs: Sequence[torch.Tensor], tensor: torch.Tensor) -> bool:
+    """Whether autograd reaches ``tensor`` from ``outs``: its gradient is not ``None``."""
+    if tensor.grad_fn is None:
+        return False
+    seen, stack = set(), [o.grad_fn for o in outs if o.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is tensor.grad_fn:
+            return True
+        if fn in seen:
+            continue
+        seen.add(fn)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None)
+    return False
+
+
+def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[list[tuple[str, int]], list[int]]:
+    """Rewrite the partitioned forward to return the unit's outputs, then each saved activation
+    once, with no output aliasing a primal or an earlier output (a clone where one would); saved
+    primals are left to autograd. Returns where each backward input comes
+    from (``("primal", i)``: the i-th saved primal; ``("output", j)``: ``unit_forward``'s j-th
+    output past the unit's own) and the indices of the saved primals."""
+    graph = fwd.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    primal_index = {n: i for i, n in enumerate(placeholders)}
+    out_node = graph.output_node()
+    values = list(out_node.args[0])
+    user, saved = values[:n_outputs], values[n_outputs:]
+    returned: list[fx.Node] = list(user)
+    sources: list[tuple[str, int]] = []
+    saved_primals: list[int] = []
+    for node in saved:
+        if node in primal_index:
+            if primal_index[node] not in saved_primals:
+                saved_primals.append(primal_index[node])
+            sources.append(("primal", saved_primals.index(primal_index[node])))
+        else:
+            if node not in returned:
+                returned.append(node)
+            sources.append(("output", returned.index(node)))
+    # outputs must be new tensors: clone any that shares a storage with a primal or an earlier output
+    storages = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in placeholders
+                if isinstance(n.meta.get("val"), torch.Tensor)}
+    final = []
+    with graph.inserting_before(out_node):
+        for node in returned:
+            ref = StorageWeakRef(node.meta["val"].untyped_storage())
+            if ref in storages:
+                clone = graph.call_function(torch.ops.aten.clone.default, (node,))
+                clone.meta["val"] = node.meta["val"].clone()
+                node = clone
+                ref = StorageWeakRef(node.meta["val"].untyped_storage())
+            storages.add(ref)
+            final.append(node)
+    out_node.args = (final,)
+    graph.lint()
+    fwd.recompile()
+    # "output" sources index unit_forward's outputs past the unit's own
+    sources = [(s, i - n_outputs if s == "output" else i) for s, i in sources]
+    return sources, saved_primals
+
+
+# what ``FlatShard.unflatten`` traces to: the cuts that make a unit's parameters out of its flat shard
+_CUTTING_OPS = frozenset({torch.ops.aten.view.default, torch.ops.aten.slice.Tensor, torch.ops.aten.clone.default,
+                          torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+                          torch.ops.aten.alias.default, torch.ops.aten.t.default, torch.ops.aten.transpose.int,
+                          torch.ops.aten.permute.default, torch.ops.aten.expand.default,
+                          torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor, operator.getitem})
+
+
+def _recompute_cut_out(joint: fx.GraphModule, flat_index: int) -> None:
+    """Mark the cuts of the gathered flat shard (primal ``flat_index``) into parameters, and their
+    views, ``MUST_RECOMPUTE``: the partitioner then hands backward the flat primal, which the model
+    graph re-gathers there (stage 3), instead of saving the cut-out parameters as activations
+    (which would keep every gathered parameter alive from forward to backward)."""
+    flat = [n for n in joint.graph.nodes if n.op == "placeholder"][flat_index]
+    stack = [flat]
+    while stack:
+        for user in stack.pop().users:
+            if user.target in _CUTTING_OPS and user.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
+                user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                stack.append(user)
+
+
+def _slot_name(module: nn.Module, slot: tuple[nn.Module, str]) -> str:
+    """A parameter slot's name inside its unit (``attn.proj.weight``)."""
+    paths = {id(m): path for path, m in module.named_modules()}
+    return f"{paths[id(slot[0])]}.{slot[1]}".lstrip(".")
+
+
+def _check_no_writes(name: str, joint: fx.GraphModule, n_primals: int, parameters: dict[int, str],
+                     cut_out: dict[StorageWeakRef, str] | None = None) -> None:
+    """Refuse a body that writes a primal in place: a parameter with ``ShardingError`` (as
+    ``capture.check_no_parameter_writes`` refuses it inline: the write would be lost), anything
+    else (an argument, a buffer: a batch norm's statistics) with ``ValueError``, which makes the
+    kind run inline. ``parameters``: primal index -> the parameter's name in the unit;
+    ``cut_out``: storages of parameters cut out of a flat shard -> their names (writes refused too)."""
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"][:n_primals]
+    index_of: dict[StorageWeakRef, int | str] = {
+        StorageWeakRef(n.meta["val"].untyped_storage()): i for i, n in enumerate(placeholders)
+        if isinstance(n.meta.get("val"), torch.Tensor)}
+    for ref, param_name in (cut_out or {}).items():
+        index_of.setdefault(ref, param_name)
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for i, arg in enumerate(node.target._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            val = value.meta.get("val") if isinstance(value, fx.Node) else None
+            index = index_of.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
+            if index is None:
+                continue
+            if isinstance(index, str) or index in parameters:
+                param_name = index if isinstance(index, str) else parameters[index]
+                raise parameter_write_error(f"{name}.{param_name}", str(node.target), f"{node.name} in the unit's body")
+            raise ValueError(f"unit {name!r} writes an input or buffer in place ({node.target}); a template's "
+                             "inputs are copies")
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def _lower(lowering: str, fwd: fx.GraphModule, bwd: fx.GraphModule, fake_mode: FakeTensorMode,
+           primals: list[torch.Tensor], outputs: Sequence[fx.Node], backward_sources: list[tuple[str, int]],
+           saved_primals: list[int], tangents: list[torch.Tensor]) -> tuple[Callable, Callable]:
+    if lowering != "inductor":
+        return fwd, bwd
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+
+    with fake_mode:
+        fwd_inputs = [p.detach() for p in primals]
+        saved_values = [n.meta["val"] for n in outputs]
+        bwd_inputs = [fwd_inputs[saved_primals[i]] if s == "primal" else saved_values[len(tangents) + i]
+                      for s, i in backward_sources] + list(tangents)
+        lowered = []
+        for gm, inputs, backward in ((fwd, fwd_inputs, False), (bwd, bwd_inputs, True)):
+            decomposed = make_fx(fx.Interpreter(gm).run, decomposition_table=select_decomp_table())(*inputs)
+            compiled = compile_fx_inner(decomposed, inputs, is_backward=backward)
+            lowered.append(_unboxed(compiled))
+    return lowered[0], lowered[1]
+
+
+def _unboxed(compiled: Callable) -> Callable:
+    def call(*args: torch.Tensor) -> Any:
+        return compiled(list(args))
+
+    return call
