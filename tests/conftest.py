@@ -74,6 +74,8 @@ def one_rank():
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     misread = []
     for item in items:
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if SPAWNING_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.distributed)
         marked = item.get_closest_marker("distributed") is not None
@@ -82,8 +84,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if misread:  # the two lanes of `make test` would run two spawns at once
         raise pytest.UsageError(f"tests/conftest.py's _spawning_tests misreads which tests spawn: {misread[:5]}; "
                                 "mark them with @pytest.mark.distributed on the test function or pytestmark")
-        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -11,7 +11,8 @@ use as the passes' copy-in and the all-gather's copy-out.
 - graph structure: a stage-3 GPT compiled on 2 ranks holds one ``pack_shards`` node per
   multi-parameter collective, in that collective's issue chain, one ``unpack_gathered`` node per
   multi-parameter all-gather, in its finish chain, and neither for single parameters; at stage 1
-  the forward saves each unpacked buffer once, not its views.
+  the forward saves each unpacked buffer once, not its views (and, on the default build's flat
+  shards, each block's gathered buffer once).
 """
 from __future__ import annotations
 
@@ -413,27 +414,34 @@ def graph_facts(rank: int, world_size: int) -> dict:
 
     return {"blocks": pack_nodes_per_collective(rank, world_size),
             "embeddings": pack_nodes_per_collective(rank, world_size, (nn.Embedding,)),
-            "stage1_saved": saved_unpacked(rank, world_size)}
+            "stage1_saved": saved_unpacked(rank, world_size),
+            "stage1_saved_flat": saved_unpacked(rank, world_size, unit_templates=None)}
 
 
-def saved_unpacked(rank: int, world_size: int) -> tuple[int, list[str]]:
-    """Stage 1 (gathered parameters saved for backward): the forward's unpack nodes, and the
-    targets of the forward outputs whose storage is an unpacked buffer."""
+def saved_unpacked(rank: int, world_size: int, unit_templates: bool | None = False) -> dict:
+    """Stage 1 (gathered parameters saved for backward), per-parameter build by default: the
+    forward's unpack nodes, the targets of the forward outputs whose storage is an unpacked buffer,
+    and, per all-gather's wait (the default build's flat shards are gathered with no unpack), how
+    many forward outputs alias its buffer."""
     import zerograph
     from tests.models import build, global_batch, rank_slice
     from zerograph.passes._fx import is_alias_of_input
+    from zerograph.vocab import WAIT
 
-    model = zerograph.compile(build("gpt"), stage=1)
+    model = zerograph.compile(build("gpt"), stage=1, config=zerograph.Config(unit_templates=unit_templates))
     model(*rank_slice(global_batch("gpt", 0, 4), rank, world_size)).backward()
     graph = graphs_of(model)[0]["forward"].graph
-    saved = []
+    saved, saved_per_wait = [], {str(n): 0 for n in graph.nodes if n.target is WAIT}
     for out in graph.find_nodes(op="output")[0].all_input_nodes:
         node = out
         while is_alias_of_input(node):
             node = node.all_input_nodes[0]
         if node.target is UNPACK_GATHERED:
             saved.append(str(out.target))
-    return sum(1 for n in graph.nodes if n.target is UNPACK_GATHERED), saved
+        if node.target is WAIT:
+            saved_per_wait[str(node)] += 1
+    return {"unpacks": sum(1 for n in graph.nodes if n.target is UNPACK_GATHERED), "saved": saved,
+            "saved_per_wait": saved_per_wait}
 
 
 @pytest.fixture(scope="module")
@@ -486,9 +494,21 @@ def test_stage1_saves_each_unpacked_buffer_once(gpt_facts):
     buffer itself, once, and backward recomputes the parameters' views of it (so the memory
     accounting, which charges a saved tensor's whole storage, counts each buffer once)."""
     for facts in gpt_facts:
-        unpacks, saved = facts["stage1_saved"]
-        assert unpacks == 3  # the root and the two blocks
-        assert saved == [str(UNPACK_GATHERED)] * unpacks, saved
+        found = facts["stage1_saved"]
+        assert found["unpacks"] == 3  # the root and the two blocks
+        assert found["saved"] == [str(UNPACK_GATHERED)] * found["unpacks"], found
+
+
+@pytest.mark.slow
+def test_stage1_flat_shards_save_each_gathered_buffer_once(gpt_facts):
+    """The default build at stage 1: each block's flat shard is gathered whole (no unpack) and the
+    forward saves its gathered buffer once, a view of it as the template's input; the root's
+    parameters are still one bucket with one unpack, saved once."""
+    for facts in gpt_facts:
+        found = facts["stage1_saved_flat"]
+        assert found["unpacks"] == 1 and found["saved"] == [str(UNPACK_GATHERED)], found
+        # one all-gather for the root's bucket (saved through its unpack) and one per block
+        assert sorted(found["saved_per_wait"].values()) == [0, 1, 1], found
 
 
 if __name__ == "__main__":

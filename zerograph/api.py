@@ -204,9 +204,11 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
 def _flat_plan(runtime: Runtime, config: Config, units: list[tuple[str, nn.Module]],
                key_of: dict[int, int]) -> FlatPlan | None:
     """How the templated units' shards move into one flat buffer per unit (``flat.py``), or
-    ``None`` where they stay one input per parameter: below stage 3 (parameters live whole from
-    forward to backward there), and with hpZ or quantized collectives (not built for them yet)."""
-    if (runtime.stage != 3 or config.secondary_partition_size is not None or config.gather_quantization
+    ``None`` where they stay one input per parameter: with hpZ or quantized collectives (not built
+    for them yet). At stages 1-2 the unit's gathered flat buffer is what its forward saves for
+    backward (the parameters' gathered copies at those stages, in one buffer); at stage 0 the
+    buffer holds the whole parameters, read as they are, and its gradient is all-reduced whole."""
+    if (config.secondary_partition_size is not None or config.gather_quantization
             or config.reduce_quantization):
         return None
     uses: dict[int, int] = {}

@@ -106,7 +106,7 @@ class Config:
         unit_templates: ``True`` traces, partitions and lowers each kind of unit once (units of
             one structure: a transformer's identical blocks) and makes each unit one call of that
             template in the model graph (``zerograph.templates``); the passes still place every
-            unit's all-gather, reduce-scatter, prefetch and release. At stage 3 (without hpZ or
+            unit's all-gather, reduce-scatter, prefetch and release. At every stage (without hpZ or
             quantized collectives) each such unit's shards also live in one flat buffer, one graph
             input and one all-gather marker per unit (``zerograph.flat``), so compile time grows
             about 6x more slowly with depth (README, "Compile time"). Units called with keyword

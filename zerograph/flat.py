@@ -1,11 +1,14 @@
 """A unit's parameter shards in one flat buffer: one graph input and one marker per unit.
 
-With ``Config(unit_templates=True)`` at stage 3, each templated unit's shards are stored back to
+With unit templates (the default), each templated unit's shards are stored back to
 back in one 1-D buffer, this rank's *flat shard*: parameter ``i`` at element offset ``offsets[i]``,
 its padded chunk of ``chunk_rows * row_numel`` elements, of which the first ``local_rows *
 row_numel`` hold its rows (the rest is padding, zero). That is the layout every rank's copy-in
 sends to the unit's all-gather anyway (FSDP2's), so the all-gathered flat shards, ``(N * T,)``,
 hold each parameter's rows rank by rank, and ``unflatten`` cuts the full parameters out of it.
+At stage 0 nothing is sharded: the buffer holds the unit's whole parameters, ``(T,)`` on every
+rank, the unit's marker reads it as it is, and its gradient is all-reduced whole (one bucket per
+unit, as DDP's flat buckets).
 Source: FSDP1's ``FlatParameter`` (one flat tensor per unit), with FSDP2's per-parameter
 ``DTensor`` view kept for everything outside forward.
 
@@ -67,7 +70,7 @@ class FlatShard:
     def unflatten(self, full: torch.Tensor) -> list[torch.Tensor]:
         """The full parameters from the all-gathered flat shards. ``full``: ``(N * T,)`` ->
         one tensor of ``layout.shape`` per parameter (a copy where ranks' rows interleave)."""
-        n, total = self.layout.world_size, self.layout.chunk_rows
+        n, total = self.layout.padded_numel // self.layout.chunk_rows, self.layout.chunk_rows
         # one split, not a slice per parameter: its backward is one concatenation of the
         # gradients, where slices' would add a zero-filled (N * T,) buffer per parameter
         blocks = full.view(n, total).split([layout.shard_numel for layout in self.layouts], dim=1)
@@ -78,7 +81,7 @@ class FlatShard:
         inline (a kind that fell back from its template): the unit's one ``unshard`` marker (one
         all-gather however many parameters read it), then the cut. Reading the ``DTensor`` shards
         themselves would hand Dynamo several tensors on one storage, which it cannot fake."""
-        n, total = self.layout.world_size, self.layout.chunk_rows
+        n, total = self.layout.padded_numel // self.layout.chunk_rows, self.layout.chunk_rows
         layout, offset = self.layouts[index], self.offsets[index]
         full = full_parameter(self.param, self.layout.key).view(n, total)
         return _cut(full[:, offset : offset + layout.shard_numel], layout)
@@ -131,7 +134,7 @@ def flatten_unit_(unit: int, name: str, shards: Sequence[nn.Parameter], layouts:
                   rank: int, key: int) -> FlatShard:
     """Move the shards of unit ``unit`` (named ``name``) into one flat buffer, in place: each
     ``DTensor``'s local tensor becomes a view of it, with the same values. ``shards`` and
-    ``layouts`` in the unit's parameter order; every layout sharded, of one dtype, ``param_dtype``
+    ``layouts`` in the unit's parameter order; every layout sharded or every one whole, of one dtype, ``param_dtype``
     and ``reduce_dtype`` (``flattenable``). ``key``: the flat shard's marker key."""
     first = layouts[0]
     offsets, total = [], 0
@@ -149,8 +152,9 @@ def flatten_unit_(unit: int, name: str, shards: Sequence[nn.Parameter], layouts:
             # of the buffer (a view, with its base, so that fake tensors of it alias as the real ones do)
             shard._local_tensor = view
     world_size = first.world_size
-    layout = ParamLayout(key, f"{name}.<flat shard>" if name else "<flat shard>", unit, (world_size * total,),
-                         first.dtype, world_size, True, (total,) * world_size, total, first.param_dtype,
+    full = world_size * total if first.sharded else total  # stage 0: every rank holds the whole buffer
+    layout = ParamLayout(key, f"{name}.<flat shard>" if name else "<flat shard>", unit, (full,),
+                         first.dtype, world_size, first.sharded, (total,) * world_size, total, first.param_dtype,
                          first.reduce_dtype)
     param = nn.Parameter(flat, requires_grad=True)  # shares flat's storage
     result = FlatShard(layout, param, tuple(shards), tuple(layouts), tuple(offsets), rank)
@@ -165,7 +169,7 @@ def flatten_unit_(unit: int, name: str, shards: Sequence[nn.Parameter], layouts:
 
 def flattenable(shards: Sequence[nn.Parameter], layouts: Sequence[ParamLayout], unit: int) -> str | None:
     """Why the unit's shards cannot share one flat buffer, or ``None`` when they can: every
-    parameter sharded, trainable, owned by this unit, of one dtype, ``param_dtype`` and
+    parameter sharded (stages 1-3) or every one whole (stage 0), trainable, owned by this unit, of one dtype, ``param_dtype`` and
     ``reduce_dtype``, and a local tensor of its own (contiguous, not shared)."""
     if not layouts:
         return "it has no parameters"
@@ -173,8 +177,8 @@ def flattenable(shards: Sequence[nn.Parameter], layouts: Sequence[ParamLayout], 
     for shard, layout in zip(shards, layouts):
         if layout.unit != unit:
             return f"parameter {layout.fqn!r} belongs to another unit (tied)"
-        if not layout.sharded:
-            return f"parameter {layout.fqn!r} is not sharded"
+        if layout.sharded != first.sharded:  # a 0-d parameter is replicated at every stage
+            return f"parameter {layout.fqn!r} is {'' if layout.sharded else 'not '}sharded, unlike {first.fqn!r}"
         if not shard.requires_grad:
             return f"parameter {layout.fqn!r} is frozen"
         if (layout.dtype, layout.param_dtype, layout.reduce_dtype) != (first.dtype, first.param_dtype,
@@ -188,6 +192,9 @@ def flattenable(shards: Sequence[nn.Parameter], layouts: Sequence[ParamLayout], 
 def _cut(block: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
     """One parameter in full from its column block of the gathered flat shards, ``(N,
     chunk_rows * row_numel)``: the ranks' chunks stacked, then the padding rows dropped (no slice
-    where there is none, so no zero-filled ``slice_backward`` in the gradient)."""
+    where there is none, so no zero-filled ``slice_backward`` in the gradient). An unsharded
+    layout's block, ``(1, numel)``, is the parameter itself."""
+    if not layout.sharded:  # stage 0 (or a 0-d parameter): the block is the whole parameter
+        return block.reshape(layout.shape)
     padded = block.reshape(layout.world_size * layout.chunk_rows, *layout.shape[1:])
     return padded if padded.shape[0] == layout.shape[0] else padded[: layout.shape[0]]

@@ -7,10 +7,12 @@ bias, with an extra parameter or with a flag that changes their control flow are
 own. Each unit's ``forward`` becomes one ``zerograph::unit_forward(kind, mode, arg_grads, primals)`` node
 (``install_unit_templates``): Dynamo traces the unit's parameter reads, which are still the
 ``zerograph::unshard`` markers the passes expand into all-gathers, and the call, but not the
-unit's body. At stage 3 a kind's units also keep their shards in one flat buffer each
+unit's body. A kind's units also keep their shards in one flat buffer each
 (``flat.py``, FSDP1's layout): the read is then one marker of the whole unit, and the template
 cuts the parameters out of the gathered buffer itself (the cuts are recomputed in backward, so
-the gathered buffer, not the parameters, is what backward re-gathers); the model graph then holds
+the gathered buffer, not the parameters, is what backward re-gathers at stage 3, or what the
+forward saves for it at stages 1-2; at stage 0 the buffer is whole on every rank); the model
+graph then holds
 a handful of nodes per unit, whatever the unit's parameter count. The body is traced once per
 kind and input signature (``trace_template``; the trace itself is ``unit_trace.py``): make_fx of
 forward + backward on fake tensors, then the min-cut partitioner, as AOTAutograd does for a whole

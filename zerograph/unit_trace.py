@@ -273,8 +273,9 @@ _CUTTING_OPS = frozenset({torch.ops.aten.view.default, torch.ops.aten.slice.Tens
 def _recompute_cut_out(joint: fx.GraphModule, flat_index: int) -> None:
     """Mark the cuts of the gathered flat shard (primal ``flat_index``) into parameters, and their
     views, ``MUST_RECOMPUTE``: the partitioner then hands backward the flat primal, which the model
-    graph re-gathers there (stage 3), instead of saving the cut-out parameters as activations
-    (which would keep every gathered parameter alive from forward to backward)."""
+    graph re-gathers there (stage 3) or saves once from forward (stages 1-2), instead of saving
+    the cut-out parameters as activations (at stage 3 that would keep every gathered parameter
+    alive from forward to backward; at stages 1-2, a second copy of them beside the buffer)."""
     flat = [n for n in joint.graph.nodes if n.op == "placeholder"][flat_index]
     stack = [flat]
     while stack:
