@@ -6,9 +6,10 @@ A rank that raises makes ``spawn`` kill the others and raise with that rank's tr
 that hangs is killed too (see ``spawn`` for how a hang is told from a slow run on a loaded
 machine), so it fails the test instead of stalling the suite.
 
-Ranks are forked from a forkserver that has imported torch (``tests.forkserver``): a rank
-started with the ``spawn`` method paid about 5 CPU seconds of imports before its first line, and
-the suite starts about 60 ranks. Each rank is still a new process (no state carries from one test
+Ranks are forked from a forkserver that has imported torch and zerograph and compiled once
+(``tests.forkserver``): a rank started with the ``spawn`` method paid about 5 CPU seconds of
+imports before its first line, and one forked from a server with torch alone about 1 s more than
+now, and the suite starts about 70 ranks. Each rank is still a new process (no state carries from one test
 to the next); ``start_method="spawn"`` is for a run that needs a fresh interpreter (one that reads
 environment variables at process start, such as glibc's malloc tunables).
 """
@@ -127,7 +128,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_
     if not spawn_allowed():
         raise SpawnNotMarked(f"spawn({fn.__name__}) in a test not marked `distributed`: add "
                              "@pytest.mark.distributed (or pytestmark) so `make test-fast` leaves it out")
-    ctx = forkserver.context() if start_method == "forkserver" else mp.get_context(start_method)
+    ctx = (forkserver.context() if start_method == "forkserver" else None) or mp.get_context(start_method)
     with tempfile.TemporaryDirectory() as outdir:
         port = free_port()
         procs = [ctx.Process(target=_worker,

@@ -1,7 +1,21 @@
-"""The forkserver the tests start processes from: it has imported torch and the heavy modules
-zerograph uses (``PRELOAD``), so a child skips about 5 CPU seconds of imports, yet is a new
-process. This module imports nothing of zerograph: tests/test_layers.py's children, which must
-import each zerograph module first, unpickle their task from a module that imports this one.
+"""The forkserver the tests start processes from, so that a child skips the imports (and, for
+ranks, the first compile's warm-up) it would otherwise pay, yet is a new process.
+
+A process has one forkserver, and what it preloads is fixed when it starts. Two kinds of server:
+
+- *warm* (``context()``, what ``tests.distributed.spawn`` asks for): ``PRELOAD`` and then
+  ``tests.warm_rank``, which imports zerograph and compiles, runs and frees one tiny model. A rank
+  forked from it pays about 1 CPU s less than one forked from a cold server (measured: a tiny GPT's
+  first compile and step 0.6-0.7 s against 1.2-1.4 s, and no zerograph import), and the suite
+  starts about 70 ranks.
+- *cold* (``context(zerograph_free=True)``): ``PRELOAD`` only, torch but no zerograph module, for
+  tests/test_layers.py's children, which must import each zerograph module first (they unpickle
+  their task from a module that imports this one, so this module imports nothing of zerograph).
+
+``make test`` runs the two kinds in different pytest workers (the spawn lane and the in-process
+lane, tests/conftest.py), so each gets its own server. Where one process asks for both, the first
+request decides the server and a later request it cannot serve gets ``None`` (the caller then
+starts fresh interpreters instead).
 """
 from __future__ import annotations
 
@@ -13,11 +27,20 @@ PRELOAD = ("torch", "torch.fx", "torch.distributed", "torch.distributed.tensor",
            "torch._dynamo", "torch._functorch.aot_autograd", "torch._functorch.partitioners",
            "torch.fx.experimental.symbolic_shapes", "torch.utils.flop_counter", "torch._inductor.compile_fx",
            "numpy", "networkx")
+WARM = ("tests.warm_rank",)
+
+_started_warm: bool | None = None  # how this process's server was (or will be) started; None: not yet
 
 
-def context() -> multiprocessing.context.BaseContext:
-    """The forkserver context with ``PRELOAD``. One server per process, started on first use, so
-    every user in the test process goes through here (the preload is fixed at the server's start)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
-    return ctx
+def context(zerograph_free: bool = False) -> multiprocessing.context.BaseContext | None:
+    """The forkserver context: warm, or with no zerograph module when ``zerograph_free``. ``None``
+    when this process's server was already set up the other way (see the module docstring)."""
+    global _started_warm
+    warm = not zerograph_free
+    if _started_warm is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(list(PRELOAD + WARM if warm else PRELOAD))
+        _started_warm = warm
+    if _started_warm != warm:
+        return None
+    return multiprocessing.get_context("forkserver")

@@ -13,6 +13,7 @@ import ast
 import concurrent.futures
 import fnmatch
 import importlib
+import multiprocessing
 import pathlib
 
 import networkx as nx
@@ -148,6 +149,7 @@ def test_every_module_imports_first(module: str, fresh_importer) -> None:
 def fresh_importer():
     """A process pool whose every task runs in a new child forked from a server that has imported
     torch but no zerograph module: a fresh interpreter per module, without paying torch's import
-    each time."""
-    with concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=forkserver.context(), max_tasks_per_child=1) as pool:
+    each time (or, where this process's forkserver is the warm one, a spawned interpreter)."""
+    context = forkserver.context(zerograph_free=True) or multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=context, max_tasks_per_child=1) as pool:
         yield pool

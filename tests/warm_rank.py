@@ -1,0 +1,33 @@
+"""Preloaded by the warm forkserver (tests.forkserver): import zerograph and compile, run and free
+one tiny GPT at stage 3, as rank 0 of a fake world of 2, so every rank forked from the server
+finds Dynamo's, AOTAutograd's and zerograph's lazily built state (imports, trace rules, source
+caches, op registrations) already built. It leaves no process group, no compiled frame and the
+default RNG state as it found them."""
+from __future__ import annotations
+
+import torch
+
+import zerograph
+from zerograph.models.gpt import GPT, GPTConfig
+
+
+def _warm_up() -> None:
+    rng, threads = torch.random.get_rng_state(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with zerograph.fake_world(2, 0):
+            torch.manual_seed(0)
+            model = zerograph.compile(GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16)),
+                                      stage=3)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            idx = torch.randint(0, 64, (2, 16))
+            model(idx, idx).backward()
+            opt.step()
+            del model, opt
+    finally:
+        torch._dynamo.reset()
+        torch.random.set_rng_state(rng)
+        torch.set_num_threads(threads)
+
+
+_warm_up()
