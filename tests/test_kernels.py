@@ -9,11 +9,10 @@ both cores.
 """
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
+from tests import subprocess_checks
 from tests.subprocess_checks import assert_check_passed, start_checks, stop_checks
 from zerograph.kernels import adamw_step, adamw_step_reference, pack, pack_reference, unpack, unpack_reference
 
@@ -316,4 +315,4 @@ def test_unpack_rejects_bad_arguments():
 
 
 if __name__ == "__main__":
-    CHECKS[sys.argv[1]]()
+    subprocess_checks.main(CHECKS)

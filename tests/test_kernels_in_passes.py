@@ -17,7 +17,6 @@ use as the passes' copy-in and the all-gather's copy-out.
 from __future__ import annotations
 
 import importlib
-import sys
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from tests import subprocess_checks
 from tests.subprocess_checks import assert_check_passed, start_checks, stop_checks
 from zerograph.buffer_pool import PACK_SHARDS_OUT
 from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED, pack_shards_numel, unpack_gathered_numel
@@ -512,4 +512,4 @@ def test_stage1_flat_shards_save_each_gathered_buffer_once(gpt_facts):
 
 
 if __name__ == "__main__":
-    CHECKS[sys.argv[1]]()
+    subprocess_checks.main(CHECKS)

@@ -8,11 +8,11 @@ other tests (a fake, communication-free group of world size 2; rank 1 holds a sh
 from __future__ import annotations
 
 import copy
-import sys
 
 import pytest
 import torch
 
+from tests import subprocess_checks
 from tests.subprocess_checks import assert_check_passed, start_checks, stop_checks
 from zerograph.optim import AdamW
 
@@ -241,4 +241,4 @@ def test_subprocess_check(check_runs, name):
 
 
 if __name__ == "__main__":
-    CHECKS[sys.argv[1]]()
+    subprocess_checks.main(CHECKS)

@@ -25,14 +25,13 @@ ranks' absmax/254): measured 2e-5 relative on the tiny GPT's loss; ``VS_UNQUANTI
 """
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import zerograph
+from tests import subprocess_checks
 from tests.subprocess_checks import assert_check_passed, start_checks, stop_checks
 from zerograph.errors import ConfigError
 from zerograph.kernels.quantize import (
@@ -387,4 +386,4 @@ def test_triton_kernels_match_the_references() -> None:
 
 
 if __name__ == "__main__":
-    CHECKS[sys.argv[1]]()
+    subprocess_checks.main(CHECKS)
