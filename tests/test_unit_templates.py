@@ -210,6 +210,104 @@ def test_look_alike_blocks_get_templates_of_their_own_and_keep_parity() -> None:
     assert "| blocks.0, blocks.1, blocks.6 (3) |" in summary
 
 
+_SHIFT = 0.0  # read by _ScaledBlock.forward: a module-level flag, as a model's USE_FLASH would be
+
+
+class _ScaledBlock(nn.Module):
+    """A block whose output scale is a class attribute and whose shift is a module global: a patch
+    of either between two compiles changes what its body computes without changing any instance."""
+
+    scale = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) * self.scale + _SHIFT
+
+
+class _ScaledStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ScaledBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def _traces_counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the kinds traced from here on (``templates.trace_unit`` calls)."""
+    from zerograph import templates as templates_module
+
+    traced, real = [], templates_module.trace_unit
+
+    def counting(kind, *args, **kwargs):
+        traced.append(kind.name)
+        return real(kind, *args, **kwargs)
+
+    monkeypatch.setattr(templates_module, "trace_unit", counting)
+    return traced
+
+
+def _train_against_eager(build, steps: int = 2) -> tuple[nn.Module, list[float]]:
+    """Compile ``build()`` at stage 3 (world of one) and train it ``steps`` AdamW steps beside an
+    eager copy; losses, gradients and parameters must equal eager's exactly. Returns the model
+    and its losses."""
+    torch.manual_seed(0)
+    reference = build()
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=LR) for m in (model, reference))
+    losses = []
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        loss, expected = model(x), reference(x)
+        loss.backward()
+        expected.backward()
+        assert loss.item() == expected.item(), step
+        _grads_equal(model, reference)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        losses.append(loss.item())
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=0, atol=0, msg=name)
+    return model, losses
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_second_model_of_the_same_structure_reuses_the_templates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The templates a model traced serve the next model of the same structure in the process
+    (``templates.shared_template``): it traces nothing, its templates are copies that name the
+    original, and it trains exactly as eager does; a class attribute or a module global its
+    ``forward`` reads, patched between two compiles (what its body computes changed), makes the
+    next model trace again, and train as the patched eager model does."""
+    torch._dynamo.reset()
+    traced = _traces_counted(monkeypatch)
+    first, first_losses = _train_against_eager(_ScaledStack)
+    assert traced == ["blocks.0", "blocks.0"]  # one kind: blocks.0's input needs no gradient, the others' do
+    originals = {t.id for t in state_of(first).captured.templates}
+    traced.clear()
+    second, second_losses = _train_against_eager(_ScaledStack)
+    assert traced == []
+    copies = state_of(second).captured.templates
+    assert copies and {t.reused_from for t in copies} <= originals and all(t.trace_seconds == 0 for t in copies)
+    assert second_losses == first_losses
+    summary = summary_markdown(build_report(runtime_of_model(second), state_of(second).captured, None))
+    assert "copy of" in summary
+    monkeypatch.setattr(_ScaledBlock, "scale", 3.0)
+    traced.clear()
+    _, patched_losses = _train_against_eager(_ScaledStack)  # exact against the patched eager model
+    assert traced and patched_losses != first_losses
+    monkeypatch.setitem(globals(), "_SHIFT", 0.5)
+    traced.clear()
+    _, shifted_losses = _train_against_eager(_ScaledStack)
+    assert traced and shifted_losses != patched_losses
+
+
 class _ModeBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()

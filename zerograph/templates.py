@@ -48,6 +48,7 @@ only that gradient would read.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -108,7 +109,7 @@ class UnitKind:
         metas = tuple((tuple(p.shape), tuple(p.stride()), p.dtype) for p in primals)
         template = self.templates.get((metas, mode, arg_grads))
         if template is None:
-            template = trace_template(self, metas, mode, arg_grads, primals[0].device)
+            template = shared_template(self, metas, mode, arg_grads, primals[0].device)
             if self.flat_shards:
                 self._agree_on_no_grad(template)
             self.templates[metas, mode, arg_grads] = template
@@ -329,6 +330,88 @@ def _attribute_key(value: Any) -> Any:
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
         return ("function", getattr(value, "__module__", None), getattr(value, "__qualname__", repr(value)))
     return ("object", id(value))
+
+
+# Templates any model in this process traced, by everything their trace reads (``trace_key``): a
+# second model of the same structure (another stage, a model built again, the next case of a test
+# or of a benchmark) calls copies of their graphs instead of tracing again. Least recently used
+# out first; an entry holds a forward and a backward graph of one unit.
+_TRACED: collections.OrderedDict[tuple, UnitTemplate] = collections.OrderedDict()
+TRACED_LIMIT = 64
+
+
+def shared_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
+                    device: torch.device) -> UnitTemplate:
+    """``kind``'s template for ``metas``, ``mode`` and ``arg_grads``: a copy of one this process
+    traced before for a unit that matches ``trace_key`` (the same graphs and lowered callables,
+    a template id and unit names of its own, ``reused_from`` naming the original), or a new trace
+    (``trace_template``, which raises as documented there). Source: the reuse Dynamo's cache gives
+    FSDP2 + ``torch.compile`` of identical blocks, kept across models."""
+    key = trace_key(kind, metas, mode, arg_grads, device)
+    traced = _TRACED.get(key)
+    if traced is None:
+        traced = _TRACED[key] = trace_template(kind, metas, mode, arg_grads, device)
+        if len(_TRACED) > TRACED_LIMIT:
+            _TRACED.popitem(last=False)
+        return traced
+    _TRACED.move_to_end(key)
+    template = dataclasses.replace(traced, id=registry.next_template_id(), kind=kind.kind, units=kind.units,
+                                   trace_seconds=0.0, reused_from=traced.id)
+    registry.register_template_as(template.id, template)
+    return template
+
+
+def trace_key(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
+              device: torch.device) -> tuple:
+    """What a template's trace reads besides its primals' values, so that two units with equal
+    keys, in any models, trace to the same graphs: the unit's structure (``unit_signature``), the
+    code its modules run (each class's methods and plain class attributes, by identity and value,
+    so a class patched between two compiles traces again), how its flat shard, if any, cuts the
+    parameters out, the primals' shapes, strides and dtypes, the training-flag ``mode``, the
+    arguments differentiated, the device and lowering, and the settings a trace, the partitioner or
+    Inductor read (default dtype, deterministic algorithms, matmul precision, their configs)."""
+    _, _, _, _, modules, flat = getattr(kind.module, UNIT_ATTR)
+    code = tuple(_class_key(original_class(m)) for m in modules)
+    cuts = None
+    if flat is not None:
+        cuts = (tuple(dataclasses.replace(layout, key=0, fqn="", unit=0) for layout in flat.layouts), flat.offsets,
+                flat.layout.shape, flat.layout.sharded)
+    settings = (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+                torch.get_float32_matmul_precision(), _config_key(torch._functorch.config))
+    if kind.lowering == "inductor":
+        import torch._inductor.config as inductor_config
+
+        settings += (_config_key(inductor_config),)
+    return (unit_signature(kind.module), code, cuts, metas, mode, arg_grads, str(device), kind.lowering, settings)
+
+
+def _class_key(cls: type) -> tuple:
+    """A module class as a trace sees it: the class, and what its own and its bases' dicts hold
+    (below ``nn.Module``): plain values by value, everything else (methods) by identity, and for
+    each method the plain module-level globals its code names (a flag such as ``USE_FLASH = True``
+    read in ``forward``). A global read one call deeper, in a helper function, is not seen."""
+    parts: list[Any] = [cls]
+    for base in cls.__mro__:
+        if base in (nn.Module, object):
+            break
+        for name, value in sorted(vars(base).items()):
+            if name.startswith("__"):
+                continue
+            parts.append((name, _attribute_key(value) if _plain(value) else ("id", id(value))))
+            if isinstance(value, types.FunctionType):
+                parts.append(tuple((global_name, _attribute_key(value.__globals__[global_name]))
+                                   for global_name in value.__code__.co_names
+                                   if _plain(value.__globals__.get(global_name, ...))))
+    return tuple(parts)
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, tuple, frozenset))
+
+
+def _config_key(config: Any) -> str:
+    """A torch config module's current values (``torch.utils._config_module``), as one string."""
+    return repr(sorted(config.get_config_copy().items(), key=lambda item: item[0]))
 
 
 def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,

@@ -61,8 +61,10 @@ class UnitTemplate:
         no_grad_params: with a flat shard, the indices (slot order) of the unit's parameters the
             output does not reach: their part of the flat gradient is zeros, their ``.grad``
             stays ``None`` (``FlatShard.no_grad``).
-        trace_seconds: wall seconds the trace, partition and lowering took.
+        trace_seconds: wall seconds the trace, partition and lowering took (0 for a copy).
         units: names of the units that call it (its kind's units).
+        reused_from: the id of the template this one copies (traced for another model in this
+            process, ``templates.shared_template``), or ``None`` when traced for this one.
     """
 
     id: int
@@ -81,6 +83,7 @@ class UnitTemplate:
     no_grad_params: frozenset[int] = frozenset()
     trace_seconds: float = 0.0
     units: list[str] = dataclasses.field(default_factory=list)
+    reused_from: int | None = None
 
     def forward(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(self.run_forward(*primals))

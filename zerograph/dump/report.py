@@ -70,10 +70,11 @@ def _pass_times(captured: Any) -> list[dict[str, Any]]:
 
 def _templates(captured: Any) -> list[dict[str, Any]]:
     """Per unit template (``Config(unit_templates=True)``): the units that call it, its inputs'
-    shapes, its graphs' sizes and the seconds its trace took."""
+    shapes, its graphs' sizes, the seconds its trace took and, for a copy of a template another
+    model in the process traced, that template's id (``reused_from``)."""
     return [{"id": t.id, "units": list(t.units), "inputs": [list(shape) for shape, _, _ in t.input_metas],
              "forward_nodes": len(t.forward_graph.graph.nodes), "backward_nodes": len(t.backward_graph.graph.nodes),
-             "trace_seconds": t.trace_seconds} for t in getattr(captured, "templates", [])]
+             "trace_seconds": t.trace_seconds, "reused_from": t.reused_from} for t in getattr(captured, "templates", [])]
 
 
 def _totals(stats: Any) -> dict[str, Any]:
@@ -174,12 +175,14 @@ def _template_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = ["", "## Unit templates (`Config(unit_templates=True)`)", "",
              "Each kind of unit was traced, partitioned and lowered once; the units listed call that template "
              "(one `zerograph::unit_forward` / `unit_backward` node each in the graphs above). Its graphs are "
-             "`template<id>_{forward,backward}.py` in this folder.", "",
+             "`template<id>_{forward,backward}.py` in this folder. A template another model in this process "
+             "traced is reused, not traced again (\"copy of\" names it).", "",
              "| template | units | first input | forward / backward nodes | trace s |", "|---:|---|---|---:|---:|"]
     for row in rows:
         units = ", ".join(row["units"])
+        traced = f"{row['trace_seconds']:.2f}" if row.get("reused_from") is None else f"copy of {row['reused_from']}"
         lines.append(f"| {row['id']} | {units} ({len(row['units'])}) | {tuple(row['inputs'][0])} | "
-                     f"{row['forward_nodes']} / {row['backward_nodes']} | {row['trace_seconds']:.2f} |")
+                     f"{row['forward_nodes']} / {row['backward_nodes']} | {traced} |")
     return lines
 
 
