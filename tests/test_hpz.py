@@ -1,6 +1,8 @@
 """hpZ (``Config(secondary_partition_size=M)``, ZeRO++ section 3.2): stage 3 whose backward
 re-gathers each unit from a secondary partition over M ranks instead of all N. Parity with
-single-process eager training on 4 gloo ranks as 2 nodes of 2; structure and bytes per group."""
+single-process eager training on 4 gloo ranks as 2 nodes of 2; structure and bytes per group as
+rank 0 of a fake world of 4 (``tests.distributed.run_as_rank``: the graphs and counts are that
+rank's, and no values are checked)."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +10,7 @@ import torch
 
 import zerograph
 
-from .distributed import spawn
+from .distributed import run_as_rank, spawn
 from .models import build, reference_training
 from .test_parity import LR, STEPS, check_parity
 from .workers import train
@@ -23,11 +25,10 @@ def test_hpz_matches_single_process_on_two_nodes_of_two() -> None:
         check_parity(result, reference)
 
 
-@pytest.mark.distributed
 def test_hpz_backward_gathers_inside_the_node() -> None:
     """Backward runs no all-gather over the 4 ranks: each re-gather is over the rank's node of 2,
     counted on its own dim; forward still gathers over all 4."""
-    facts = spawn(hpz_graph_facts, 4, 2)[0]
+    facts = run_as_rank(hpz_graph_facts, 4, 2)
     assert facts["world_gathers_in_backward"] == 0
     assert facts["node_gathers_in_backward"]
     assert all(same and size == 2 for same, size in facts["node_gathers_in_backward"])
