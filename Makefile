@@ -1,6 +1,6 @@
 # Two entry points, each doing all set-up from a bare Python:
 #   make demo        create .venv, install, train the GPT example at ZeRO-3 on 2 CPU ranks
-#   make test        create .venv, install, lint (ruff), run the whole test suite (about 9-11 min on 2 cores; issue 14 asks for 6)
+#   make test        create .venv, install (about 1 min), lint (ruff), run the whole test suite (about 5 min on 2 cores)
 #   make test-fast   the same without the tests that spawn gloo ranks or are slow (about 1 min)
 # Both run two pytest-xdist workers: one runs every test that spawns ranks, in order, while the
 # other runs the in-process tests (tests/conftest.py: _xdist_scope), so the 2 cores stay busy
