@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import types
 
 import pytest
 import torch
@@ -306,6 +307,80 @@ def test_a_second_model_of_the_same_structure_reuses_the_templates(monkeypatch: 
     traced.clear()
     _, shifted_losses = _train_against_eager(_ScaledStack)
     assert traced and shifted_losses != patched_losses
+
+
+SETTINGS = {"scale": 1.0}  # a settings dict read in _SettingsBlock.forward
+
+
+def _scaled_tanh(alpha: float):
+    def act(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * alpha
+    return act
+
+
+class _ClosureBlock(nn.Module):
+    """Blocks that differ only in a closure's captured value (``self.act``)."""
+
+    def __init__(self, alpha: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = _scaled_tanh(alpha)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.fc(x))
+
+
+class _SettingsBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x)) * SETTINGS["scale"]
+
+
+class _Stack(nn.Module):
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def _patched_forward(module: nn.Module, factor: float) -> nn.Module:
+    """``module`` with a ``forward`` of its own instance: the class's, times ``factor`` (a bound
+    method, so that a deep copy of the model calls its own copy of ``module``)."""
+    cls_forward = type(module).forward
+    module.forward = types.MethodType(lambda self, x: cls_forward(self, x) * factor, module)
+    return module
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_what_a_body_reads_beyond_its_class_keeps_units_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by trying to break templates (each gave another unit's or model's numbers before):
+    closures that differ only in a captured value, a settings dict read in ``forward`` and changed
+    between two compiles, a submodule's ``forward`` set on its instance (in one block, then in
+    every block of a later model), and a unit's own instance ``forward`` (not templated: inline).
+    Each model trains exactly as its eager copy."""
+    torch._dynamo.reset()
+    _train_against_eager(lambda: _Stack([_ClosureBlock(1.0), _ClosureBlock(5.0), _ClosureBlock(1.0)]))
+    _train_against_eager(lambda: _Stack([_ClosureBlock(7.0), _ClosureBlock(7.0)]))
+    _train_against_eager(lambda: _Stack([_SettingsBlock(), _SettingsBlock()]))
+    monkeypatch.setitem(SETTINGS, "scale", 4.0)
+    _train_against_eager(lambda: _Stack([_SettingsBlock(), _SettingsBlock()]))
+    _train_against_eager(lambda: _Stack([_ScaledBlock(), _ScaledBlock()]))
+    _train_against_eager(lambda: _Stack([_ScaledBlock(), _ScaledBlock()]))
+    _train_against_eager(lambda: _Stack([_ScaledBlock(), _patched_forward(_ScaledBlock(), -1.0), _ScaledBlock()]))
+    _train_against_eager(lambda: _Stack([_ClosureBlock(1.0)] + [_ClosureBlock(1.0) for _ in range(2)]))
+    for unit in range(3):  # a submodule's forward set on its instance, in every block
+        def build(unit=unit):
+            blocks = [_ClosureBlock(1.0) for _ in range(3)]
+            _patched_forward(blocks[unit].fc, 2.0)
+            return _Stack(blocks)
+        _train_against_eager(build)
 
 
 class _ModeBlock(nn.Module):

@@ -176,6 +176,9 @@ def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[
     kinds: dict[tuple, UnitKind] = {}
     members: list[tuple[UnitKind, int, str, nn.Module]] = []
     for index, (name, module) in enumerate(units, start=1):
+        if "forward" in vars(module):  # a forward of the instance's own: the template traces the class's
+            log.warning("zerograph: unit %s has a forward of its own (set on the instance), it runs inline", name)
+            continue
         signature = unit_signature(module)
         kind = kinds.get(signature)
         if kind is None:
@@ -304,12 +307,15 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def unit_signature(module: nn.Module) -> tuple:
     """What must match for two units to share a template: for every submodule, its path, original
-    class and plain attributes (numbers, strings, flags, dtypes; other objects by identity), and
-    its parameters' and buffers' names, full shapes, dtypes and ``requires_grad``."""
+    class and plain attributes (numbers, strings, flags, dtypes; containers by value; functions,
+    closures included, and other objects by identity), a ``forward`` set on a submodule instance
+    (by identity), and its parameters' and buffers' names, full shapes, dtypes and
+    ``requires_grad``. (A unit whose own instance has a ``forward`` is not templated at all.)"""
     parts = []
     for path, mod in module.named_modules():
         attrs = tuple(sorted((k, _attribute_key(v)) for k, v in vars(mod).items()
-                             if k not in _MODULE_INTERNALS and not k.startswith("_zerograph")))
+                             if (k not in _MODULE_INTERNALS or (k == "forward" and path))
+                             and not k.startswith("_zerograph")))
         params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in mod._parameters.items() if p is not None)
         buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in mod._buffers.items() if b is not None)
         parts.append((path, original_class(mod), attrs, params, buffers))
@@ -321,15 +327,31 @@ _MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_non_pers
 
 
 def _attribute_key(value: Any) -> Any:
+    """``value`` as part of a signature: plain values and containers by value, anything else
+    (functions, closures, bound methods, objects) by identity (``_Identity``)."""
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         return value
     if isinstance(value, (tuple, list, frozenset)):
         return (type(value).__name__, tuple(_attribute_key(v) for v in value))
     if isinstance(value, dict):
         return ("dict", tuple(sorted((str(k), _attribute_key(v)) for k, v in value.items())))
-    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
-        return ("function", getattr(value, "__module__", None), getattr(value, "__qualname__", repr(value)))
-    return ("object", id(value))
+    return _Identity(value)
+
+
+class _Identity:
+    """An object compared by identity, and held: a key of the process-wide template cache that
+    held only an ``id`` could match a new object allocated where a freed one was."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
 
 
 # Templates any model in this process traced, by everything their trace reads (``trace_key``): a
@@ -387,9 +409,10 @@ def trace_key(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grad
 
 def _class_key(cls: type) -> tuple:
     """A module class as a trace sees it: the class, and what its own and its bases' dicts hold
-    (below ``nn.Module``): plain values by value, everything else (methods) by identity, and for
-    each method the plain module-level globals its code names (a flag such as ``USE_FLASH = True``
-    read in ``forward``). A global read one call deeper, in a helper function, is not seen."""
+    (below ``nn.Module``) as ``_attribute_key`` sees them, and for each method the module-level
+    globals its code names, modules left out (a flag such as ``USE_FLASH = True``, a settings dict
+    by value, a helper function by identity). A global read one call deeper, inside a helper
+    function, is not seen."""
     parts: list[Any] = [cls]
     for base in cls.__mro__:
         if base in (nn.Module, object):
@@ -397,16 +420,11 @@ def _class_key(cls: type) -> tuple:
         for name, value in sorted(vars(base).items()):
             if name.startswith("__"):
                 continue
-            parts.append((name, _attribute_key(value) if _plain(value) else ("id", id(value))))
+            parts.append((name, _attribute_key(value)))
             if isinstance(value, types.FunctionType):
-                parts.append(tuple((global_name, _attribute_key(value.__globals__[global_name]))
-                                   for global_name in value.__code__.co_names
-                                   if _plain(value.__globals__.get(global_name, ...))))
+                named = [(n, value.__globals__[n]) for n in value.__code__.co_names if n in value.__globals__]
+                parts.append(tuple((n, _attribute_key(v)) for n, v in named if not isinstance(v, types.ModuleType)))
     return tuple(parts)
-
-
-def _plain(value: Any) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, tuple, frozenset))
 
 
 def _config_key(config: Any) -> str:
