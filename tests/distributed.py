@@ -9,7 +9,7 @@ machine), so it fails the test instead of stalling the suite.
 Ranks are forked from a forkserver that has imported torch and zerograph and compiled once
 (``tests.forkserver``): a rank started with the ``spawn`` method paid about 5 CPU seconds of
 imports before its first line, and one forked from a server with torch alone about 1 s more than
-now, and the suite starts about 70 ranks. Each rank is still a new process (no state carries from one test
+now. Each rank is still a new process (no state carries from one test
 to the next); ``start_method="spawn"`` is for a run that needs a fresh interpreter (one that reads
 environment variables at process start, such as glibc's malloc tunables).
 """

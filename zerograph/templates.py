@@ -64,6 +64,7 @@ from . import registry
 from .errors import DynamicShapeTrace, ShardingError, TemplateUnavailable
 from .flat import FlatShard
 from .ops import unit_forward
+from .passes._fx import layout_template
 from .sharding import full_parameter, gathering, original_class, own_code, tracing_unit
 from .unit_trace import UNIT_ATTR, TensorMeta, UnitTemplate, trace_unit
 
@@ -387,8 +388,9 @@ def trace_key(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grad
               device: torch.device) -> tuple:
     """What a template's trace reads besides its primals' values, so that two units with equal
     keys, in any models, trace to the same graphs: the unit's structure (``unit_signature``), the
-    code its modules run (each class's methods and plain class attributes, by identity and value,
-    so a class patched between two compiles traces again), how its flat shard, if any, cuts the
+    code its modules run (``_class_key``: each class's methods, class attributes and the globals
+    its methods name, so a class or flag patched between two compiles traces again), how its flat
+    shard, if any, cuts the
     parameters out, the primals' shapes, strides and dtypes, the training-flag ``mode``, the
     arguments differentiated, the device and lowering, and the settings a trace, the partitioner or
     Inductor read (default dtype, deterministic algorithms, matmul precision, their configs)."""
@@ -396,8 +398,7 @@ def trace_key(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grad
     code = tuple(_class_key(original_class(m)) for m in modules)
     cuts = None
     if flat is not None:
-        cuts = (tuple(dataclasses.replace(layout, key=0, fqn="", unit=0) for layout in flat.layouts), flat.offsets,
-                flat.layout.shape, flat.layout.sharded)
+        cuts = (layout_template(flat.layouts), flat.offsets, flat.layout.shape, flat.layout.sharded)
     settings = (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
                 torch.get_float32_matmul_precision(), _config_key(torch._functorch.config))
     if kind.lowering == "inductor":
