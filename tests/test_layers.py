@@ -4,15 +4,15 @@
 module may import, at module level, only from its own layer or the layers before it; imports
 inside functions (kept for optional, heavy parts such as the dump) may point anywhere but must
 not close a cycle. ``test_every_module_imports_first`` imports each module as the first zerograph
-import of a fresh process, which is what fails with "partially initialized module" when a cycle
-hides behind the import order of ``zerograph/__init__.py``.
+import of a fresh process with the package's ``__init__.py`` left unrun (tests/import_first.py),
+which is what fails with "partially initialized module" when a cycle hides behind the import
+order of ``zerograph/__init__.py``.
 """
 from __future__ import annotations
 
 import ast
 import concurrent.futures
 import fnmatch
-import importlib
 import multiprocessing
 import pathlib
 
@@ -20,6 +20,7 @@ import networkx as nx
 import pytest
 
 from tests import forkserver
+from tests.import_first import import_first
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -129,20 +130,16 @@ def test_no_import_cycles() -> None:
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c + [c[0]]) for c in cycles[:5])
 
 
-def _import_first(module: str) -> str | None:
-    import sys
-    assert not any(m == "zerograph" or m.startswith("zerograph.") for m in sys.modules), "not a fresh process"
-    try:
-        importlib.import_module(module)
-    except Exception as exc:  # report, the parent asserts
-        return f"{module}: {type(exc).__name__}: {exc}"
-    return None
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("module", sorted(m for m in module_files() if m != "zerograph.__main__"))
 def test_every_module_imports_first(module: str, fresh_importer) -> None:
-    assert fresh_importer.submit(_import_first, module).result(timeout=120) is None
+    """As if ``zerograph/__init__.py`` were empty: each module loads what it imports and nothing
+    that the package face would have loaded before it."""
+    assert fresh_importer.submit(import_first, module, True).result(timeout=120) is None
+
+
+def test_the_package_face_imports_first(fresh_importer) -> None:
+    assert fresh_importer.submit(import_first, "zerograph", False).result(timeout=120) is None
 
 
 @pytest.fixture(scope="module")
