@@ -13,6 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import ast  # noqa: E402
 import functools  # noqa: E402
+import logging  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
 
@@ -86,12 +87,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                 "mark them with @pytest.mark.distributed on the test function or pytestmark")
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Let ``tests.distributed.spawn`` run only inside tests marked ``distributed``: set before
-    any fixture of the test (module and session fixtures included) is set up."""
+def _without_pytest_handlers_on_the_structured_trace() -> None:
+    """pytest's log capture attaches its handlers to every non-propagating logger, torch's
+    structured trace (``torch._logging._internal.trace_log``) among them. ``trace_structured``
+    builds its payload whenever that logger has a handler, so under pytest every compile would
+    print each Dynamo, AOTAutograd and zerograph graph (``zerograph.dump.trace``) into the
+    captured log: about a tenth of an in-process compile, for text nobody reads. A test that wants
+    the trace adds its own handler (tests/test_dump_reports.py)."""
+    from _pytest.logging import LogCaptureHandler, _LiveLoggingNullHandler
+    from torch._logging._internal import trace_log
+
+    for handler in list(trace_log.handlers):
+        if isinstance(handler, (LogCaptureHandler, _LiveLoggingNullHandler, logging.FileHandler)):
+            trace_log.removeHandler(handler)
+
+
+# inside pytest's own wrappers (trylast), after it has attached its handlers for the phase
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_setup(item: pytest.Item):
+    """Also lets ``tests.distributed.spawn`` run only inside tests marked ``distributed``: set
+    before any fixture of the test (module and session fixtures included) is set up."""
     marked = item.get_closest_marker("distributed") is not None
     distributed.spawn_allowed = lambda: marked
+    _without_pytest_handlers_on_the_structured_trace()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_call(item: pytest.Item):
+    _without_pytest_handlers_on_the_structured_trace()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_teardown(item: pytest.Item):
+    _without_pytest_handlers_on_the_structured_trace()
+    return (yield)
 
 
 # session fixtures that cache costly runs for several files (see _xdist_group)
