@@ -1,22 +1,31 @@
-"""Run named check functions of a test module in fresh interpreters, all started at once.
+"""Run named check functions of a test module in fresh processes, all started at once.
 
-Some checks need a process that has not imported Triton yet (``TRITON_INTERPRET`` is read at
-import) or must not leave a process group behind in the pytest process. A module's checks share
-one interpreter per setting of ``TRITON_INTERPRET`` (``python -m <module> <name> <name> ...``,
-run in turn by ``main``, each in a child forked from it): an interpreter's imports of torch,
-Triton and zerograph cost about 3 CPU seconds, most of what a check costs. A check that fails is
-reported and the next one still runs.
+Some checks need a process that has not imported Triton yet (``TRITON_INTERPRET`` is read when
+Triton builds its language functions, at import) or must not leave a process group behind in
+the pytest process. A module's checks share one process per setting of ``TRITON_INTERPRET``,
+which runs the module as ``__main__`` with the check names as its arguments; ``main`` then runs
+them in turn, each in a child forked from it. A check that fails is reported and the next one
+still runs.
+
+The interpreted checks' process is a new interpreter (``python -m <module> <names...>``). The
+others' is a child of the zerograph-free forkserver (tests/forkserver.py: torch imported, no
+zerograph module), which costs about 0.5 CPU s against about 4 for a new interpreter (measured:
+torch and the test module's imports); where this process's forkserver is the warm one (the spawn
+lane), a new interpreter is started for them too.
 """
 from __future__ import annotations
 
 import os
+import runpy
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from tests import forkserver
 from tests.distributed import WALL_FACTOR, cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,21 +61,78 @@ class CheckProcess:
 
 
 def start_checks(module: str, names: Iterable[str], interpreted: Iterable[str]) -> dict[str, CheckProcess]:
-    """Start ``python -m <module> <names...>`` once for the ``interpreted`` names (with
-    TRITON_INTERPRET=1) and once for the rest; returns each name's process."""
-    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    base["OMP_NUM_THREADS"] = "1"
-    base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    """Start ``module``'s ``main`` once for the ``interpreted`` names (with TRITON_INTERPRET=1)
+    and once for the rest; returns each name's process."""
     names, interpreted = list(names), set(interpreted)
+    context = forkserver.context(zerograph_free=True)
     procs: dict[str, CheckProcess] = {}
     for triton_interpret in (True, False):
         group = [name for name in names if (name in interpreted) == triton_interpret]
         if group:
-            env = dict(base, TRITON_INTERPRET="1") if triton_interpret else base
-            popen = subprocess.Popen([sys.executable, "-m", module, *group], cwd=REPO, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            procs.update(dict.fromkeys(group, CheckProcess(popen, group)))
+            # Triton's language functions are built interpreted or not when it is imported, and
+            # the server has imported it: interpreted checks need a new interpreter
+            forked = context is not None and not triton_interpret
+            process = _ForkedChecks(module, group) if forked else _interpreter(module, group, triton_interpret)
+            procs.update(dict.fromkeys(group, CheckProcess(process, group)))
     return procs
+
+
+def _interpreter(module: str, names: list[str], triton_interpret: bool) -> subprocess.Popen:
+    """``python -m <module> <names...>``: a new interpreter (where no zerograph-free server is)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    if triton_interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.Popen([sys.executable, "-m", module, *names], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _run_module(module: str, names: list[str], log_path: str) -> None:
+    """In the forked child: output to ``log_path``, then the module as ``__main__``."""
+    log = os.open(log_path, os.O_WRONLY | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.argv = [module, *names]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+class _ForkedChecks:
+    """``_run_module`` in a child of the zerograph-free forkserver, with the part of the
+    ``subprocess.Popen`` interface ``CheckProcess`` uses (its output is read from a file)."""
+
+    def __init__(self, module: str, names: list[str]) -> None:
+        fd, self._log = tempfile.mkstemp(prefix="zerograph-checks-", suffix=".log")
+        os.close(fd)
+        self._process = forkserver.context(zerograph_free=True).Process(
+            target=_run_module, args=(module, names, self._log), daemon=True)
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired("checks", timeout)
+        with open(self._log, errors="replace") as f:
+            return f.read(), None
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def wait(self) -> int | None:
+        self._process.join()
+        return self._process.exitcode
+
+    def __del__(self) -> None:
+        if os.path.exists(self._log):
+            os.unlink(self._log)
 
 
 def stop_checks(procs: dict[str, CheckProcess]) -> None:
