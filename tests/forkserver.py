@@ -9,7 +9,9 @@ A process has one forkserver, and what it preloads is fixed when it starts. Two 
   first compile and step 0.6-0.7 s against 1.2-1.4 s, and no zerograph import).
 - *cold* (``context(zerograph_free=True)``): ``PRELOAD`` only, torch but no zerograph module, for
   tests/test_layers.py's children, which must import each zerograph module first (they unpickle
-  their task from a module that imports this one, so this module imports nothing of zerograph).
+  their task from a module that imports this one, so this module imports nothing of zerograph),
+  and for tests/subprocess_checks.py's. It sets ``TRITON_INTERPRET=1`` before torch imports
+  Triton (``tests.interpret_triton``), so that its children can run Triton kernels interpreted.
 
 ``make test`` runs the two kinds in different pytest workers (the spawn lane and the in-process
 lane, tests/conftest.py), so each gets its own server. Where one process asks for both, the first
@@ -27,6 +29,7 @@ PRELOAD = ("torch", "torch.fx", "torch.distributed", "torch.distributed.tensor",
            "torch.fx.experimental.symbolic_shapes", "torch.utils.flop_counter", "torch._inductor.compile_fx",
            "numpy", "networkx")
 WARM = ("tests.warm_rank",)
+COLD_FIRST = ("tests.interpret_triton",)
 
 _started_warm: bool | None = None  # how this process's server was (or will be) started; None: not yet
 
@@ -38,7 +41,7 @@ def context(zerograph_free: bool = False) -> multiprocessing.context.BaseContext
     warm = not zerograph_free
     if _started_warm is None:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(list(PRELOAD + WARM if warm else PRELOAD))
+        ctx.set_forkserver_preload(list(PRELOAD + WARM if warm else COLD_FIRST + PRELOAD))
         _started_warm = warm
     if _started_warm != warm:
         return None

@@ -7,11 +7,11 @@ which runs the module as ``__main__`` with the check names as its arguments; ``m
 them in turn, each in a child forked from it. A check that fails is reported and the next one
 still runs.
 
-The interpreted checks' process is a new interpreter (``python -m <module> <names...>``). The
-others' is a child of the zerograph-free forkserver (tests/forkserver.py: torch imported, no
-zerograph module), which costs about 0.5 CPU s against about 4 for a new interpreter (measured:
-torch and the test module's imports); where this process's forkserver is the warm one (the spawn
-lane), a new interpreter is started for them too.
+The process is a child of the zerograph-free forkserver (tests/forkserver.py: torch and Triton
+imported, Triton interpreted, no zerograph module), which costs about 0.5 CPU s against about 4
+for a new interpreter (measured: torch, Triton and the test module's imports). Where this
+process's forkserver is the warm one (the spawn lane), a new interpreter (``python -m <module>
+<names...>``) is started instead.
 """
 from __future__ import annotations
 
@@ -69,10 +69,8 @@ def start_checks(module: str, names: Iterable[str], interpreted: Iterable[str]) 
     for triton_interpret in (True, False):
         group = [name for name in names if (name in interpreted) == triton_interpret]
         if group:
-            # Triton's language functions are built interpreted or not when it is imported, and
-            # the server has imported it: interpreted checks need a new interpreter
-            forked = context is not None and not triton_interpret
-            process = _ForkedChecks(module, group) if forked else _interpreter(module, group, triton_interpret)
+            start = _ForkedChecks if context is not None else _interpreter
+            process = start(module, group, triton_interpret)
             procs.update(dict.fromkeys(group, CheckProcess(process, group)))
     return procs
 
@@ -88,11 +86,16 @@ def _interpreter(module: str, names: list[str], triton_interpret: bool) -> subpr
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _run_module(module: str, names: list[str], log_path: str) -> None:
-    """In the forked child: output to ``log_path``, then the module as ``__main__``."""
+def _run_module(module: str, names: list[str], triton_interpret: bool, log_path: str) -> None:
+    """In the forked child: output to ``log_path``, the Triton setting, then the module as ``__main__``."""
     log = os.open(log_path, os.O_WRONLY | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    # the server imported Triton interpreted (tests.interpret_triton); zerograph reads the
+    # variable at each call, so without it no kernel runs through the interpreter
+    os.environ.pop("TRITON_INTERPRET", None)
+    if triton_interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
     sys.argv = [module, *names]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
@@ -101,11 +104,11 @@ class _ForkedChecks:
     """``_run_module`` in a child of the zerograph-free forkserver, with the part of the
     ``subprocess.Popen`` interface ``CheckProcess`` uses (its output is read from a file)."""
 
-    def __init__(self, module: str, names: list[str]) -> None:
+    def __init__(self, module: str, names: list[str], triton_interpret: bool) -> None:
         fd, self._log = tempfile.mkstemp(prefix="zerograph-checks-", suffix=".log")
         os.close(fd)
         self._process = forkserver.context(zerograph_free=True).Process(
-            target=_run_module, args=(module, names, self._log), daemon=True)
+            target=_run_module, args=(module, names, triton_interpret, self._log), daemon=True)
         self._process.start()
         self.pid = self._process.pid
 
