@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small",
                         help="GPT example size (tiny, small, medium, gpt2-124m) or module:factory (see the module docstring)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks to launch (ignored under torchrun)")
+    parser.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
+                        help="how the --nproc ranks start, as torchrun's flag: spawn (new interpreters) or forkserver "
+                             "(children of multiprocessing's fork server, which has imported what its preload names)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps after the timed ones")
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        results = launch(options, args.nproc)
+        results = launch(options, args.nproc, args.start_method)
     except ChildFailedError as exc:
         # on a line of its own: rank 0's progress bar, stopped mid-line, may hold the cursor
         print("\n" + describe_rank_failure(exc), file=sys.stderr)
@@ -232,14 +235,15 @@ def argv_of(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def launch(options: dict, nproc: int) -> dict[int, Any]:
-    """Start ``nproc`` local ranks running ``rank_main(options)``; returns ``{rank: result}``.
+def launch(options: dict, nproc: int, start_method: str = "spawn") -> dict[int, Any]:
+    """Start ``nproc`` local ranks running ``rank_main(options)`` by ``start_method`` (``spawn`` or
+    ``forkserver``, ``torch.multiprocessing.start_processes``'); returns ``{rank: result}``.
     Raises ``ChildFailedError`` when a rank fails (the others are stopped)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"zerograph-bench-{os.getpid()}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn")
+                          monitor_interval=0.1, start_method=start_method)
     # the agent's INFO lines would bury the table, and on a failure its ERROR line repeats the rank's
     # whole traceback and spawn warns of each peer it stops: describe_rank_failure says it in a few lines
     quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
