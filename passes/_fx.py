@@ -1,6 +1,7 @@
 """Small FX helpers shared by the passes: splice a traced function in, find aliases, tag nodes."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
 from collections.abc import Callable, Hashable, Sequence
@@ -11,6 +12,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from zerograph.ops import REDUCE_GRAD
 from zerograph.vocab import COLLECTIVE_KINDS, TAG, full_buffer
@@ -62,7 +64,9 @@ def splice(graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], *, 
     splice of the same key copies it instead of tracing again, so identical blocks cost one trace,
     not one each. The copies share the template's fake values (read-only metadata of the one
     fake mode they belong to). ``fn`` must not depend on anything the key leaves out, e.g. a
-    marker key baked into an op's arguments.
+    marker key baked into an op's arguments. Another compile in the process (another fake mode)
+    with the same key re-runs the kept graph's ops on its own fake values instead of tracing
+    ``fn`` (``_retraced``: the ops without ``make_fx``'s set-up, about a fifth of its time).
     """
     vals = [a.meta["val"] for a in args]
     fake_mode = detect_fake_mode(vals)
@@ -72,8 +76,17 @@ def splice(graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], *, 
     cache: dict[Hashable, fx.Graph] = fake_mode.__dict__.setdefault(_TEMPLATES_ATTR, {})
     traced = cache.get(cache_key) if cache_key is not None else None
     if traced is None:
-        with fake_mode:
-            traced = make_fx(fn, pre_dispatch=False)(*vals).graph
+        recipe = _RECIPES.get(cache_key) if cache_key is not None else None
+        if recipe is not None:
+            _RECIPES.move_to_end(cache_key)
+            traced = _retraced(recipe, vals, fake_mode)
+        else:
+            with fake_mode:
+                traced = make_fx(fn, pre_dispatch=False)(*vals).graph
+            if cache_key is not None:
+                _RECIPES[cache_key] = _without_values(traced)
+                if len(_RECIPES) > TEMPLATE_LIMIT:
+                    _RECIPES.popitem(last=False)
         if cache_key is not None and len(cache) < TEMPLATE_LIMIT:
             cache[cache_key] = traced
     env: dict[fx.Node, fx.Node] = {}
@@ -93,6 +106,42 @@ def splice(graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], *, 
                 new.meta[TAG] = dict(tag)
             env[node] = new
     return result
+
+
+# The traced graphs of every splice template, without their fake values (which would keep their
+# compile's fake mode alive), for the compiles after the first in a process: least recently used last out.
+_RECIPES: collections.OrderedDict[Hashable, fx.Graph] = collections.OrderedDict()
+_VALUE_META = ("val", "tensor_meta", "eager_input_vals")
+
+
+def _without_values(traced: fx.Graph) -> fx.Graph:
+    recipe = fx.Graph()
+    recipe.output(recipe.graph_copy(traced, {}))
+    for node in recipe.nodes:
+        for key in _VALUE_META:
+            node.meta.pop(key, None)
+    return recipe
+
+
+def _retraced(recipe: fx.Graph, vals: Sequence[Any], fake_mode: Any) -> fx.Graph:
+    """``recipe`` with fake values of ``fake_mode``: its placeholders take ``vals`` and each op
+    is run on its inputs' values, as ``make_fx`` ran it (below autograd, so without grad)."""
+    traced = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    traced.output(traced.graph_copy(recipe, env))
+    placeholders = [n for n in traced.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(vals), (len(placeholders), len(vals))
+    for node, val in zip(placeholders, vals):
+        node.meta["val"] = val
+    with fake_mode, torch.no_grad():
+        for node in traced.nodes:
+            if node.op != "call_function":
+                continue
+            args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
+            node.meta["val"] = node.target(*args, **kwargs)
+            if isinstance(node.meta["val"], torch.Tensor):
+                node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+    return traced
 
 
 def _input_signature(vals: Sequence[Any]) -> tuple | None:

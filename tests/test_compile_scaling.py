@@ -3,6 +3,7 @@ order bookkeeping, the splice templates shared by identical blocks, and the per-
 dump's summary shows. In process, one rank of a fake world; structure only, never wall-clock."""
 from __future__ import annotations
 
+import collections
 import random
 import re
 
@@ -115,6 +116,7 @@ def _traces_and_code(blocks: int, monkeypatch: pytest.MonkeyPatch, limit: int,
 
     monkeypatch.setattr(_fx, "make_fx", counting)
     monkeypatch.setattr(_fx, "TEMPLATE_LIMIT", limit)
+    monkeypatch.setattr(_fx, "_RECIPES", collections.OrderedDict())  # as the first compile of a process
     with fake_rank(2):
         record = graphs_of((build or _compile_gpt)(blocks))[0]
         # the buffer pool's number differs from model to model; all else must match
@@ -134,6 +136,32 @@ def test_identical_blocks_share_splice_traces_and_graphs_are_unchanged(monkeypat
     assert traces_8 == traces_2, (traces_2, traces_8)
     assert untemplated_8 > traces_8 + 8  # without templates every block's gather and reduction trace anew
     assert code_8 == plain_code_8
+
+
+def test_a_second_compile_in_the_process_traces_no_splice_and_builds_the_same_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The splices of a later compile of the same model re-run the first compile's traced ops on
+    their own fake values (``_fx._retraced``): no ``make_fx`` call, and the final graphs equal
+    the first compile's, and those of a process that kept no traced splice."""
+    first_traces, first_code = _traces_and_code(2, monkeypatch, _fx.TEMPLATE_LIMIT)
+    assert first_traces > 0
+    recipes = collections.OrderedDict(_fx._RECIPES)
+    assert recipes  # what _traces_and_code's compile kept
+    monkeypatch.setattr(_fx, "_RECIPES", recipes)
+    traces = 0
+    real = _fx.make_fx
+
+    def counting(*args, **kwargs):
+        nonlocal traces
+        traces += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_fx, "make_fx", counting)
+    with fake_rank(2):
+        record = graphs_of(_compile_gpt(2))[0]
+        code = {kind: re.sub(r"pool_buffer\.default\(\d+,", "pool_buffer.default(POOL,", record[kind].code)
+                for kind in ("forward", "backward")}
+    assert traces == 0
+    assert code == first_code
 
 
 def test_look_alike_blocks_get_their_own_splices(monkeypatch: pytest.MonkeyPatch) -> None:
