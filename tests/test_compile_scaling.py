@@ -102,10 +102,11 @@ def _compile_look_alikes(blocks: int) -> torch.nn.Module:
 
 
 def _traces_and_code(blocks: int, monkeypatch: pytest.MonkeyPatch, limit: int,
-                     build=None) -> tuple[int, dict[str, str]]:
+                     build=None, first_in_process: bool = True) -> tuple[int, dict[str, str]]:
     """Splice traces (``make_fx`` calls) and the final graphs' code of a stage-3 GPT of ``blocks``
     blocks (or ``build(blocks)``'s model), with at most ``limit`` templates kept per compile (0:
-    every splice traces)."""
+    every splice traces); as the first compile of a process (no traced splice kept from an
+    earlier one) unless ``first_in_process`` is False."""
     traces = 0
     real = _fx.make_fx
 
@@ -116,7 +117,8 @@ def _traces_and_code(blocks: int, monkeypatch: pytest.MonkeyPatch, limit: int,
 
     monkeypatch.setattr(_fx, "make_fx", counting)
     monkeypatch.setattr(_fx, "TEMPLATE_LIMIT", limit)
-    monkeypatch.setattr(_fx, "_RECIPES", collections.OrderedDict())  # as the first compile of a process
+    if first_in_process:
+        monkeypatch.setattr(_fx, "_RECIPES", collections.OrderedDict())
     with fake_rank(2):
         record = graphs_of((build or _compile_gpt)(blocks))[0]
         # the buffer pool's number differs from model to model; all else must match
@@ -141,25 +143,10 @@ def test_identical_blocks_share_splice_traces_and_graphs_are_unchanged(monkeypat
 def test_a_second_compile_in_the_process_traces_no_splice_and_builds_the_same_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The splices of a later compile of the same model re-run the first compile's traced ops on
     their own fake values (``_fx._retraced``): no ``make_fx`` call, and the final graphs equal
-    the first compile's, and those of a process that kept no traced splice."""
+    those of the first compile, which traced every template."""
     first_traces, first_code = _traces_and_code(2, monkeypatch, _fx.TEMPLATE_LIMIT)
-    assert first_traces > 0
-    recipes = collections.OrderedDict(_fx._RECIPES)
-    assert recipes  # what _traces_and_code's compile kept
-    monkeypatch.setattr(_fx, "_RECIPES", recipes)
-    traces = 0
-    real = _fx.make_fx
-
-    def counting(*args, **kwargs):
-        nonlocal traces
-        traces += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_fx, "make_fx", counting)
-    with fake_rank(2):
-        record = graphs_of(_compile_gpt(2))[0]
-        code = {kind: re.sub(r"pool_buffer\.default\(\d+,", "pool_buffer.default(POOL,", record[kind].code)
-                for kind in ("forward", "backward")}
+    assert first_traces > 0 and _fx._RECIPES  # what the first compile kept
+    traces, code = _traces_and_code(2, monkeypatch, _fx.TEMPLATE_LIMIT, first_in_process=False)
     assert traces == 0
     assert code == first_code
 
