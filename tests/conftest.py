@@ -80,7 +80,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if SPAWNING_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.distributed)
         marked = item.get_closest_marker("distributed") is not None
-        if marked != (_xdist_scope(item.nodeid) == SPAWN_LANE):
+        scope = _xdist_scope(item.nodeid)
+        if marked != (scope == SPAWN_LANE or scope.startswith(OWN_LAUNCHER)):
             misread.append(item.nodeid)
     if misread:  # the two lanes of `make test` would run two spawns at once
         raise pytest.UsageError(f"tests/conftest.py's _spawning_tests misreads which tests spawn: {misread[:5]}; "
@@ -128,7 +129,8 @@ def pytest_runtest_teardown(item: pytest.Item):
 # session fixtures that cache costly runs for several files (see _xdist_group)
 SHARED_RUN_FIXTURES = ("training_run", "one_rank")
 REPO = pathlib.Path(__file__).resolve().parent.parent  # xdist's node ids are relative to it
-SPAWN_LANE = "distributed"  # the xdist scope of every test that spawns ranks
+SPAWN_LANE = "distributed"  # the xdist scope of every test that spawns ranks from the forkserver
+OWN_LAUNCHER = "own-launcher"  # the prefix of the scope of each test marked own_launcher
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,6 +153,17 @@ def _spawning_tests(path: str) -> frozenset[str]:
 
 
 @functools.lru_cache(maxsize=None)
+def _own_launcher_tests(path: str) -> frozenset[str]:
+    """Names of the tests in file ``path`` marked ``own_launcher`` (read as ``_spawning_tests`` reads)."""
+    try:
+        tree = ast.parse((REPO / path).read_text())
+    except (OSError, SyntaxError):
+        return frozenset()
+    return frozenset(node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                     and any("mark.own_launcher" in ast.unparse(d) for d in node.decorator_list))
+
+
+@functools.lru_cache(maxsize=None)
 def _xdist_group(path: str) -> str:
     """The unit of work for an in-process test under ``pytest -n 2 --dist loadfile``: its file,
     so that its module fixtures run once; or, for a file whose tests take a shared-run session
@@ -166,12 +179,19 @@ def _xdist_group(path: str) -> str:
 
 
 def _xdist_scope(nodeid: str) -> str:
-    """Two lanes (``make test``): every test that spawns ranks in one scope (``SPAWN_LANE``), run
-    in order by one worker, while the other worker takes the in-process tests file by file
-    (``_xdist_group``). At most one spawn runs at a time, so 2 cores hold its 2 ranks and one
-    in-process test instead of two spawns' 4 ranks."""
+    """Two lanes (``make test``): every test that spawns ranks from the forkserver in one scope
+    (``SPAWN_LANE``), run in order by one worker, while the other worker takes the in-process
+    tests file by file (``_xdist_group``). At most one such spawn runs at a time, so 2 cores hold
+    its 2 ranks and one in-process test instead of two spawns' 4 ranks. A test that starts its
+    processes through its own launcher (``own_launcher``: ``torchrun``) needs neither the lane's
+    forkserver nor its order: it is a scope of its own (``OWN_LAUNCHER``), one test, which
+    ``--dist loadfile`` hands out after the larger scopes, so the in-process worker, which
+    finishes its queue about a minute before the spawn lane, runs it at its end."""
     path, _, rest = nodeid.partition("::")
-    if rest.split("[", 1)[0] in _spawning_tests(path):
+    name = rest.split("[", 1)[0]
+    if name in _own_launcher_tests(path):
+        return f"{OWN_LAUNCHER}:{nodeid}"
+    if name in _spawning_tests(path):
         return SPAWN_LANE
     return _xdist_group(path)
 

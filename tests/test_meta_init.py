@@ -287,6 +287,7 @@ def test_bad_safetensors_files_are_named_and_load_nothing(tmp_path) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.own_launcher
 @pytest.mark.slow
 def test_llama_example_loads_a_save_pretrained_checkpoint_into_meta_built_shards() -> None:
     """Issue 15 item 5, at a tiny size: the example trains 2 steps on 2 ranks and checks its losses
