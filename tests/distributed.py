@@ -19,7 +19,6 @@ import contextlib
 import datetime
 import os
 import resource
-import socket
 import tempfile
 import time
 import traceback
@@ -34,13 +33,6 @@ import torch.multiprocessing as mp
 import zerograph
 from tests import forkserver
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # CPU seconds of the ranks forked from the forkserver: they are its children, not this process's,
 # so tests/cpu_durations.py adds this to the children's CPU it reads from getrusage
 forked_ranks_cpu_s = 0.0
@@ -52,14 +44,15 @@ def _write_cpu(outdir: str, rank: int) -> None:
         f.write(repr(own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime))
 
 
-def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple, pg_timeout_s: float,
+def _worker(rank: int, world_size: int, outdir: str, fn: Callable, args: tuple, pg_timeout_s: float,
             teardown_barrier: bool) -> None:
     torch.set_num_threads(1)  # one intra-op thread per rank: ranks share 2 cores
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    timeout = datetime.timedelta(seconds=pg_timeout_s)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        store = _rendezvous(rank, world_size, outdir, timeout)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store, timeout=timeout)
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
         if teardown_barrier:
@@ -71,6 +64,28 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
             f.write(traceback.format_exc())
         _write_cpu(outdir, rank)
         os._exit(1)
+
+
+def _rendezvous(rank: int, world_size: int, outdir: str, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The run's TCPStore. Rank 0 binds it on a port the kernel picks and writes the port into
+    ``outdir``; the others read it there. A port chosen free beforehand and bound later could be
+    taken in between by another job on the host (a concurrent torchrun, the bench's launcher),
+    and a rank that reached the wrong job's store would fail obscurely."""
+    path = os.path.join(outdir, "port")
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(path + ".tmp", path)  # whole or absent: a reader never sees half a number
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not publish its store's port within {timeout.total_seconds():g} s")
+        time.sleep(0.01)
+    with open(path) as f:
+        port = int(f.read())
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
 
 
 class RankFailed(RuntimeError):
@@ -130,9 +145,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_
                              "@pytest.mark.distributed (or pytestmark) so `make test-fast` leaves it out")
     ctx = (forkserver.context() if start_method == "forkserver" else None) or mp.get_context(start_method)
     with tempfile.TemporaryDirectory() as outdir:
-        port = free_port()
         procs = [ctx.Process(target=_worker,
-                             args=(r, world_size, port, outdir, fn, args, pg_timeout_s, teardown_barrier))
+                             args=(r, world_size, outdir, fn, args, pg_timeout_s, teardown_barrier))
                  for r in range(world_size)]
         for p in procs:
             p.start()
