@@ -13,7 +13,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import ast  # noqa: E402
 import functools  # noqa: E402
-import logging  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
 
@@ -95,11 +94,11 @@ def _without_pytest_handlers_on_the_structured_trace() -> None:
     print each Dynamo, AOTAutograd and zerograph graph (``zerograph.dump.trace``) into the
     captured log: about a tenth of an in-process compile, for text nobody reads. A test that wants
     the trace adds its own handler (tests/test_dump_reports.py)."""
-    from _pytest.logging import LogCaptureHandler, _LiveLoggingNullHandler
+    from _pytest.logging import LogCaptureHandler, _FileHandler, _LiveLoggingNullHandler
     from torch._logging._internal import trace_log
 
     for handler in list(trace_log.handlers):
-        if isinstance(handler, (LogCaptureHandler, _LiveLoggingNullHandler, logging.FileHandler)):
+        if isinstance(handler, (LogCaptureHandler, _FileHandler, _LiveLoggingNullHandler)):
             trace_log.removeHandler(handler)
 
 
@@ -134,33 +133,42 @@ OWN_LAUNCHER = "own-launcher"  # the prefix of the scope of each test marked own
 
 
 @functools.lru_cache(maxsize=None)
+def _module_syntax(path: str) -> ast.Module | None:
+    """The syntax tree of test file ``path`` (``None`` if unreadable). The lanes are read from it:
+    xdist's controller schedules by node id, without the items; a test misread here is only
+    scheduled in the other lane."""
+    try:
+        return ast.parse((REPO / path).read_text())
+    except (OSError, SyntaxError):
+        return None
+
+
+def _test_functions(path: str) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    tree = _module_syntax(path)
+    return [] if tree is None else [node for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                                    and node.name.startswith("test_")]
+
+
+def _marked(node: ast.FunctionDef | ast.AsyncFunctionDef, marker: str) -> bool:
+    return any(f"mark.{marker}" in ast.unparse(d) for d in node.decorator_list)
+
+
+@functools.lru_cache(maxsize=None)
 def _spawning_tests(path: str) -> frozenset[str]:
     """Names of the tests in file ``path`` that spawn ranks: marked ``distributed`` (by
-    ``pytestmark`` or a decorator) or taking a fixture in ``SPAWNING_FIXTURES``. Read from the
-    file's syntax tree: xdist's controller schedules by node id, without the items; a test
-    misread here is only scheduled in the other lane."""
-    try:
-        tree = ast.parse((REPO / path).read_text())
-    except (OSError, SyntaxError):
-        return frozenset()
-    whole_file = any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
-                     and "distributed" in ast.unparse(node.value) for node in tree.body)
-    return frozenset(
-        node.name for node in tree.body
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test_")
-        and (whole_file or any("mark.distributed" in ast.unparse(d) for d in node.decorator_list)
-             or SPAWNING_FIXTURES & {a.arg for a in node.args.args}))
+    ``pytestmark`` or a decorator) or taking a fixture in ``SPAWNING_FIXTURES``."""
+    tree = _module_syntax(path)
+    whole_file = tree is not None and any(
+        isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
+        and "distributed" in ast.unparse(node.value) for node in tree.body)
+    return frozenset(node.name for node in _test_functions(path)
+                     if whole_file or _marked(node, "distributed") or SPAWNING_FIXTURES & {a.arg for a in node.args.args})
 
 
 @functools.lru_cache(maxsize=None)
 def _own_launcher_tests(path: str) -> frozenset[str]:
-    """Names of the tests in file ``path`` marked ``own_launcher`` (read as ``_spawning_tests`` reads)."""
-    try:
-        tree = ast.parse((REPO / path).read_text())
-    except (OSError, SyntaxError):
-        return frozenset()
-    return frozenset(node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-                     and any("mark.own_launcher" in ast.unparse(d) for d in node.decorator_list))
+    """Names of the tests in file ``path`` marked ``own_launcher``."""
+    return frozenset(node.name for node in _test_functions(path) if _marked(node, "own_launcher"))
 
 
 @functools.lru_cache(maxsize=None)

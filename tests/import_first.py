@@ -10,17 +10,17 @@ import importlib.util
 import sys
 
 
-def import_first(module: str, bare_package: bool) -> str | None:
+def import_first(module: str) -> str | None:
     """Import ``module`` as the first zerograph import of this process; the error as text, or ``None``.
 
-    With ``bare_package`` the package ``zerograph`` is registered without running its
-    ``__init__.py`` (as if that file were empty), so ``module`` loads only what it imports itself:
-    an import cycle that ``zerograph/__init__.py``'s order would otherwise hide fails here with
-    "partially initialized module" (issue 14's check).
+    The package ``zerograph`` itself runs its ``__init__.py``. For any other module the package is
+    registered without running it (as if that file were empty), so ``module`` loads only what it
+    imports itself: an import cycle that ``zerograph/__init__.py``'s order would otherwise hide
+    fails here with "partially initialized module" (issue 14's check).
     """
     assert not any(m == "zerograph" or m.startswith("zerograph.") for m in sys.modules), "not a fresh process"
     try:
-        if bare_package and module != "zerograph":
+        if module != "zerograph":
             spec = importlib.util.find_spec("zerograph")
             sys.modules["zerograph"] = importlib.util.module_from_spec(spec)  # its __path__, none of its code
         importlib.import_module(module)
