@@ -20,12 +20,15 @@ BIN := $(VENV)/bin
 
 # pip byte-compiles what it installs one file at a time (about a third of the install);
 # compileall does it on every core. A file it cannot compile (torch ships one in Python 3.12
-# syntax) is skipped, as pip skips it.
+# syntax) is skipped, as pip skips it. Skipped too, as nothing imports them: the packages' own
+# tests, pip and setuptools, and every transformers model but Llama (40% of the sources;
+# 10.7-15.1 s against 17.9 s on 2 cores)
+NO_COMPILE := /tests?/|/site-packages/(pip|setuptools)/|/transformers/models/(?!llama/|auto/)[a-z_0-9]+/
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --no-compile "$(TORCH)" "$(TRITON)"
 	$(BIN)/pip install --quiet --no-compile -e ".[test]"
-	$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
+	$(BIN)/python -m compileall -q -j 0 -x '$(NO_COMPILE)' "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
 	touch $@
 
 install: $(BIN)/.installed

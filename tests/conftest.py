@@ -80,7 +80,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.distributed)
         marked = item.get_closest_marker("distributed") is not None
         scope = _xdist_scope(item.nodeid)
-        if marked != (scope == SPAWN_LANE or scope.startswith(OWN_LAUNCHER)):
+        if marked != (scope == SPAWN_LANE or scope.startswith(OWN_SCOPE)):
             misread.append(item.nodeid)
     if misread:  # the two lanes of `make test` would run two spawns at once
         raise pytest.UsageError(f"tests/conftest.py's _spawning_tests misreads which tests spawn: {misread[:5]}; "
@@ -129,7 +129,7 @@ def pytest_runtest_teardown(item: pytest.Item):
 SHARED_RUN_FIXTURES = ("training_run", "one_rank")
 REPO = pathlib.Path(__file__).resolve().parent.parent  # xdist's node ids are relative to it
 SPAWN_LANE = "distributed"  # the xdist scope of every test that spawns ranks from the forkserver
-OWN_LAUNCHER = "own-launcher"  # the prefix of the scope of each test marked own_launcher
+OWN_SCOPE = "own-scope"  # the prefix of the scope of each test marked own_scope
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,9 +166,9 @@ def _spawning_tests(path: str) -> frozenset[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _own_launcher_tests(path: str) -> frozenset[str]:
-    """Names of the tests in file ``path`` marked ``own_launcher``."""
-    return frozenset(node.name for node in _test_functions(path) if _marked(node, "own_launcher"))
+def _own_scope_tests(path: str) -> frozenset[str]:
+    """Names of the tests in file ``path`` marked ``own_scope``."""
+    return frozenset(node.name for node in _test_functions(path) if _marked(node, "own_scope"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,15 +190,15 @@ def _xdist_scope(nodeid: str) -> str:
     """Two lanes (``make test``): every test that spawns ranks from the forkserver in one scope
     (``SPAWN_LANE``), run in order by one worker, while the other worker takes the in-process
     tests file by file (``_xdist_group``). At most one such spawn runs at a time, so 2 cores hold
-    its 2 ranks and one in-process test instead of two spawns' 4 ranks. A test that starts its
-    processes through its own launcher (``own_launcher``: ``torchrun``) needs neither the lane's
-    forkserver nor its order: it is a scope of its own (``OWN_LAUNCHER``), one test, which
-    ``--dist loadfile`` hands out after the larger scopes, so the in-process worker, which
-    finishes its queue about a minute before the spawn lane, runs it at its end."""
+    its 2 ranks and one in-process test instead of two spawns' 4 ranks. A test marked
+    ``own_scope`` (the Llama example, whose ranks import transformers and compile two models) is
+    a scope of its own (``OWN_SCOPE``), one test, which ``--dist loadfile`` hands out after the
+    larger scopes: the in-process worker, which otherwise finishes its queue well before the
+    spawn lane, runs it at its end, beside the lane's last spawns."""
     path, _, rest = nodeid.partition("::")
     name = rest.split("[", 1)[0]
-    if name in _own_launcher_tests(path):
-        return f"{OWN_LAUNCHER}:{nodeid}"
+    if name in _own_scope_tests(path):
+        return f"{OWN_SCOPE}:{nodeid}"
     if name in _spawning_tests(path):
         return SPAWN_LANE
     return _xdist_group(path)

@@ -45,13 +45,23 @@ def _write_cpu(outdir: str, rank: int) -> None:
 
 
 def _worker(rank: int, world_size: int, outdir: str, fn: Callable, args: tuple, pg_timeout_s: float,
-            teardown_barrier: bool) -> None:
+            teardown_barrier: bool, init_group: bool) -> None:
     torch.set_num_threads(1)  # one intra-op thread per rank: ranks share 2 cores
     timeout = datetime.timedelta(seconds=pg_timeout_s)
     try:
         store = _rendezvous(rank, world_size, outdir, timeout)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        if not init_group:  # as under torchrun: fn's init_process_group() joins this store from the environment
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+            result = fn(rank, world_size, *args)
+            torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+            store.add("done", 1)
+            if rank == 0:  # the store's host leaves last: a peer may still read it
+                while store.add("done", 0) < world_size:
+                    time.sleep(0.01)
+            _write_cpu(outdir, rank)
+            return
         dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store, timeout=timeout)
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
@@ -122,13 +132,17 @@ def cpu_seconds(pid: int) -> float:
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_timeout_s: float = 60,
-          teardown_barrier: bool = True, start_method: str = "forkserver") -> list[Any]:
+          teardown_barrier: bool = True, start_method: str = "forkserver", init_group: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
 
     ``fn`` must be importable (a module-level function). ``teardown_barrier=False`` is for runs
     where a rank leaves on purpose. ``start_method``: ``"forkserver"`` (torch already imported;
     the ranks see the environment the server started with) or ``"spawn"`` (a fresh interpreter
-    that sees this process's environment now). Raises ``RankFailed`` with the first failing rank's traceback,
+    that sees this process's environment now). ``init_group=False``: no process group is made
+    for ``fn``; the ranks get torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR`` / ``MASTER_PORT`` of the run's store, ``TORCHELASTIC_USE_AGENT_STORE``), so
+    a script's ``init_process_group()`` joins that store as it joins torchrun's agent's, and
+    destroys its own group. Raises ``RankFailed`` with the first failing rank's traceback,
     or when the run is taken for hung:
 
     - a rank used more than ``timeout_s`` CPU seconds (with its child processes). CPU time, not
@@ -146,7 +160,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_
     ctx = (forkserver.context() if start_method == "forkserver" else None) or mp.get_context(start_method)
     with tempfile.TemporaryDirectory() as outdir:
         procs = [ctx.Process(target=_worker,
-                             args=(r, world_size, outdir, fn, args, pg_timeout_s, teardown_barrier))
+                             args=(r, world_size, outdir, fn, args, pg_timeout_s, teardown_barrier, init_group))
                  for r in range(world_size)]
         for p in procs:
             p.start()

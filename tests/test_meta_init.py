@@ -19,7 +19,7 @@ from zerograph.models.gpt import GPT, GPTConfig
 from zerograph.state import state_of
 
 from .distributed import fake_rank, spawn
-from .workers_meta import UNEVEN_GPT, gpt_init_passes, meta_gpt, meta_parity, meta_parity_and_memory
+from .workers_meta import UNEVEN_GPT, gpt_init_passes, meta_gpt, meta_parity, meta_parity_and_memory, run_script
 
 STAGES = [0, 1, 2, 3]
 # training after a meta init costs a torch.compile per spawn: once, sharded (stage 3) at world 4.
@@ -287,19 +287,19 @@ def test_bad_safetensors_files_are_named_and_load_nothing(tmp_path) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.own_launcher
+@pytest.mark.own_scope
 @pytest.mark.slow
 def test_llama_example_loads_a_save_pretrained_checkpoint_into_meta_built_shards() -> None:
     """Issue 15 item 5, at a tiny size: the example trains 2 steps on 2 ranks and checks its losses
-    against ``from_pretrained`` (``transformers`` is in the test extra; skipped where it is absent)."""
-    import subprocess
-    import sys
-
+    against ``from_pretrained`` (``transformers`` is in the test extra; skipped where it is absent).
+    The script runs as ``__main__`` on ranks forked from the tests' server, in torchrun's
+    environment (``spawn(init_group=False)``): the same script and process group as under
+    ``torchrun --nproc-per-node 2``, without two interpreters' imports of torch."""
     pytest.importorskip("transformers")
     script = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "train_llama_meta.py")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          script, "--steps", "2", "--layers", "2", "--hidden", "32"],
-                         capture_output=True, text=True, timeout=600, check=False,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "losses equal" in run.stdout and "safetensors files + index" in run.stdout
+    per_rank = spawn(run_script, 2, script, ["--steps", "2", "--layers", "2", "--hidden", "32"],
+                     init_group=False, timeout_s=600)
+    for code, printed in per_rank:
+        assert code == 0, printed[-3000:]
+    printed = per_rank[0][1]  # rank 0 prints the report
+    assert "losses equal" in printed and "safetensors files + index" in printed, printed[-3000:]

@@ -229,3 +229,22 @@ def meta_parity_and_memory(rank: int, world_size: int, stages: list[int], train_
     out = meta_parity(rank, world_size, stages, train_stages, directory)
     out["memory"] = {**big_meta_memory(rank, world_size), "threshold_fixed": threshold_fixed}
     return out
+
+
+def run_script(rank: int, world_size: int, script: str, argv: list[str]) -> tuple[object, str]:
+    """Run ``script`` as ``__main__`` with ``argv``, as torchrun runs it on this rank (``spawn(...,
+    init_group=False)`` gives the environment) -> (its exit code, what it printed)."""
+    import contextlib
+    import io
+    import runpy
+    import sys
+
+    sys.argv = [script, *argv]
+    printed = io.StringIO()
+    code: object = 0
+    with contextlib.redirect_stdout(printed):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exit_:
+            code = exit_.code
+    return code, printed.getvalue()
