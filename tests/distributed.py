@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import resource
+import signal
 import tempfile
 import time
 import traceback
@@ -48,6 +50,10 @@ def _worker(rank: int, world_size: int, outdir: str, fn: Callable, args: tuple, 
             teardown_barrier: bool, init_group: bool) -> None:
     torch.set_num_threads(1)  # one intra-op thread per rank: ranks share 2 cores
     timeout = datetime.timedelta(seconds=pg_timeout_s)
+    # a rank killed by a signal (a C++ abort, a segfault) leaves no Python traceback of its own:
+    # faulthandler writes every thread's stack to the run's folder instead (_errors reads it)
+    crash_log = open(os.path.join(outdir, f"rank{rank}.crash"), "w")  # open until the process ends
+    faulthandler.enable(crash_log, all_threads=True)
     try:
         store = _rendezvous(rank, world_size, outdir, timeout)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK=str(rank),
@@ -172,7 +178,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_
                 failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if failed:
                     time.sleep(1.0)  # let the others write their own error first
-                    raise RankFailed(_errors(outdir, world_size) or f"ranks {failed} died")
+                    raise RankFailed(_errors(outdir, procs) or f"ranks {failed} died")
                 now = time.monotonic()
                 if now >= next_sample:
                     next_sample = now + 1.0
@@ -188,11 +194,11 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_
                     elif now - started > WALL_FACTOR * timeout_s:
                         hung = f"{now - started:.0f} s wall (backstop {WALL_FACTOR} x timeout_s)"
                     if hung:
-                        raise RankFailed(f"timed out: {hung}\n{_errors(outdir, world_size)}")
+                        raise RankFailed(f"timed out: {hung}\n{_errors(outdir, procs)}")
                 time.sleep(0.05)
             failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
             if failed:
-                raise RankFailed(_errors(outdir, world_size) or f"ranks {failed} exited non-zero")
+                raise RankFailed(_errors(outdir, procs) or f"ranks {failed} exited non-zero")
             return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
         finally:
             for p in procs:
@@ -217,13 +223,21 @@ def _count_forked_cpu(outdir: str, sampled: list[float]) -> None:
         forked_ranks_cpu_s += max(reported, last_sample)
 
 
-def _errors(outdir: str, world_size: int) -> str:
+def _errors(outdir: str, procs: list) -> str:
+    """Each rank's traceback (``rank<r>.err``), and for a rank that ended without one, its exit
+    code (a negative code is the signal that ended it) and what faulthandler wrote at the crash."""
     parts = []
-    for r in range(world_size):
+    for r, proc in enumerate(procs):
         path = os.path.join(outdir, f"rank{r}.err")
         if os.path.exists(path):
             with open(path) as f:
                 parts.append(f"--- rank {r} ---\n{f.read()}")
+        elif proc.exitcode not in (None, 0):
+            ended = (f"signal {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
+                     else f"exit code {proc.exitcode}")
+            crash = os.path.join(outdir, f"rank{r}.crash")
+            stacks = open(crash).read() if os.path.exists(crash) else ""
+            parts.append(f"--- rank {r}: ended by {ended}, no Python exception ---\n{stacks}")
     return "\n".join(parts)
 
 
