@@ -127,17 +127,18 @@ def _traces_and_code(blocks: int, monkeypatch: pytest.MonkeyPatch, limit: int,
     return traces, code
 
 
-@pytest.mark.slow  # two GPTs of 8 blocks, each compiled twice: about 22 CPU s
+@pytest.mark.slow  # two GPTs of 4 blocks, each compiled twice: about 8 CPU s
 def test_identical_blocks_share_splice_traces_and_graphs_are_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A GPT of 8 blocks traces as many splice replacements as one of 2 (each block's all-gather
+    """A GPT of 4 blocks traces as many splice replacements as one of 2 (each block's all-gather
     and reduce-scatter are copies of one template), and its final graphs are exactly those built
     without templates."""
     traces_2, _ = _traces_and_code(2, monkeypatch, _fx.TEMPLATE_LIMIT)
-    traces_8, code_8 = _traces_and_code(8, monkeypatch, _fx.TEMPLATE_LIMIT)
-    untemplated_8, plain_code_8 = _traces_and_code(8, monkeypatch, 0)
-    assert traces_8 == traces_2, (traces_2, traces_8)
-    assert untemplated_8 > traces_8 + 8  # without templates every block's gather and reduction trace anew
-    assert code_8 == plain_code_8
+    traces_4, code_4 = _traces_and_code(4, monkeypatch, _fx.TEMPLATE_LIMIT)
+    untemplated_4, plain_code_4 = _traces_and_code(4, monkeypatch, 0)
+    assert traces_4 == traces_2, (traces_2, traces_4)
+    # without templates every block after the first traces its gather and its reduction anew
+    assert untemplated_4 >= traces_4 + 2 * 3, (traces_4, untemplated_4)
+    assert code_4 == plain_code_4
 
 
 def test_a_second_compile_in_the_process_traces_no_splice_and_builds_the_same_graphs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 import tqdm
 
+import zerograph
+from zerograph.models.gpt import GPT, GPTConfig
+
 # torch.fx's Interpreter makes a tqdm bar (disabled) on every run, and tqdm's first bar starts
 # its monitor thread: the server would fork ranks while holding a thread that takes tqdm's lock
 # every 10 s (a child forked while it held it would wait on that lock forever). No monitor.
 tqdm.tqdm.monitor_interval = 0
-
-import zerograph
-from zerograph.models.gpt import GPT, GPTConfig
 
 
 def _warm_up() -> None:
