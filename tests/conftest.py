@@ -102,35 +102,13 @@ def _without_pytest_handlers_on_the_structured_trace() -> None:
             trace_log.removeHandler(handler)
 
 
-IN_PROCESS_NICENESS = 10  # the in-process lane's niceness under `pytest -n` (the spawn lane's is 0)
-
-
-def _yield_to_the_spawn_lane(item: pytest.Item) -> None:
-    """Under ``make test`` (xdist) the spawn lane is the longer of the two lanes, so the suite ends
-    when it does; its ranks run at niceness 0 and everything else (the in-process tests, the
-    ``own_scope`` test's ranks, whatever they fork) at ``IN_PROCESS_NICENESS``, which fills the
-    cores whenever a rank waits for its peer instead of taking a core from it. Lowering the
-    niceness again needs privilege: without it a worker that ran an in-process test first runs
-    its spawns at the same niceness (as before this, no worse). Children inherit the niceness a
-    process has when it forks them, the forkservers included."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return
-    niceness = 0 if _xdist_scope(item.nodeid) == SPAWN_LANE else IN_PROCESS_NICENESS
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, niceness)
-    except PermissionError:
-        pass
-
-
 # inside pytest's own wrappers (trylast), after it has attached its handlers for the phase
 @pytest.hookimpl(wrapper=True, trylast=True)
 def pytest_runtest_setup(item: pytest.Item):
     """Also lets ``tests.distributed.spawn`` run only inside tests marked ``distributed``: set
-    before any fixture of the test (module and session fixtures included) is set up; and sets the
-    worker's niceness for the test's lane (``_yield_to_the_spawn_lane``)."""
+    before any fixture of the test (module and session fixtures included) is set up."""
     marked = item.get_closest_marker("distributed") is not None
     distributed.spawn_allowed = lambda: marked
-    _yield_to_the_spawn_lane(item)
     _without_pytest_handlers_on_the_structured_trace()
     return (yield)
 
