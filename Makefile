@@ -16,7 +16,7 @@ STEPS  ?= 300
 
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast lint install clean
+.PHONY: demo test test-fast lint bytecode install clean
 
 # pip byte-compiles what it installs one file at a time (about a third of the install);
 # compileall does it on every core. A file it cannot compile (torch ships one in Python 3.12
@@ -39,11 +39,19 @@ demo: install
 lint: install
 	$(BIN)/python -m ruff check .
 
-test: lint
+# the project's own sources byte-compiled once: where PYTHONDONTWRITEBYTECODE is set (this
+# machine), every process that imports zerograph would compile it from source again (0.21 against
+# 0.15 CPU s for zerograph.api; tests/test_layers.py's 80 children, 16.7 against 13.1 s). A source
+# edited later is compiled in memory as before: Python checks each .pyc against its source.
+bytecode: install
+	$(BIN)/python -m compileall -q -j 0 zerograph passes tests examples > /dev/null
+
+test: lint bytecode
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
-test-fast: lint
+test-fast: lint bytecode
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not distributed and not slow"
 
 clean:
 	rm -rf $(VENV) *.egg-info
+	find zerograph passes tests examples -name __pycache__ -prune -exec rm -rf {} +
