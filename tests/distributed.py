@@ -224,8 +224,9 @@ def _count_forked_cpu(outdir: str, sampled: list[float]) -> None:
 
 
 def _errors(outdir: str, procs: list) -> str:
-    """Each rank's traceback (``rank<r>.err``), and for a rank that ended without one, its exit
-    code (a negative code is the signal that ended it) and what faulthandler wrote at the crash."""
+    """Each rank's traceback (``rank<r>.err``); for a rank that ended without one, its exit code
+    (a negative code is the signal that ended it) and what faulthandler wrote at the crash; and
+    which ranks were still running."""
     parts = []
     for r, proc in enumerate(procs):
         path = os.path.join(outdir, f"rank{r}.err")
@@ -238,6 +239,8 @@ def _errors(outdir: str, procs: list) -> str:
             crash = os.path.join(outdir, f"rank{r}.crash")
             stacks = open(crash).read() if os.path.exists(crash) else ""
             parts.append(f"--- rank {r}: ended by {ended}, no Python exception ---\n{stacks}")
+        elif proc.exitcode is None:
+            parts.append(f"--- rank {r}: still running when the run failed (stopped here) ---")
     return "\n".join(parts)
 
 
