@@ -58,22 +58,21 @@ def _worker(rank: int, world_size: int, outdir: str, fn: Callable, args: tuple, 
         store = _rendezvous(rank, world_size, outdir, timeout)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-        if not init_group:  # as under torchrun: fn's init_process_group() joins this store from the environment
+        if init_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store, timeout=timeout)
+        else:  # as under torchrun: fn's init_process_group() joins this store from the environment
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-            result = fn(rank, world_size, *args)
-            torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        if init_group:
+            if teardown_barrier:
+                dist.barrier()  # no rank tears gloo down while a peer still talks to it
+            dist.destroy_process_group()
+        else:
             store.add("done", 1)
             if rank == 0:  # the store's host leaves last: a peer may still read it
                 while store.add("done", 0) < world_size:
                     time.sleep(0.01)
-            _write_cpu(outdir, rank)
-            return
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store, timeout=timeout)
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-        if teardown_barrier:
-            dist.barrier()  # no rank tears gloo down while a peer still talks to it
-        dist.destroy_process_group()
         _write_cpu(outdir, rank)
     except BaseException:
         with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
@@ -237,7 +236,10 @@ def _errors(outdir: str, procs: list) -> str:
             ended = (f"signal {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
                      else f"exit code {proc.exitcode}")
             crash = os.path.join(outdir, f"rank{r}.crash")
-            stacks = open(crash).read() if os.path.exists(crash) else ""
+            stacks = ""
+            if os.path.exists(crash):
+                with open(crash) as f:
+                    stacks = f.read()
             parts.append(f"--- rank {r}: ended by {ended}, no Python exception ---\n{stacks}")
         elif proc.exitcode is None:
             parts.append(f"--- rank {r}: still running when the run failed (stopped here) ---")

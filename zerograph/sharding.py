@@ -27,6 +27,7 @@ from .errors import ModelChangedError, ShardingError
 from .ops import unshard
 from .vocab import GRAD_MODES, GRAD_SYNC
 
+_UNSHARD = unshard._opoverload  # the op itself: Dynamo inlines a CustomOpDef's __call__, one frame per call
 ROOT_UNIT = "<root>"
 ROOT_INDEX = 0  # Unit.index of the root unit (parameters outside every other unit)
 
@@ -218,7 +219,7 @@ def full_parameter(shard: torch.Tensor, key: int) -> torch.Tensor:
     shard, in the gradient mode of this forward."""
     # without autograd there is no backward to configure: one graph serves every mode
     mode = _grad_mode if torch.is_grad_enabled() else GRAD_SYNC
-    return unshard(shard.to_local() if isinstance(shard, DTensor) else shard, key, mode)
+    return _UNSHARD(shard.to_local() if isinstance(shard, DTensor) else shard, key, mode)
 
 
 FLAT_READS_ATTR = "_zerograph_flat_reads"  # parameter name -> what reads it from its unit's flat shard (flat.py)

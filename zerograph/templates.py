@@ -64,19 +64,18 @@ from . import registry
 from . import sharding as _sharding
 from .errors import DynamicShapeTrace, ShardingError, TemplateUnavailable
 from .flat import FlatShard
-from .ops import unit_forward, unshard
+from .ops import unit_forward
 from .passes._fx import layout_template
 from .sharding import full_parameter, original_class, own_code
 from .unit_trace import UNIT_ATTR, TensorMeta, UnitTemplate, trace_unit
-from .vocab import GRAD_SYNC
 
 INLINE_ATTR = "_zerograph_unit_inline"  # True once the unit's kind fell back to running inline in every mode
 # + str(mode): True once the kind fell back in that training-flag mode only (one attribute per mode,
 # so Dynamo's guard on one mode's flag is not broken when another mode falls back)
 INLINE_MODE_PREFIX = "_zerograph_unit_inline_mode_"
 MODE_ATTR = "_zerograph_unit_mode"  # the unit's submodules' training flags as bits (refresh_unit_modes)
-# the ops as OpOverloads: Dynamo puts one in the graph directly (a CustomOpDef is a frame to inline)
-_unshard, _unit_forward = unshard._opoverload, unit_forward._opoverload
+# the op as an OpOverload: Dynamo puts it in the graph directly (a CustomOpDef is a frame to inline)
+_unit_forward = unit_forward._opoverload
 
 
 log = logging.getLogger(__name__)
@@ -295,9 +294,10 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     and higher still per inlined call: plain loops instead of generators (``all``, ``sum`` and
     ``enumerate`` of a generator run as Dynamo polyfills), the module flags read directly instead
     of through their accessors, and the ops called as ``OpOverload``s (a ``CustomOpDef``'s
-    ``__call__`` is one more Python frame to inline). Measured on the tests' GPT: 297 of Dynamo's
-    bytecode steps per unit in this function and what it called, 148 after; Dynamo's own time in a
-    32-block first step, 0.99-1.07 s before, 0.86-0.93 s after."""
+    ``__call__`` is one more Python frame to inline; ``full_parameter`` calls its op that way too).
+    Measured on the tests' GPT: 297 of Dynamo's bytecode steps per unit in this function and what
+    it called, 160 after; Dynamo's own time in a 32-block first step, 0.99-1.07 s before,
+    0.86-0.93 s after."""
     body = type(self).forward
     mode = getattr(self, MODE_ATTR)  # one guard per unit; refresh_unit_modes keeps it current
     # len() where `not` would do: Dynamo traces `not` of a tuple only as a branch condition
@@ -316,12 +316,10 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if inline or torch.is_autocast_enabled(args[0].device.type):
         return body(self, *args, **kwargs)
     kind, param_slots, buffer_slots, keys, _, flat = getattr(self, UNIT_ATTR)
-    # without autograd there is no backward to configure: one graph serves every mode (full_parameter)
-    grad_mode = _sharding._grad_mode if torch.is_grad_enabled() else GRAD_SYNC
     # the shards straight from their slots, not through the parameter properties: the same
     # markers, for less of Dynamo's time per parameter
     if flat is not None:  # one marker for the unit: the template cuts the parameters out of its output
-        primals = [*args, _unshard(flat.param, flat.layout.key, grad_mode)]
+        primals = [*args, full_parameter(flat.param, flat.layout.key)]
     else:
         primals = [*args, *[full_parameter(mod._parameters[name], key) for (mod, name), key in zip(param_slots, keys)]]
     for mod, name in buffer_slots:
