@@ -18,6 +18,8 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test test-fast lint bytecode install clean
 
+# One pip command, not one for torch and one for the rest: pip resolves and checks torch's
+# dependencies once (measured in fresh venvs: 26.9 and 36.6 s against 38.4 and 46.9 s).
 # pip byte-compiles what it installs one file at a time (about a third of the install);
 # compileall does it on every core. A file it cannot compile (torch ships one in Python 3.12
 # syntax) is skipped, as pip skips it. Skipped too, as nothing imports them: the packages' own
@@ -26,8 +28,7 @@ BIN := $(VENV)/bin
 NO_COMPILE := /tests?/|/site-packages/(pip|setuptools)/|/transformers/models/(?!llama/|auto/)[a-z_0-9]+/
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --no-compile "$(TORCH)" "$(TRITON)"
-	$(BIN)/pip install --quiet --no-compile -e ".[test]"
+	$(BIN)/pip install --quiet --no-compile "$(TORCH)" "$(TRITON)" -e ".[test]"
 	$(BIN)/python -m compileall -q -j 0 -x '$(NO_COMPILE)' "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
 	touch $@
 
