@@ -1,0 +1,225 @@
+"""Templated units that run inline instead (issue 16's bad input): a kind whose body a template
+cannot stand for (shapes that change, autocast, data-dependent control flow, dropout, batch norm's
+running statistics in training, a write to its own parameter) runs its body in the graph, keeps
+eager's numbers and says why (``UnitKind.inline_reason``), and the graphs traced before the
+fallback keep their templates. Split from tests/test_unit_templates.py, which covers the templates
+themselves. Worlds of one, or rank 0 of a fake world of 2 for the collective schedules."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import zerograph
+from zerograph.errors import ShardingError
+from zerograph.models.gpt import GPT, GPTConfig
+from zerograph.ops import UNIT_FORWARD
+from zerograph.runtime import schedule_of
+from zerograph.state import graphs_of, state_of
+
+from .distributed import fake_rank
+from .test_unit_templates import TEMPLATES, _Block, _grads_equal
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_shapes_that_change_fall_back_to_inline_and_keep_parity() -> None:
+    """A sequence length that changes between steps (Dynamo then makes it dynamic): the kind
+    falls back to running inline (a template is traced for static shapes), with eager's numbers."""
+    torch.manual_seed(0)
+    reference = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    for length in (16, 8, 12):
+        idx = torch.randint(0, 256, (2, length))
+        model.zero_grad()
+        reference.zero_grad()
+        loss, expected = model(idx, idx), reference(idx, idx)
+        loss.backward()
+        expected.backward()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    (kind,) = state_of(model).unit_kinds
+    assert "dynamic shape" in kind.inline_reason
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_dynamic_shape_leaves_the_static_graphs_their_templates() -> None:
+    """A length change makes Dynamo trace a dynamic graph, in which every unit runs inline; the
+    graphs traced before, for static shapes, keep their templates and stay valid: an eval at the
+    first length after it is not traced again (the fallback set a flag every graph guarded on,
+    so each was traced once more)."""
+    torch._dynamo.reset()  # GPT.forward's automatic-dynamic state from earlier tests would make the first graph dynamic
+    model = zerograph.compile(GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=16)), 3, config=TEMPLATES)
+    long, short = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 8))
+
+    def evaluate() -> None:
+        model.eval()
+        with torch.no_grad():
+            model(long, long)
+        model.train()
+
+    evaluate()
+    model(long, long).backward()
+    model(short, short).backward()  # dynamic
+    evaluate()
+    records = graphs_of(model)
+    assert [sorted(k for k in r if k != "dynamo") for r in records] == [
+        ["inference"], ["backward", "forward", "joint"], ["backward", "forward", "joint"]]
+    templated = [any(n.target is UNIT_FORWARD for n in r["inference" if "inference" in r else "forward"].graph.nodes)
+                 for r in records]
+    assert templated == [True, True, False]
+    (kind,) = state_of(model).unit_kinds
+    assert "dynamic shape" in kind.inline_reason
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_autocast_runs_units_inline() -> None:
+    """Under ``torch.autocast`` a unit runs inline (its template was traced without autocast):
+    bf16 autocast numbers equal the untemplated build's."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(_Block(), _Block())
+    x = torch.randn(4, 16)
+    grads = []
+    for templates in (False, True):
+        model = zerograph.compile(copy.deepcopy(reference), 3, config=zerograph.Config(unit_templates=templates))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+    for plain, templated in zip(*grads):
+        torch.testing.assert_close(templated, plain, rtol=0, atol=0)
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent: no fake-tensor trace can take it
+            return self.fc(x)
+        return x
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_block_that_cannot_be_traced_runs_inline() -> None:
+    """Data-dependent control flow (a graph break inside the block, untemplated): the kind falls
+    back to running inline, with eager's numbers, and says why."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(_Branchy(), _Branchy())
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    x = torch.randn(2, 8).abs()
+    loss, expected = model(x).sum(), reference(x).sum()
+    loss.backward()
+    expected.backward()
+    assert loss.item() == expected.item()
+    _grads_equal(model, reference)
+    (kind,) = state_of(model).unit_kinds
+    assert kind.inline_reason is not None and state_of(model).captured.templates == []
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_dropout_blocks_run_inline() -> None:
+    """Dropout's random ops do not go through the template's partition: the kind runs inline,
+    trains, and says why (the untemplated build's behaviour, compile time aside)."""
+    torch.manual_seed(0)
+    model = zerograph.compile(nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3)),
+                                            nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3))), 3, config=TEMPLATES)
+    model(torch.randn(4, 8)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    (kind,) = state_of(model).unit_kinds
+    assert kind.inline_reason is not None
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+@pytest.mark.parametrize("why", ["dropout", "dynamic shapes"])
+def test_units_that_run_inline_gather_again_in_backward(why: str) -> None:
+    """At stage 3 a kind that runs inline reads its parameters out of its units' gathered flat
+    shards. Those cuts are copies (a reshape of a column slice), which the partitioner used to
+    save for backward: the units kept their gathered parameters from forward to backward (ZeRO-3's
+    memory saving gone), and with per-rank sequence lengths a rank on the static templated graph
+    and a rank on the dynamic inline one ran different collectives (``ScheduleMismatchError``).
+    Rank 0 of a fake world of 2: every backward graph's schedule equals the untemplated build's,
+    which gathers each block again."""
+    config = GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=16, dropout=0.1 if why == "dropout" else 0.0)
+    lengths = (16, 8) if why == "dynamic shapes" else (16,)
+    schedules = {}
+    for templates in (False, True):
+        with fake_rank(2):
+            torch.manual_seed(0)
+            model = zerograph.compile(GPT(config), 3, config=zerograph.Config(unit_templates=templates))
+            for length in lengths:
+                idx = torch.randint(0, 256, (2, length))
+                model(idx, idx).backward()
+            schedules[templates] = [schedule_of(record["backward"].graph, "backward", "").entries
+                                    for record in graphs_of(model) if "backward" in record]
+            if templates:
+                (kind,) = state_of(model).unit_kinds
+                assert kind.inline_reason is not None and kind.flat_shards  # inline, on flat shards
+    assert len(schedules[True]) == len(lengths) and schedules[True] == schedules[False]
+    for entries in schedules[True]:
+        assert {e.units for e in entries if e.kind == "all_gather"} == {(0,), (1,), (2,)}
+
+
+class _NormedUnit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = nn.Linear(6, 6), nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.lin(x)))
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_kind_falls_back_in_training_only_and_keeps_its_eval_template() -> None:
+    """Batch norm writes its running statistics in training, so the kind runs inline in training
+    mode; in eval it keeps its template, and the eval graph compiled before the fallback is
+    reused after it (one inference graph, not two). Outputs and gradients equal eager's."""
+    # a fresh Dynamo: nn.Sequential models share one cache entry and automatic-dynamic state (README)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = nn.Sequential(_NormedUnit(), _NormedUnit())
+    config = zerograph.Config(unit_templates=True, unit_classes=(_NormedUnit,))
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=config)
+    x = torch.randn(4, 6)
+
+    def evaluate(net: nn.Module) -> torch.Tensor:
+        net.eval()
+        with torch.no_grad():
+            out = net(x)
+        net.train()
+        return out
+
+    torch.testing.assert_close(evaluate(model), evaluate(reference), rtol=0, atol=0)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    _grads_equal(model, reference)
+    for _ in range(2):
+        torch.testing.assert_close(evaluate(model), evaluate(reference), rtol=1e-6, atol=1e-6)
+    (kind,) = state_of(model).unit_kinds
+    train_mode = (1 << len(list(_NormedUnit().modules()))) - 1
+    assert list(kind.inline_modes) == [train_mode] and "in place" in kind.inline_modes[train_mode]
+    assert [key[1:] for key in kind.templates] == [(0, 0)]  # the eval template, input without gradient
+    graph_kinds = [sorted(k for k in record if k != "dynamo") for record in graphs_of(model)]
+    assert graph_kinds == [["inference"], ["backward", "forward", "joint"]]
+
+
+class _Writer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fc.weight.data.clamp_(-1, 1)
+        return self.fc(x)
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_block_that_writes_its_parameter_is_refused() -> None:
+    """It cannot be a template (its inputs are copies), and inline it meets the check that refuses
+    an in-place parameter write in any zerograph forward."""
+    model = zerograph.compile(nn.Sequential(_Writer(), _Writer()), 3, config=TEMPLATES)
+    with pytest.raises(ShardingError, match="in place"):
+        model(torch.randn(2, 8))
