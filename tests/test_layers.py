@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "zerograph.flat", "zerograph.loading"]),
     ("passes", ["zerograph.costmodel", "zerograph.passes*"]),
     ("config", ["zerograph.config"]),
-    ("execution", ["zerograph.runtime", "zerograph.capture", "zerograph.unit_trace", "zerograph.templates"]),
+    ("execution", ["zerograph.runtime", "zerograph.islands", "zerograph.capture", "zerograph.unit_trace", "zerograph.templates"]),
     ("api", ["zerograph.api", "zerograph.replicas", "zerograph.hybrid"]),
     ("reporting", ["zerograph.stats", "zerograph.plan", "zerograph.checkpoint", "zerograph.timeline",
                    "zerograph.traces", "zerograph.profile", "zerograph.optim", "zerograph.init",

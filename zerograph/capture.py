@@ -42,7 +42,8 @@ from zerograph.passes.secondary_partition import secondary_partition_outputs
 from . import registry
 from .config import Config
 from .errors import ShardingError
-from .ops import UNIT_BACKWARD, UNSHARD
+from .islands import lower_islands
+from .ops import UNIT_BACKWARD, UNIT_FORWARD, UNSHARD
 from .runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -343,14 +344,36 @@ def _pool_for(lowering: str, runtime: Runtime) -> int | None:
 
 def _lower(lowering: str, gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
     if lowering == "inductor":
-        from torch._inductor.compile_fx import compile_fx_inner
-        from torch._inductor.decomposition import select_decomp_table
-
-        # the passes spliced in plain aten ops (t, reshape, ...); give Inductor its own decompositions
-        with detect_fake_mode(inputs) or contextlib.nullcontext():
-            gm = make_fx(fx.Interpreter(gm).run, decomposition_table=select_decomp_table())(*inputs)
-        return compile_fx_inner(gm, inputs, is_backward=kind == "backward", is_inference=kind == "inference")
+        if any(n.target in (UNIT_FORWARD, UNIT_BACKWARD) for n in gm.graph.nodes):
+            # the units' bodies are lowered per kind already: Inductor takes only the islands
+            # of compute between them, each distinct one once (islands.py)
+            split, islands, compiled = lower_islands(gm, kind, _inductor_island_alone)
+            log.info("%s graph: %d compute islands lowered by Inductor, %d distinct", kind, islands, compiled)
+            return _boxed(split)
+        return _inductor_island(gm, inputs, kind)
     return _boxed(gm)
+
+
+def _inductor_island_alone(gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
+    """``_inductor_island`` in a tracing context of its own: Inductor records each compiled
+    graph's output strides in the current one, which AOTAutograd keeps for the graph it compiles
+    (and which holds one graph's). The islands' outputs stay inside the graph, whose own outputs
+    come from Python as under the eager lowering, so nothing reads them."""
+    fake_mode = detect_fake_mode(inputs)
+    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+        return _inductor_island(gm, inputs, kind)
+
+
+def _inductor_island(gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
+    """Inductor's ``compile_fx_inner`` on ``gm`` (a whole graph, or one island of it), on its
+    fake ``inputs``: a boxed callable."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+
+    # the passes spliced in plain aten ops (t, reshape, ...); give Inductor its own decompositions
+    with detect_fake_mode(inputs) or contextlib.nullcontext():
+        gm = make_fx(fx.Interpreter(gm).run, decomposition_table=select_decomp_table())(*inputs)
+    return compile_fx_inner(gm, inputs, is_backward=kind == "backward", is_inference=kind == "inference")
 
 
 def _boxed(gm: fx.GraphModule) -> Callable:

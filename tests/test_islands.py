@@ -1,0 +1,123 @@
+"""The Inductor lowering of a graph that calls unit templates (``zerograph/islands.py``): the graph
+is cut into islands of consecutive ATen compute, each distinct island lowered once, the rest run
+as Python in the graph's order. In process, with a compiler that records what it is handed and
+runs the island eagerly (Inductor itself is exercised by the parity tests:
+``test_parity.test_inductor_lowering_matches_single_process`` runs the MLP's templated units
+through this path on two gloo ranks)."""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+import zerograph
+from zerograph.islands import lower_islands
+from zerograph.models.gpt import GPT, GPTConfig
+from zerograph.state import graphs_of
+
+from .distributed import fake_rank
+
+aten = torch.ops.aten
+
+
+def _barrier(x: torch.Tensor) -> torch.Tensor:
+    """Stands for a collective or a unit call: not an ATen op, so no island may hold it."""
+    return x
+
+
+class _Recorder:
+    """An island compiler that records each island it is handed and runs it eagerly."""
+
+    def __init__(self) -> None:
+        self.islands: list[fx.GraphModule] = []
+
+    def __call__(self, island: fx.GraphModule, inputs: list[torch.Tensor], kind: str):
+        self.islands.append(island)
+        return lambda args: list(island(*args))
+
+
+def _call_sequence(gm: fx.GraphModule) -> list:
+    """The targets of the graph's calls in the order they run, each island's calls in its place
+    (and the getitems that unpack an island's tuple left out)."""
+    sequence = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            inner = gm.get_submodule(node.target)
+            inner = getattr(inner, "island", inner)
+            sequence.extend(_call_sequence(inner))
+        elif node.op == "call_function" and not (node.target is operator.getitem
+                                                  and node.args[0].op == "call_module"):
+            sequence.append(node.target)
+    return sequence
+
+
+def _synthetic() -> fx.GraphModule:
+    """x -> (x * 2 + 1) -> barrier -> (* 2 + 1) -> barrier -> view -> barrier -> - 3 -> out:
+    two identical runs of compute, a run of a view alone and a different run."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    for _ in range(2):
+        x = graph.call_function(aten.add.Tensor, (graph.call_function(aten.mul.Tensor, (x, 2.0)), 1.0))
+        x = graph.call_function(_barrier, (x,))
+    x = graph.call_function(_barrier, (graph.call_function(aten.view.default, (x, [-1])),))
+    graph.output(graph.call_function(aten.sub.Tensor, (x, 3.0)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    with FakeTensorMode() as mode:
+        FakeTensorProp(gm, mode).propagate(torch.empty(2, 3))
+    return gm
+
+
+def test_identical_runs_of_compute_are_lowered_once_and_keep_their_place() -> None:
+    gm = _synthetic()
+    recorder = _Recorder()
+    split, islands, compiled = lower_islands(gm, "forward", recorder)
+    assert (islands, compiled) == (3, 2)  # the two x * 2 + 1 runs share one; the view alone is no island
+    assert [[n.target for n in i.graph.nodes if n.op == "call_function"] for i in recorder.islands] == [
+        [aten.mul.Tensor, aten.add.Tensor], [aten.sub.Tensor]]
+    assert _call_sequence(split) == _call_sequence(gm)  # every op where it was, barriers between
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(split(x), gm(x), rtol=0, atol=0)
+    assert all(n.op != "call_module" for n in gm.graph.nodes)  # the graph handed in is left as it was
+
+
+def test_a_write_is_left_out_of_islands() -> None:
+    """An op that writes its input (here ``add_``) is not an island's: the island would write a
+    copy."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(aten.mul.Tensor, (x, 2.0))
+    graph.call_function(aten.add_.Tensor, (y, 1.0))
+    graph.output(graph.call_function(aten.neg.default, (y,)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    with FakeTensorMode() as mode:
+        FakeTensorProp(gm, mode).propagate(torch.empty(4))
+    split, islands, _ = lower_islands(gm, "forward", _Recorder())
+    assert islands == 2 and aten.add_.Tensor in [n.target for n in split.graph.nodes]
+    x = torch.randn(4)
+    torch.testing.assert_close(split(x), gm(x), rtol=0, atol=0)
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_distinct_islands_do_not_grow_with_depth() -> None:
+    """The templated GPT's forward and backward at 2 and 8 blocks, stage 3, rank 0 of a fake world
+    of 2: each block adds islands (its gradient's pre-divide) but no distinct one, and every call
+    runs in the order the passes scheduled."""
+    found = {}
+    for blocks in (2, 8):
+        with fake_rank(2):
+            torch.manual_seed(0)
+            model = zerograph.compile(GPT(GPTConfig(n_layer=blocks, n_embd=32, n_head=2, block_size=16)), 3)
+            idx = torch.randint(0, 256, (2, 16))
+            model(idx, idx).backward()
+            record = graphs_of(model)[0]
+            for kind in ("forward", "backward"):
+                split, islands, compiled = lower_islands(record[kind], kind, _Recorder())
+                assert _call_sequence(split) == _call_sequence(record[kind]), (blocks, kind)
+                found[blocks, kind] = islands, compiled
+    for kind in ("forward", "backward"):
+        assert found[8, kind][1] == found[2, kind][1], found
+    assert found[8, "backward"][0] >= found[2, "backward"][0] + 6, found  # one per block, at least

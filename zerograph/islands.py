@@ -1,0 +1,139 @@
+"""The Inductor lowering of a graph that calls unit templates: compute islands, each kind once.
+
+With ``Config.unit_templates`` a unit's body is already lowered by Inductor once per kind
+(``unit_trace``), so what the model's graph still holds per unit is glue: the unit's
+all-gather and wait, its ``unit_forward`` / ``unit_backward`` call and the outputs it hands
+over, a gradient's pre-divide and its reduce-scatter. Handing that whole graph to Inductor
+(``capture._lower``'s other path) costs Inductor's lowering, scheduling and code generation for
+every unit's glue: at 32 GPT blocks it was most of the first step's growth with depth.
+
+Here the graph is split instead into *islands*: maximal runs of consecutive ATen ops that
+compute (not views alone, no zerograph op, no collective, nothing that writes its input),
+fused into submodules with ``torch.fx``'s ``fuse_by_partitions``. Each island is lowered by Inductor; islands of
+the same structure on inputs of the same shapes, strides and dtypes (one per unit: a gradient's
+pre-divide, a copy) share one compiled callable, so their count does not grow with depth. The
+rest of the graph (the collectives, the unit calls, views) runs as FX's generated Python, as
+under the eager lowering; the order of every node is the graph's, so the schedule the passes
+placed is kept. The source of the idea: Inductor's own split of a graph at ops it does not lower
+(fallback kernels), here done once per structure instead of once per node.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.operator_support import OperatorSupportBase
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+IslandCompiler = Callable[[fx.GraphModule, list[torch.Tensor], str], Callable[[list[torch.Tensor]], Any]]
+
+
+class _Computes(OperatorSupportBase):
+    """What an island may hold: ATen / prims ops that write none of their inputs and return
+    tensors, and the ``getitem`` of such an op's tuple."""
+
+    def is_node_supported(self, submodules: dict, node: fx.Node) -> bool:
+        if node.op != "call_function":
+            return False
+        if node.target is operator.getitem:
+            source = node.args[0]
+            return isinstance(source, fx.Node) and self.is_node_supported(submodules, source)
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+            return False
+        if target._schema.is_mutable:
+            return False
+        value = node.meta.get("val")
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        return bool(values) and all(isinstance(v, torch.Tensor) for v in values)
+
+
+def _computes(node: fx.Node) -> bool:
+    return node.target is not operator.getitem and not node.target.is_view
+
+
+def _runs(graph: fx.Graph) -> list[dict[fx.Node, None]]:
+    """The islands: maximal runs of consecutive nodes (in the graph's order, which is the order
+    the passes scheduled) that an island may hold, each with at least one node that computes (a
+    run of views alone stays in Python). Consecutive, not merely connected: ``torch.fx``'s
+    ``CapabilityBasedPartitioner`` merges any nodes that close no cycle, e.g. every unit's
+    gradient pre-divide into one island placed after the last unit's backward, which would hold
+    every reduce-scatter back to the end of backward."""
+    can_hold = _Computes()
+    runs: list[dict[fx.Node, None]] = []
+    run: dict[fx.Node, None] = {}
+    for node in graph.nodes:
+        if can_hold.is_node_supported({}, node):
+            run[node] = None
+            continue
+        if any(_computes(n) for n in run):
+            runs.append(run)
+        run = {}
+    return runs
+
+
+def _structure(island: fx.GraphModule, inputs: list[torch.Tensor]) -> tuple:
+    """A key equal for two islands exactly when they compute the same thing on inputs of the same
+    shapes, strides, dtypes and devices: each node's op and target with its arguments as
+    positions in the island, and the inputs' metadata."""
+    index = {node: i for i, node in enumerate(island.graph.nodes)}
+
+    def arg(a: Any) -> Any:
+        return ("node", index[a]) if isinstance(a, fx.Node) else repr(a)
+
+    nodes = tuple((n.op, str(n.target) if n.op != "placeholder" else "", tuple(fx.node.map_aggregate(n.args, arg)),
+                   tuple(sorted((k, repr(fx.node.map_aggregate(v, arg))) for k, v in n.kwargs.items())))
+                  for n in island.graph.nodes)
+    metas = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for t in inputs)
+    return nodes, metas
+
+
+class _Island(torch.nn.Module):
+    """A compiled island in the graph in place of its submodule (kept as ``island``, to read):
+    called with the island's inputs, returns its outputs as a tuple, as the submodule did."""
+
+    def __init__(self, island: fx.GraphModule, compiled: Callable[[list[torch.Tensor]], Any]) -> None:
+        super().__init__()
+        self.island, self.compiled = island, compiled
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self.compiled(list(args)))  # boxed: the callee may empty the list it is given
+
+
+def lower_islands(gm: fx.GraphModule, kind: str, compile_island: IslandCompiler) -> tuple[fx.GraphModule, int, int]:
+    """Split a copy of ``gm`` into compute islands and lower each distinct island once.
+
+    Args:
+        gm: a partitioned forward, backward or inference graph after the passes, its nodes carrying
+            fake values (``meta["val"]``); left unchanged.
+        kind: ``"forward"``, ``"backward"`` or ``"inference"``, handed to ``compile_island``.
+        compile_island: ``(island, fake inputs, kind) -> boxed callable`` returning the island's
+            outputs as a list (``capture._inductor_island``: Inductor's ``compile_fx_inner``); an
+            island returns a tuple, also of one tensor.
+
+    Returns:
+        ``(module, islands, compiled)``: a graph module with ``gm``'s inputs and outputs whose
+        islands call their compiled callables, the number of islands that compute, and the number
+        of distinct ones compiled.
+    """
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # node metadata comes along (the fake values)
+    split = fx.GraphModule(gm, graph)
+    split = fuse_by_partitions(split, _runs(split.graph), prefix="island_", always_return_tuple=True)
+    compiled: dict[tuple, Callable] = {}
+    islands = 0
+    for node in list(split.graph.nodes):
+        if node.op != "call_module":
+            continue
+        island = split.get_submodule(node.target)
+        islands += 1
+        inputs = [a.meta["val"] for a in node.args]
+        key = _structure(island, inputs)
+        if key not in compiled:
+            compiled[key] = compile_island(island, inputs, kind)
+        split.add_submodule(node.target, _Island(island, compiled[key]))
+    split.recompile()
+    return split, islands, len(compiled)
