@@ -56,15 +56,16 @@ def _call_sequence(gm: fx.GraphModule) -> list:
 
 
 def _synthetic() -> fx.GraphModule:
-    """x -> (x * 2 + 1) -> barrier -> (* 2 + 1) -> barrier -> view -> barrier -> - 3 -> out:
-    two identical runs of compute, a run of a view alone and a different run."""
+    """x -> (x * 2 + 1) -> barrier -> (* 2 + 1) -> barrier -> view, - 3 -> barrier -> -(x - 3) -> out:
+    two identical runs of compute, a run of one op and a view, and a different run."""
     graph = fx.Graph()
     x = graph.placeholder("x")
     for _ in range(2):
         x = graph.call_function(aten.add.Tensor, (graph.call_function(aten.mul.Tensor, (x, 2.0)), 1.0))
         x = graph.call_function(_barrier, (x,))
-    x = graph.call_function(_barrier, (graph.call_function(aten.view.default, (x, [-1])),))
-    graph.output(graph.call_function(aten.sub.Tensor, (x, 3.0)))
+    x = graph.call_function(aten.sub.Tensor, (graph.call_function(aten.view.default, (x, [-1])), 3.0))
+    x = graph.call_function(_barrier, (x,))
+    graph.output(graph.call_function(aten.neg.default, (graph.call_function(aten.sub.Tensor, (x, 3.0)),)))
     gm = fx.GraphModule(torch.nn.Module(), graph)
     with FakeTensorMode() as mode:
         FakeTensorProp(gm, mode).propagate(torch.empty(2, 3))
@@ -75,9 +76,10 @@ def test_identical_runs_of_compute_are_lowered_once_and_keep_their_place() -> No
     gm = _synthetic()
     recorder = _Recorder()
     split, islands, compiled = lower_islands(gm, "forward", recorder)
-    assert (islands, compiled) == (3, 2)  # the two x * 2 + 1 runs share one; the view alone is no island
+    # the two x * 2 + 1 runs share one; one op and a view are no island (nothing to fuse)
+    assert (islands, compiled) == (3, 2)
     assert [[n.target for n in i.graph.nodes if n.op == "call_function"] for i in recorder.islands] == [
-        [aten.mul.Tensor, aten.add.Tensor], [aten.sub.Tensor]]
+        [aten.mul.Tensor, aten.add.Tensor], [aten.sub.Tensor, aten.neg.default]]
     assert _call_sequence(split) == _call_sequence(gm)  # every op where it was, barriers between
     x = torch.randn(2, 3)
     torch.testing.assert_close(split(x), gm(x), rtol=0, atol=0)
@@ -89,9 +91,9 @@ def test_a_write_is_left_out_of_islands() -> None:
     copy."""
     graph = fx.Graph()
     x = graph.placeholder("x")
-    y = graph.call_function(aten.mul.Tensor, (x, 2.0))
+    y = graph.call_function(aten.add.Tensor, (graph.call_function(aten.mul.Tensor, (x, 2.0)), 1.0))
     graph.call_function(aten.add_.Tensor, (y, 1.0))
-    graph.output(graph.call_function(aten.neg.default, (y,)))
+    graph.output(graph.call_function(aten.exp.default, (graph.call_function(aten.neg.default, (y,)),)))
     gm = fx.GraphModule(torch.nn.Module(), graph)
     with FakeTensorMode() as mode:
         FakeTensorProp(gm, mode).propagate(torch.empty(4))

@@ -7,8 +7,8 @@ over, a gradient's pre-divide and its reduce-scatter. Handing that whole graph t
 (``capture._lower``'s other path) costs Inductor's lowering, scheduling and code generation for
 every unit's glue: at 32 GPT blocks it was most of the first step's growth with depth.
 
-Here the graph is split instead into *islands*: maximal runs of consecutive ATen ops that
-compute (not views alone, no zerograph op, no collective, nothing that writes its input),
+Here the graph is split instead into *islands*: maximal runs of consecutive ATen ops with at
+least two that compute (no zerograph op, no collective, nothing that writes its input),
 fused into submodules with ``torch.fx``'s ``fuse_by_partitions``. Each island is lowered by Inductor; islands of
 the same structure on inputs of the same shapes, strides and dtypes (one per unit: a gradient's
 pre-divide, a copy) share one compiled callable, so their count does not grow with depth. The
@@ -57,8 +57,10 @@ def _computes(node: fx.Node) -> bool:
 
 def _runs(graph: fx.Graph) -> list[dict[fx.Node, None]]:
     """The islands: maximal runs of consecutive nodes (in the graph's order, which is the order
-    the passes scheduled) that an island may hold, each with at least one node that computes (a
-    run of views alone stays in Python). Consecutive, not merely connected: ``torch.fx``'s
+    the passes scheduled) that an island may hold, each with at least two nodes that compute. A
+    run of views and one op stays in Python: there is nothing to fuse, the op's ATen kernel is
+    what Inductor would call or generate, and each island costs a compile (on CPU a C++ compile
+    of about 1.5 s when Inductor's cache is cold). Consecutive, not merely connected: ``torch.fx``'s
     ``CapabilityBasedPartitioner`` merges any nodes that close no cycle, e.g. every unit's
     gradient pre-divide into one island placed after the last unit's backward, which would hold
     every reduce-scatter back to the end of backward."""
@@ -69,7 +71,7 @@ def _runs(graph: fx.Graph) -> list[dict[fx.Node, None]]:
         if can_hold.is_node_supported({}, node):
             run[node] = None
             continue
-        if any(_computes(n) for n in run):
+        if sum(1 for n in run if _computes(n)) >= 2:
             runs.append(run)
         run = {}
     return runs
