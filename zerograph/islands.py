@@ -66,15 +66,28 @@ def _runs(graph: fx.Graph) -> list[dict[fx.Node, None]]:
     every reduce-scatter back to the end of backward."""
     can_hold = _Computes()
     runs: list[dict[fx.Node, None]] = []
-    run: dict[fx.Node, None] = {}
+    run: list[fx.Node] = []
     for node in graph.nodes:
         if can_hold.is_node_supported({}, node):
-            run[node] = None
+            run.append(node)
             continue
+        run = _without_end_views(run)
         if sum(1 for n in run if _computes(n)) >= 2:
-            runs.append(run)
-        run = {}
+            runs.append(dict.fromkeys(run))
+        run = []
     return runs
+
+
+def _without_end_views(run: list[fx.Node]) -> list[fx.Node]:
+    """``run`` less the views at either end: they cost nothing in Python, and an island's key
+    should not depend on them (the tiny GPT's per-unit gradient islands differed only in a
+    trailing view: two distinct islands, two compiles, instead of one)."""
+    start, end = 0, len(run)
+    while start < end and run[start].target is not operator.getitem and run[start].target.is_view:
+        start += 1
+    while end > start and run[end - 1].target is not operator.getitem and run[end - 1].target.is_view:
+        end -= 1
+    return run[start:end]
 
 
 def _structure(island: fx.GraphModule, inputs: list[torch.Tensor]) -> tuple:
