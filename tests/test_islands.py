@@ -123,3 +123,50 @@ def test_distinct_islands_do_not_grow_with_depth() -> None:
     for kind in ("forward", "backward"):
         assert found[8, kind][1] == found[2, kind][1], found
     assert found[8, "backward"][0] >= found[2, "backward"][0] + 6, found  # one per block, at least
+
+
+def _propagated(graph: fx.Graph, *inputs: torch.Tensor) -> fx.GraphModule:
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    with FakeTensorMode() as mode:
+        FakeTensorProp(gm, mode).propagate(*inputs)
+    return gm
+
+
+def test_a_multi_output_view_keeps_its_getitems_out_of_the_island() -> None:
+    """``split`` (a view with a tuple of outputs) at the start of a run is left to Python with its
+    getitems, and a getitem after a barrier stays in Python too: no tuple crosses an island's
+    edge."""
+    graph = fx.Graph()
+    x = graph.call_function(_barrier, (graph.placeholder("x"),))
+    halves = graph.call_function(aten.split.Tensor, (x, 2))
+    first, second = (graph.call_function(operator.getitem, (halves, i)) for i in range(2))
+    y = graph.call_function(aten.add.Tensor, (graph.call_function(aten.mul.Tensor, (first, second)), 1.0))
+    y = graph.call_function(_barrier, (y,))
+    parts = graph.call_function(aten.split.Tensor, (y, 1))
+    y = graph.call_function(_barrier, (parts,))
+    z = graph.call_function(operator.getitem, (y, 0))
+    graph.output(graph.call_function(aten.exp.default, (graph.call_function(aten.neg.default, (z,)),)))
+    gm = _propagated(graph, torch.empty(4, 3))
+    recorder = _Recorder()
+    split, islands, _ = lower_islands(gm, "forward", recorder)
+    assert [[n.target for n in i.graph.nodes if n.op == "call_function"] for i in recorder.islands] == [
+        [aten.mul.Tensor, aten.add.Tensor], [aten.neg.default, aten.exp.default]]
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(split(x), gm(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("second_offset", [0, 5])
+def test_inputs_at_other_storage_offsets_get_islands_of_their_own(second_offset: int) -> None:
+    """Inductor compiles an ``as_strided`` relative to its example input's storage offset, so the
+    offset is part of an island's key: the same ops on a view at another offset compile again."""
+    graph = fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    outs = []
+    for x in (a, b):
+        y = graph.call_function(aten.add.Tensor, (graph.call_function(aten.mul.Tensor, (x, 2.0)), 1.0))
+        outs.append(graph.call_function(_barrier, (y,)))
+    graph.output(tuple(outs))
+    base = torch.randn(10)
+    gm = _propagated(graph, base[0:4], base[second_offset:second_offset + 4])
+    _, islands, compiled = lower_islands(gm, "forward", _Recorder())
+    assert (islands, compiled) == (2, 1 if second_offset == 0 else 2)

@@ -344,29 +344,52 @@ def _pool_for(lowering: str, runtime: Runtime) -> int | None:
 
 def _lower(lowering: str, gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
     if lowering == "inductor":
-        if any(n.target in (UNIT_FORWARD, UNIT_BACKWARD) for n in gm.graph.nodes):
+        if any(n.target in (UNIT_FORWARD, UNIT_BACKWARD) for n in gm.graph.nodes) and _static_shapes(gm):
             # the units' bodies are lowered per kind already: Inductor takes only the islands
             # of compute between them, each distinct one once (islands.py)
-            split, islands, compiled = lower_islands(gm, kind, _inductor_island_alone)
+            split, islands, compiled = lower_islands(gm, kind, _inductor_island)
             log.info("%s graph: %d compute islands lowered by Inductor, %d distinct", kind, islands, compiled)
             return _boxed(split)
-        return _inductor_island(gm, inputs, kind)
+        return _inductor_whole(gm, inputs, kind)
     return _boxed(gm)
 
 
-def _inductor_island_alone(gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
-    """``_inductor_island`` in a tracing context of its own: Inductor records each compiled
-    graph's output strides in the current one, which AOTAutograd keeps for the graph it compiles
-    (and which holds one graph's). The islands' outputs stay inside the graph, whose own outputs
-    come from Python as under the eager lowering, so nothing reads them."""
+def _static_shapes(gm: fx.GraphModule) -> bool:
+    """No input of ``gm`` has a symbolic size or stride (the islands' keys compare sizes as ints)."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.SymInt) or (isinstance(value, torch.Tensor) and any(
+                isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride(), value.storage_offset()))):
+            return False
+    return True
+
+
+def _inductor_island(island: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
+    """One island (``islands.lower_islands``) lowered by Inductor, its outputs in the strides the
+    graph's fake values give them: the rest of the graph (views, unit calls, collectives, other
+    islands) was traced with those. So every output is marked user-visible (Inductor otherwise
+    may pad an output's strides on GPU), and an island whose decomposition changes an output's
+    strides runs as FX Python instead. In a tracing context of its own: Inductor records each
+    compiled graph's output strides in the current one, which AOTAutograd keeps for the graph it
+    compiles (room for one graph's)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+
     fake_mode = detect_fake_mode(inputs)
+    with fake_mode:
+        decomposed = make_fx(fx.Interpreter(island).run, decomposition_table=select_decomp_table())(*inputs)
+    (output,) = decomposed.graph.find_nodes(op="output")
+    (expected,) = island.graph.find_nodes(op="output")
+    if [n.meta["val"].stride() for n in output.args[0]] != [n.meta["val"].stride() for n in expected.args[0]]:
+        log.info("%s island left to Python: its decomposition changes an output's strides", kind)
+        return lambda args: list(island(*args))
+    output.meta["user_visible_output_idxs"] = list(range(len(output.args[0])))
     with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-        return _inductor_island(gm, inputs, kind)
+        return compile_fx_inner(decomposed, inputs, is_backward=kind == "backward", is_inference=kind == "inference")
 
 
-def _inductor_island(gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
-    """Inductor's ``compile_fx_inner`` on ``gm`` (a whole graph, or one island of it), on its
-    fake ``inputs``: a boxed callable."""
+def _inductor_whole(gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
+    """Inductor's ``compile_fx_inner`` on a whole graph, on its fake ``inputs``: a boxed callable."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
 

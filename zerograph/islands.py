@@ -67,32 +67,42 @@ def _runs(graph: fx.Graph) -> list[dict[fx.Node, None]]:
     can_hold = _Computes()
     runs: list[dict[fx.Node, None]] = []
     run: list[fx.Node] = []
+
+    def close() -> None:
+        kept = _without_end_views(run)
+        if sum(1 for n in kept if _computes(n)) >= 2:
+            runs.append(dict.fromkeys(kept))
+        run.clear()
+
     for node in graph.nodes:
-        if can_hold.is_node_supported({}, node):
+        # a getitem stays with the op whose tuple it reads: a tuple never crosses an island's edge
+        if can_hold.is_node_supported({}, node) and (node.target is not operator.getitem or node.args[0] in run):
             run.append(node)
             continue
-        run = _without_end_views(run)
-        if sum(1 for n in run if _computes(n)) >= 2:
-            runs.append(dict.fromkeys(run))
-        run = []
+        close()
+    close()
     return runs
 
 
 def _without_end_views(run: list[fx.Node]) -> list[fx.Node]:
-    """``run`` less the views at either end: they cost nothing in Python, and an island's key
-    should not depend on them (the tiny GPT's per-unit gradient islands differed only in a
-    trailing view: two distinct islands, two compiles, instead of one)."""
-    start, end = 0, len(run)
-    while start < end and run[start].target is not operator.getitem and run[start].target.is_view:
+    """``run`` less the views at either end (and the getitems of a multi-output view left out at
+    the start: ``split``, ``chunk``, ``unbind``): they cost nothing in Python, and an island's
+    key should not depend on them (the tiny GPT's per-unit gradient islands differed only in a
+    trailing view: two distinct islands, two compiles, instead of one). A getitem left out runs
+    before the island, reading a view that runs before it too."""
+    start = 0
+    while start < len(run) and run[start].target is not operator.getitem and run[start].target.is_view:
         start += 1
-    while end > start and run[end - 1].target is not operator.getitem and run[end - 1].target.is_view:
-        end -= 1
-    return run[start:end]
+    dropped = set(run[:start])
+    kept = [n for n in run[start:] if not (n.target is operator.getitem and n.args[0] in dropped)]
+    while kept and kept[-1].target is not operator.getitem and kept[-1].target.is_view:
+        kept.pop()
+    return kept
 
 
 def _structure(island: fx.GraphModule, inputs: list[torch.Tensor]) -> tuple:
     """A key equal for two islands exactly when they compute the same thing on inputs of the same
-    shapes, strides, dtypes and devices: each node's op and target with its arguments as
+    shapes, strides, storage offsets, dtypes and devices: each node's op and target with its arguments as
     positions in the island, and the inputs' metadata."""
     index = {node: i for i, node in enumerate(island.graph.nodes)}
 
@@ -102,7 +112,8 @@ def _structure(island: fx.GraphModule, inputs: list[torch.Tensor]) -> tuple:
     nodes = tuple((n.op, str(n.target) if n.op != "placeholder" else "", tuple(fx.node.map_aggregate(n.args, arg)),
                    tuple(sorted((k, repr(fx.node.map_aggregate(v, arg))) for k, v in n.kwargs.items())))
                   for n in island.graph.nodes)
-    metas = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for t in inputs)
+    # the storage offset too: Inductor compiles an as_strided relative to its example input's
+    metas = tuple((tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, str(t.device)) for t in inputs)
     return nodes, metas
 
 
