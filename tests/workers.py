@@ -37,6 +37,7 @@ def train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_s
         "graphs": [graph_facts(rec) for rec in state.captured.graphs],
         "input_params": state.captured.input_params,
         "templates": len(state.captured.templates),
+        "islands": dict(state.captured.islands),
     }
 
 

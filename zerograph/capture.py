@@ -59,6 +59,8 @@ class CapturedGraphs:
         self.saved_activation_bytes: dict[int, int] = {}
         self.offloaded_activation_bytes: dict[int, int] = {}  # handed over in host memory instead (offload)
         self.secondary_partition_bytes: dict[int, int] = {}  # hpZ's pieces of gathered parameters
+        # (graph id, kind) -> (islands, distinct islands compiled) under the Inductor lowering (islands.py)
+        self.islands: dict[tuple[int, str], tuple[int, int]] = {}
         self.templates: list = []  # unit_trace.UnitTemplate, one per unit kind and input signature traced
 
 
@@ -172,7 +174,9 @@ class _GraphCompile:
         g = self.run_passes(kind, g)
         carried = self.memory["forward"].saved if kind == "backward" else None
         self.memory[kind] = timeline(g.graph, carried=carried)
-        lowered = _lower(backend.lowering, g, inputs, kind)
+        lowered, islands = _lower(backend.lowering, g, inputs, kind)
+        if islands is not None:
+            backend.captured.islands[self.graph_id, kind] = islands
         if kind == "forward" and self.user_outputs:
             saved = saved_activation_outputs(g.graph, self.user_outputs[-1])
             offloaded, secondary = offloaded_outputs(g.graph), secondary_partition_outputs(g.graph)
@@ -342,16 +346,17 @@ def _pool_for(lowering: str, runtime: Runtime) -> int | None:
     return runtime.buffer_pool.id if lowering == "eager" else None
 
 
-def _lower(lowering: str, gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
+def _lower(lowering: str, gm: fx.GraphModule, inputs: list[Any], kind: str) -> tuple[Callable, tuple[int, int] | None]:
+    """The lowered graph, and under Inductor's lowering by islands (islands, distinct islands)."""
     if lowering == "inductor":
         if any(n.target in (UNIT_FORWARD, UNIT_BACKWARD) for n in gm.graph.nodes) and _static_shapes(gm):
             # the units' bodies are lowered per kind already: Inductor takes only the islands
             # of compute between them, each distinct one once (islands.py)
             split, islands, compiled = lower_islands(gm, kind, _inductor_island)
             log.info("%s graph: %d compute islands lowered by Inductor, %d distinct", kind, islands, compiled)
-            return _boxed(split)
-        return _inductor_whole(gm, inputs, kind)
-    return _boxed(gm)
+            return _boxed(split), (islands, compiled)
+        return _inductor_whole(gm, inputs, kind), None
+    return _boxed(gm), None
 
 
 def _static_shapes(gm: fx.GraphModule) -> bool:
