@@ -1,4 +1,4 @@
-"""The Inductor lowering of a graph that calls unit templates: compute islands, each kind once.
+"""The Inductor lowering of a graph that calls unit templates: islands of compute, each distinct one once.
 
 With ``Config.unit_templates`` a unit's body is already lowered by Inductor once per kind
 (``unit_trace``), so what the model's graph still holds per unit is glue: the unit's
@@ -9,9 +9,10 @@ every unit's glue: at 32 GPT blocks it was most of the first step's growth with 
 
 Here the graph is split instead into *islands*: maximal runs of consecutive ATen ops with at
 least two that compute (no zerograph op, no collective, nothing that writes its input),
-fused into submodules with ``torch.fx``'s ``fuse_by_partitions``. Each island is lowered by Inductor; islands of
-the same structure on inputs of the same shapes, strides and dtypes (one per unit: a gradient's
-pre-divide, a copy) share one compiled callable, so their count does not grow with depth. The
+fused into submodules with ``torch.fx``'s ``fuse_by_partitions``. Each island is lowered by
+Inductor; islands of the same structure on inputs of the same shapes, strides, storage offsets
+and dtypes (one per unit: a gradient's pre-divide and copy) share one compiled callable, so their
+count does not grow with depth. The
 rest of the graph (the collectives, the unit calls, views) runs as FX's generated Python, as
 under the eager lowering; the order of every node is the graph's, so the schedule the passes
 placed is kept. The source of the idea: Inductor's own split of a graph at ops it does not lower
@@ -28,6 +29,7 @@ import torch.fx as fx
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
+_PREFIX = "zerograph_island_"  # the fused submodules' names
 IslandCompiler = Callable[[fx.GraphModule, list[torch.Tensor], str], Callable[[list[torch.Tensor]], Any]]
 
 
@@ -148,11 +150,11 @@ def lower_islands(gm: fx.GraphModule, kind: str, compile_island: IslandCompiler)
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # node metadata comes along (the fake values)
     split = fx.GraphModule(gm, graph)
-    split = fuse_by_partitions(split, _runs(split.graph), prefix="island_", always_return_tuple=True)
+    split = fuse_by_partitions(split, _runs(split.graph), prefix=_PREFIX, always_return_tuple=True)
     compiled: dict[tuple, Callable] = {}
     islands = 0
     for node in list(split.graph.nodes):
-        if node.op != "call_module":
+        if node.op != "call_module" or not node.target.startswith(_PREFIX):
             continue
         island = split.get_submodule(node.target)
         islands += 1
