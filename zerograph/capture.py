@@ -355,7 +355,7 @@ def _lower(lowering: str, gm: fx.GraphModule, inputs: list[Any], kind: str) -> t
             split, islands, compiled = lower_islands(gm, kind, _inductor_island)
             log.info("%s graph: %d compute islands lowered by Inductor, %d distinct", kind, islands, compiled)
             return _boxed(split), (islands, compiled)
-        return _inductor_whole(gm, inputs, kind), None
+        return _inductor(_decomposed(gm, inputs), inputs, kind), None
     return _boxed(gm), None
 
 
@@ -377,30 +377,30 @@ def _inductor_island(island: fx.GraphModule, inputs: list[Any], kind: str) -> Ca
     strides runs as FX Python instead. In a tracing context of its own: Inductor records each
     compiled graph's output strides in the current one, which AOTAutograd keeps for the graph it
     compiles (room for one graph's)."""
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
-
-    fake_mode = detect_fake_mode(inputs)
-    with fake_mode:
-        decomposed = make_fx(fx.Interpreter(island).run, decomposition_table=select_decomp_table())(*inputs)
+    decomposed = _decomposed(island, inputs)
     (output,) = decomposed.graph.find_nodes(op="output")
     (expected,) = island.graph.find_nodes(op="output")
     if [n.meta["val"].stride() for n in output.args[0]] != [n.meta["val"].stride() for n in expected.args[0]]:
         log.info("%s island left to Python: its decomposition changes an output's strides", kind)
         return lambda args: list(island(*args))
     output.meta["user_visible_output_idxs"] = list(range(len(output.args[0])))
-    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-        return compile_fx_inner(decomposed, inputs, is_backward=kind == "backward", is_inference=kind == "inference")
+    with torch._guards.tracing(torch._guards.TracingContext(detect_fake_mode(inputs))):
+        return _inductor(decomposed, inputs, kind)
 
 
-def _inductor_whole(gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
-    """Inductor's ``compile_fx_inner`` on a whole graph, on its fake ``inputs``: a boxed callable."""
-    from torch._inductor.compile_fx import compile_fx_inner
+def _decomposed(gm: fx.GraphModule, inputs: list[Any]) -> fx.GraphModule:
+    """``gm`` traced again on its fake ``inputs`` with Inductor's decompositions: the passes
+    spliced in plain aten ops (t, reshape, ...), which Inductor lowers only decomposed."""
     from torch._inductor.decomposition import select_decomp_table
 
-    # the passes spliced in plain aten ops (t, reshape, ...); give Inductor its own decompositions
     with detect_fake_mode(inputs) or contextlib.nullcontext():
-        gm = make_fx(fx.Interpreter(gm).run, decomposition_table=select_decomp_table())(*inputs)
+        return make_fx(fx.Interpreter(gm).run, decomposition_table=select_decomp_table())(*inputs)
+
+
+def _inductor(gm: fx.GraphModule, inputs: list[Any], kind: str) -> Callable:
+    """Inductor's ``compile_fx_inner`` on a decomposed graph (a whole one, or an island): a boxed callable."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
     return compile_fx_inner(gm, inputs, is_backward=kind == "backward", is_inference=kind == "inference")
 
 

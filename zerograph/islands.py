@@ -26,35 +26,38 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 _PREFIX = "zerograph_island_"  # the fused submodules' names
 IslandCompiler = Callable[[fx.GraphModule, list[torch.Tensor], str], Callable[[list[torch.Tensor]], Any]]
 
 
-class _Computes(OperatorSupportBase):
+def _can_hold(node: fx.Node) -> bool:
     """What an island may hold: ATen / prims ops that write none of their inputs and return
     tensors, and the ``getitem`` of such an op's tuple."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return isinstance(source, fx.Node) and _can_hold(source)
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+        return False
+    if target._schema.is_mutable:
+        return False
+    value = node.meta.get("val")
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return bool(values) and all(isinstance(v, torch.Tensor) for v in values)
 
-    def is_node_supported(self, submodules: dict, node: fx.Node) -> bool:
-        if node.op != "call_function":
-            return False
-        if node.target is operator.getitem:
-            source = node.args[0]
-            return isinstance(source, fx.Node) and self.is_node_supported(submodules, source)
-        target = node.target
-        if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
-            return False
-        if target._schema.is_mutable:
-            return False
-        value = node.meta.get("val")
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        return bool(values) and all(isinstance(v, torch.Tensor) for v in values)
+
+def _is_view(node: fx.Node) -> bool:
+    """An op ``_can_hold`` accepts that only views its input (``getitem`` is not one)."""
+    return node.target is not operator.getitem and node.target.is_view
 
 
 def _computes(node: fx.Node) -> bool:
-    return node.target is not operator.getitem and not node.target.is_view
+    """An op ``_can_hold`` accepts that neither views nor unpacks a tuple."""
+    return node.target is not operator.getitem and not _is_view(node)
 
 
 def _runs(graph: fx.Graph) -> list[dict[fx.Node, None]]:
@@ -66,7 +69,6 @@ def _runs(graph: fx.Graph) -> list[dict[fx.Node, None]]:
     ``CapabilityBasedPartitioner`` merges any nodes that close no cycle, e.g. every unit's
     gradient pre-divide into one island placed after the last unit's backward, which would hold
     every reduce-scatter back to the end of backward."""
-    can_hold = _Computes()
     runs: list[dict[fx.Node, None]] = []
     run: list[fx.Node] = []
 
@@ -78,7 +80,7 @@ def _runs(graph: fx.Graph) -> list[dict[fx.Node, None]]:
 
     for node in graph.nodes:
         # a getitem stays with the op whose tuple it reads: a tuple never crosses an island's edge
-        if can_hold.is_node_supported({}, node) and (node.target is not operator.getitem or node.args[0] in run):
+        if _can_hold(node) and (node.target is not operator.getitem or node.args[0] in run):
             run.append(node)
             continue
         close()
@@ -93,11 +95,11 @@ def _without_end_views(run: list[fx.Node]) -> list[fx.Node]:
     trailing view: two distinct islands, two compiles, instead of one). A getitem left out runs
     before the island, reading a view that runs before it too."""
     start = 0
-    while start < len(run) and run[start].target is not operator.getitem and run[start].target.is_view:
+    while start < len(run) and _is_view(run[start]):
         start += 1
     dropped = set(run[:start])
     kept = [n for n in run[start:] if not (n.target is operator.getitem and n.args[0] in dropped)]
-    while kept and kept[-1].target is not operator.getitem and kept[-1].target.is_view:
+    while kept and _is_view(kept[-1]):
         kept.pop()
     return kept
 
