@@ -17,9 +17,10 @@ import pathlib  # noqa: E402
 import re  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
-from tests import distributed  # noqa: E402
+# torch and zerograph (through tests.distributed) are imported inside the hooks and fixtures: under
+# pytest-xdist the controller loads this file before it starts the workers and runs none of them,
+# so importing torch here would hold every worker's start back by its import (about 3 s)
 
 pytest_plugins = ["tests.cpu_durations"]  # --cpu-durations=N: CPU seconds per test, whatever the load
 
@@ -36,6 +37,7 @@ TRAINING_GROUPS = (
 
 @functools.lru_cache(maxsize=None)
 def _training_group(runs: tuple[tuple[str, int], ...], world_size: int, batch_size: int) -> dict:
+    from tests import distributed
     from tests.workers import train_runs
 
     per_rank = distributed.spawn(train_runs, world_size, runs, 3, batch_size, 1e-3, timeout_s=600)
@@ -57,6 +59,7 @@ def training_run():
 
 @functools.lru_cache(maxsize=None)
 def _one_rank_run(name: str, stage: int, world_size: int) -> dict:
+    from tests import distributed
     from tests.workers import train
 
     return distributed.run_as_rank(train, world_size, name, stage, 3, 2 * world_size, 1e-3)
@@ -72,6 +75,8 @@ def one_rank():
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
     misread = []
     for item in items:
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
@@ -107,6 +112,8 @@ def _without_pytest_handlers_on_the_structured_trace() -> None:
 def pytest_runtest_setup(item: pytest.Item):
     """Also lets ``tests.distributed.spawn`` run only inside tests marked ``distributed``: set
     before any fixture of the test (module and session fixtures included) is set up."""
+    from tests import distributed
+
     marked = item.get_closest_marker("distributed") is not None
     distributed.spawn_allowed = lambda: marked
     _without_pytest_handlers_on_the_structured_trace()
