@@ -37,6 +37,7 @@ $(BIN)/.installed: pyproject.toml
 	    set -- "$$@" --find-links "$$link"; done; \
 	  $(BIN)/uv pip install --quiet --python $(BIN)/python "$$@" $(REQUIREMENTS); \
 	else \
+	  echo "uv could not be installed: pip installs instead (about twice as long)"; \
 	  $(BIN)/pip install --quiet --no-compile $(REQUIREMENTS); \
 	fi
 	$(BIN)/python -m compileall -q -j 0 -x '$(NO_COMPILE)' "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
