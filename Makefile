@@ -22,7 +22,8 @@ BIN := $(VENV)/bin
 # fresh clone with an empty uv cache took 28-36 s against pip's 52-65 s (four and three runs, the
 # same packages and versions). uv reads no pip.conf, so it is handed pip's find-links, where this
 # project's machines keep the CPU wheel of torch (PIP_FIND_LINKS, else pip's configuration).
-# Where uv cannot be installed, pip installs everything, as before.
+# Where uv cannot be installed or fails (no index it can reach, no cache it can write), pip
+# installs everything, as before.
 # Nothing is byte-compiled on install: pip does it one file at a time (about a third of its
 # install); compileall does it on every core. A file it cannot compile (torch ships one in Python
 # 3.12 syntax) is skipped, as pip skips it. Skipped too, as nothing imports them: the packages' own
@@ -32,14 +33,11 @@ NO_COMPILE := /tests?/|/site-packages/(pip|setuptools)/|/transformers/models/(?!
 REQUIREMENTS = "$(TORCH)" "$(TRITON)" -e ".[test]"
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	if $(BIN)/pip install --quiet uv; then \
-	  set --; for link in $${PIP_FIND_LINKS:-$$($(BIN)/pip config get global.find-links 2>/dev/null)}; do \
-	    set -- "$$@" --find-links "$$link"; done; \
-	  $(BIN)/uv pip install --quiet --python $(BIN)/python "$$@" $(REQUIREMENTS); \
-	else \
-	  echo "uv could not be installed: pip installs instead (about twice as long)"; \
-	  $(BIN)/pip install --quiet --no-compile $(REQUIREMENTS); \
-	fi
+	set --; for link in $${PIP_FIND_LINKS:-$$($(BIN)/pip config get global.find-links 2>/dev/null)}; do \
+	  set -- "$$@" --find-links "$$link"; done; \
+	{ $(BIN)/pip install --quiet uv && $(BIN)/uv pip install --quiet --python $(BIN)/python "$$@" $(REQUIREMENTS); } || \
+	{ echo "uv could not install: pip installs instead (about twice as long)"; \
+	  $(BIN)/pip install --quiet --no-compile $(REQUIREMENTS); }
 	$(BIN)/python -m compileall -q -j 0 -x '$(NO_COMPILE)' "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
 	touch $@
 
