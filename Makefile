@@ -23,7 +23,8 @@ BIN := $(VENV)/bin
 # same packages and versions). uv reads no pip.conf, so it is handed pip's find-links, where this
 # project's machines keep the CPU wheel of torch (PIP_FIND_LINKS, else pip's configuration).
 # Where uv cannot be installed or fails (no index it can reach, no cache it can write), pip
-# installs everything, as before.
+# installs everything, as before. uv keeps the wheels it unpacked in ~/.cache/uv (UV_CACHE_DIR), which
+# `make clean` leaves; `.venv/bin/uv cache clean` empties it.
 # Nothing is byte-compiled on install: pip does it one file at a time (about a third of its
 # install); compileall does it on every core. A file it cannot compile (torch ships one in Python
 # 3.12 syntax) is skipped, as pip skips it. Skipped too, as nothing imports them: the packages' own
