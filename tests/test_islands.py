@@ -55,6 +55,13 @@ def _call_sequence(gm: fx.GraphModule) -> list:
     return sequence
 
 
+def _propagated(graph: fx.Graph, *inputs: torch.Tensor) -> fx.GraphModule:
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    with FakeTensorMode() as mode:
+        FakeTensorProp(gm, mode).propagate(*inputs)
+    return gm
+
+
 def _synthetic() -> fx.GraphModule:
     """x -> (x * 2 + 1) -> barrier -> (* 2 + 1) -> barrier -> view, - 3 -> barrier -> -(x - 3) -> out:
     two identical runs of compute, a run of one op and a view, and a different run."""
@@ -66,10 +73,7 @@ def _synthetic() -> fx.GraphModule:
     x = graph.call_function(aten.sub.Tensor, (graph.call_function(aten.view.default, (x, [-1])), 3.0))
     x = graph.call_function(_barrier, (x,))
     graph.output(graph.call_function(aten.neg.default, (graph.call_function(aten.sub.Tensor, (x, 3.0)),)))
-    gm = fx.GraphModule(torch.nn.Module(), graph)
-    with FakeTensorMode() as mode:
-        FakeTensorProp(gm, mode).propagate(torch.empty(2, 3))
-    return gm
+    return _propagated(graph, torch.empty(2, 3))
 
 
 def test_identical_runs_of_compute_are_lowered_once_and_keep_their_place() -> None:
@@ -94,9 +98,7 @@ def test_a_write_is_left_out_of_islands() -> None:
     y = graph.call_function(aten.add.Tensor, (graph.call_function(aten.mul.Tensor, (x, 2.0)), 1.0))
     graph.call_function(aten.add_.Tensor, (y, 1.0))
     graph.output(graph.call_function(aten.exp.default, (graph.call_function(aten.neg.default, (y,)),)))
-    gm = fx.GraphModule(torch.nn.Module(), graph)
-    with FakeTensorMode() as mode:
-        FakeTensorProp(gm, mode).propagate(torch.empty(4))
+    gm = _propagated(graph, torch.empty(4))
     split, islands, _ = lower_islands(gm, "forward", _Recorder())
     assert islands == 2 and aten.add_.Tensor in [n.target for n in split.graph.nodes]
     x = torch.randn(4)
@@ -123,13 +125,6 @@ def test_distinct_islands_do_not_grow_with_depth() -> None:
     for kind in ("forward", "backward"):
         assert found[8, kind][1] == found[2, kind][1], found
     assert found[8, "backward"][0] >= found[2, "backward"][0] + 6, found  # one per block, at least
-
-
-def _propagated(graph: fx.Graph, *inputs: torch.Tensor) -> fx.GraphModule:
-    gm = fx.GraphModule(torch.nn.Module(), graph)
-    with FakeTensorMode() as mode:
-        FakeTensorProp(gm, mode).propagate(*inputs)
-    return gm
 
 
 def test_a_multi_output_view_keeps_its_getitems_out_of_the_island() -> None:
