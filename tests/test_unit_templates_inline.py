@@ -50,7 +50,6 @@ def test_a_dynamic_shape_leaves_the_static_graphs_their_templates() -> None:
     graphs traced before, for static shapes, keep their templates and stay valid: an eval at the
     first length after it is not traced again (the fallback set a flag every graph guarded on,
     so each was traced once more)."""
-    torch._dynamo.reset()  # GPT.forward's automatic-dynamic state from earlier tests would make the first graph dynamic
     model = zerograph.compile(GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=16)), 3, config=TEMPLATES)
     long, short = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 8))
 
@@ -72,6 +71,52 @@ def test_a_dynamic_shape_leaves_the_static_graphs_their_templates() -> None:
     assert templated == [True, True, False]
     (kind,) = state_of(model).unit_kinds
     assert "dynamic shape" in kind.inline_reason
+
+
+def _symbolic(graph: torch.fx.Graph) -> bool:
+    """Whether any input of a Dynamo graph has a symbolic size (Dynamo made a dim dynamic)."""
+    for node in graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        sizes = value.shape if isinstance(value, torch.Tensor) else (value,)
+        if any(isinstance(size, torch.SymInt) for size in sizes):
+            return True
+    return False
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_models_first_trace_is_static_whatever_another_model_of_its_class_saw() -> None:
+    """Dynamo keeps automatic-dynamic shape history per code location, so a second GPT with
+    other input shapes was traced with symbolic sizes at its first call, and so without templates.
+    Each model's first trace is static and templated now; a length change on that model still
+    makes it dynamic (and inline), as for one model alone."""
+    first = zerograph.compile(GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=16)), 3, config=TEMPLATES)
+    idx = torch.randint(0, 256, (2, 16))
+    first(idx, idx).backward()
+    second = zerograph.compile(GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=8)), 3, config=TEMPLATES)
+    for length in (8, 6):
+        idx = torch.randint(0, 256, (3, length))
+        second(idx, idx).backward()
+    records = graphs_of(second)
+    assert [_symbolic(r["dynamo"].graph) for r in records] == [False, True]
+    assert [any(n.target is UNIT_FORWARD for n in r["forward"].graph.nodes) for r in records] == [True, False]
+    assert not _symbolic(graphs_of(first)[0]["dynamo"].graph)
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_models_whose_forward_dynamo_skips_each_keep_their_own_graphs() -> None:
+    """``nn.Sequential.forward`` lives in torch/nn, which Dynamo does not take as a top frame:
+    ``torch.compile`` would run it through one shared wrapper, so every such model in the process
+    shared one cache entry of at most 8 graphs and the ninth model ran eagerly, without passes.
+    Each model has a wrapper of its own: ten models, ten graphs with their all-gathers, and each
+    first graph static although the models' input widths differ."""
+    with fake_rank(2):
+        for width in range(2, 12):
+            model = zerograph.compile(nn.Sequential(nn.Linear(width, 4), nn.ReLU(), nn.Linear(4, 1)), 3)
+            model(torch.randn(2, width)).sum().backward()
+            (record,) = graphs_of(model)
+            assert not _symbolic(record["dynamo"].graph), width
+            gathers = [e for e in schedule_of(record["forward"].graph, "forward", "").entries if e.kind == "all_gather"]
+            assert len(gathers) == 2, width  # one per Linear
 
 
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
@@ -177,8 +222,6 @@ def test_a_kind_falls_back_in_training_only_and_keeps_its_eval_template() -> Non
     """Batch norm writes its running statistics in training, so the kind runs inline in training
     mode; in eval it keeps its template, and the eval graph compiled before the fallback is
     reused after it (one inference graph, not two). Outputs and gradients equal eager's."""
-    # a fresh Dynamo: nn.Sequential models share one cache entry and automatic-dynamic state (README)
-    torch._dynamo.reset()
     torch.manual_seed(0)
     reference = nn.Sequential(_NormedUnit(), _NormedUnit())
     config = zerograph.Config(unit_templates=True, unit_classes=(_NormedUnit,))

@@ -35,7 +35,16 @@ from .policies import MixedPrecisionPolicy
 from .registry import next_key
 from .replicas import sync_replicas
 from .runtime import Runtime
-from .sharding import ParameterWatch, find_units, own_code, set_gathering, set_grad_mode, shard_module_, sharded_parameter
+from .sharding import (
+    ParameterWatch,
+    find_units,
+    forget_shape_history,
+    set_gathering,
+    set_grad_mode,
+    shard_module_,
+    sharded_parameter,
+    traceable_forward,
+)
 from .state import STATE_ATTR, ZeroGraphState, state_of
 from .templates import FlatPlan, every_unit_inline, install_unit_templates, refresh_unit_modes, unit_parameters
 
@@ -185,7 +194,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     # symbolic, so per-rank, per-step lengths cost at most two graphs instead of one per length (and
     # never reach Dynamo's recompile limit, past which a frame would run eagerly on some ranks only).
     # Parameters stay static (Dynamo's force_parameter_static_shapes), so the collectives do too.
-    compiled_forward = torch.compile(own_code(type(model).forward), backend=backend, dynamic=None)
+    compiled_forward = torch.compile(traceable_forward(type(model)), backend=backend, dynamic=None)
     setattr(model, STATE_ATTR, ZeroGraphState(runtime, config, captured, compiled_forward, watch,
                                               uninitialised=uninitialised, unit_kinds=unit_kinds))
     cls = type(model)
@@ -271,6 +280,8 @@ def _run_falling_back(state: ZeroGraphState, model: nn.Module, args: tuple, kwar
     every unit inline when a template met a dynamic shape (``DynamicShapeTrace``: that trace
     only). Every rank meets the same failure in the same trace, so the ranks stay in step."""
     inline_trace = contextlib.nullcontext()
+    if not state.captured.graphs:  # this model's first trace: static, whatever other models of its class saw
+        forget_shape_history(state.compiled_forward.__wrapped__)
     for _ in range(len(state.unit_kinds) + 2):
         try:
             with inline_trace:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch._dynamo import trace_rules
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
 from .errors import ModelChangedError, ShardingError
@@ -452,6 +453,25 @@ def _install_registration_hooks() -> None:
     _HOOKS_INSTALLED = True
 
 
+def traceable_forward(cls: type) -> Callable:
+    """``cls.forward`` as a function with a code object of its own (``own_code``), for one model.
+
+    A ``forward`` in a file Dynamo skips (``nn.Sequential``'s, in torch/nn) cannot be its own top
+    frame: ``torch.compile`` wraps it in ``external_utils.wrap_inline``'s ``inner``, one code
+    object for every such model in a process, so their graphs would share one cache entry of at
+    most 8 graphs, and the ninth model would run eagerly. Such a ``forward`` is called from a
+    wrapper of zerograph's own instead, which ``own_code`` then copies per model. The copies share
+    one shape history (``forget_shape_history`` says why that is harmless)."""
+    forward = cls.forward
+    if not trace_rules.check(forward):
+        return own_code(forward)
+
+    def forward_of_skipped_file(self: nn.Module, *args: object, **kwargs: object) -> object:
+        return forward(self, *args, **kwargs)
+
+    return own_code(forward_of_skipped_file)
+
+
 def own_code(fn: Callable) -> Callable:
     """``fn`` with a code object of its own. Dynamo caches compiled graphs per code object, at most
     ``torch._dynamo.config.recompile_limit`` (8) of them: with the class's own ``forward``, the
@@ -464,3 +484,21 @@ def own_code(fn: Callable) -> Callable:
     copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
     copy.__dict__.update(fn.__dict__)
     return copy
+
+
+def forget_shape_history(fn: Callable) -> None:
+    """Start ``fn``'s automatic-dynamic shape history afresh, before a model's first trace.
+
+    Dynamo keeps that history per ``CodeId`` (the code's file, first line and name:
+    ``torch._dynamo.pgo``), not per code object, so ``own_code``'s copies still share it: a
+    second model of the same class with other input shapes (a smaller model built first, the
+    bench's priming model) was traced with symbolic sizes at its very first call, which makes
+    every unit template fall back to inline units and the Inductor lowering take the whole graph.
+    A model's first trace is static again; a later change of an input's size on that model makes
+    the size symbolic as before (``api`` compiles with ``dynamic=None``)."""
+    from torch._dynamo import pgo
+
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        pgo.get_code_state().pop(pgo.CodeId.make(code, fn.__closure__), None)
+
