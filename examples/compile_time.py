@@ -32,6 +32,7 @@ import tempfile
 
 SYSTEMS = {"zerograph eager": "zerograph-s3-notpl", "zerograph eager + templates": "zerograph-s3-tpl",
            "zerograph inductor": "zerograph-s3-inductor-notpl", "zerograph inductor + templates": "zerograph-s3-inductor-tpl",
+           "zerograph inductor + templates + islands": "zerograph-s3-inductor-islands-tpl",
            "FSDP2 + torch.compile": "fsdp2-compile"}
 
 

@@ -210,8 +210,10 @@ def test_system_names_parse():
     quantized = bench.parse_system("zerograph-s3-qw-qg", 1, 0).zerograph_config()
     assert (quantized.gather_quantization, quantized.reduce_quantization) == ("int8", "int8")
     assert bench.parse_system("zerograph-s3-qg", 1, 0).zerograph_config().gather_quantization is None
+    assert bench.parse_system("zerograph-s3-inductor-islands", 1, 0).zerograph_config().inductor_islands
+    assert not spec.zerograph_config().inductor_islands
     assert [bench.parse_system(n, 1, 0).paper_volume for n in ("zerograph-s2", "zerograph-s3", "ddp", "fsdp2")] == [2, 3, 2, 3]
-    for bad in ("zerograph-s4", "zerograph-s3-fast", "deepspeed"):
+    for bad in ("zerograph-s4", "zerograph-s3-fast", "deepspeed", "zerograph-s3-islands"):
         with pytest.raises(ConfigError):
             bench.parse_system(bad, 1, 0)
     with pytest.raises(ConfigError):

@@ -79,3 +79,10 @@ def test_auto_lowering_is_inductor_on_cuda_and_eager_elsewhere() -> None:
     assert Config().resolved_lowering(torch.device("cpu")) == "eager"
     assert Config(lowering="eager").resolved_lowering(torch.device("cuda")) == "eager"
     assert Config(lowering="inductor").resolved_lowering(torch.device("cpu")) == "inductor"
+
+
+def test_inductor_islands_are_off_by_default_and_must_be_a_bool() -> None:
+    assert Config().inductor_islands is False
+    assert Config(lowering="inductor", inductor_islands=True).inductor_islands is True
+    with pytest.raises(ConfigError, match="Config.inductor_islands must be True or False"):
+        Config(inductor_islands=1)

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import zerograph
+from zerograph import capture
 from zerograph.islands import lower_islands
 from zerograph.models.gpt import GPT, GPTConfig
 from zerograph.state import graphs_of
@@ -106,10 +107,16 @@ def test_a_write_is_left_out_of_islands() -> None:
 
 
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
-def test_distinct_islands_do_not_grow_with_depth() -> None:
+def test_distinct_islands_do_not_grow_with_depth(monkeypatch) -> None:
     """The templated GPT's forward and backward at 2 and 8 blocks, stage 3, rank 0 of a fake world
     of 2: each block adds islands (its gradient's pre-divide) but no distinct one, and every call
-    runs in the order the passes scheduled."""
+    runs in the order the passes scheduled. Without ``Config.inductor_islands`` (the default) the
+    Inductor lowering hands Inductor nothing of these graphs: they run as FX Python."""
+    def no_inductor(*args):
+        raise AssertionError("Inductor was asked to lower a graph that calls templates")
+
+    monkeypatch.setattr(capture, "_inductor", no_inductor)
+    monkeypatch.setattr(capture, "_inductor_island", no_inductor)
     found = {}
     for blocks in (2, 8):
         with fake_rank(2):
@@ -119,6 +126,9 @@ def test_distinct_islands_do_not_grow_with_depth() -> None:
             model(idx, idx).backward()
             record = graphs_of(model)[0]
             for kind in ("forward", "backward"):
+                inputs = [n.meta["val"] for n in record[kind].graph.find_nodes(op="placeholder")]
+                lowered, counts = capture._lower("inductor", record[kind], inputs, kind, with_islands=False)
+                assert counts is None and lowered._boxed_call, kind  # the graph's own Python, boxed
                 split, islands, compiled = lower_islands(record[kind], kind, _Recorder())
                 assert _call_sequence(split) == _call_sequence(record[kind]), (blocks, kind)
                 found[blocks, kind] = islands, compiled

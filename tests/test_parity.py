@@ -67,14 +67,16 @@ def test_graph_break_eager_frame_sees_full_parameters(training_run, stage: int) 
 @pytest.mark.distributed
 def test_inductor_lowering_matches_single_process() -> None:
     """The same passes lowered by Inductor (C++ kernels on CPU) train the same numbers. The MLP's
-    units are templated, so Inductor lowers each kind's body and the islands of compute between
-    the units' calls and collectives (``zerograph/islands.py``), not the whole graph."""
+    units are templated, so Inductor lowers each kind's body and, with ``inductor_islands``, the
+    islands of compute between the units' calls and collectives (``zerograph/islands.py``), not
+    the whole graph. (Without islands the compute between units runs as under the eager lowering.)"""
     import zerograph
 
     from .distributed import spawn
     from .workers import train
 
-    results = spawn(train, 2, "mlp", 3, STEPS, 4, LR, zerograph.Config(lowering="inductor"), timeout_s=600)
+    config = zerograph.Config(lowering="inductor", inductor_islands=True)
+    results = spawn(train, 2, "mlp", 3, STEPS, 4, LR, config, timeout_s=600)
     reference = reference_training("mlp", STEPS, 4, LR)
     for result in results:
         check_parity(result, reference)

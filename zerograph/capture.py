@@ -174,7 +174,7 @@ class _GraphCompile:
         g = self.run_passes(kind, g)
         carried = self.memory["forward"].saved if kind == "backward" else None
         self.memory[kind] = timeline(g.graph, carried=carried)
-        lowered, islands = _lower(backend.lowering, g, inputs, kind)
+        lowered, islands = _lower(backend.lowering, g, inputs, kind, backend.config.inductor_islands)
         if islands is not None:
             backend.captured.islands[self.graph_id, kind] = islands
         if kind == "forward" and self.user_outputs:
@@ -346,12 +346,16 @@ def _pool_for(lowering: str, runtime: Runtime) -> int | None:
     return runtime.buffer_pool.id if lowering == "eager" else None
 
 
-def _lower(lowering: str, gm: fx.GraphModule, inputs: list[Any], kind: str) -> tuple[Callable, tuple[int, int] | None]:
+def _lower(lowering: str, gm: fx.GraphModule, inputs: list[Any], kind: str,
+           with_islands: bool) -> tuple[Callable, tuple[int, int] | None]:
     """The lowered graph, and under Inductor's lowering by islands (islands, distinct islands)."""
     if lowering == "inductor":
         if any(n.target in (UNIT_FORWARD, UNIT_BACKWARD) for n in gm.graph.nodes) and _static_shapes(gm):
-            # the units' bodies are lowered per kind already: Inductor takes only the islands
-            # of compute between them, each distinct one once (islands.py)
+            # the units' bodies are lowered per kind already (unit_trace): the rest runs as FX
+            # Python, or with Config.inductor_islands, Inductor takes the islands of compute
+            # between the units, each distinct one once (islands.py)
+            if not with_islands:
+                return _boxed(gm), None
             split, islands, compiled = lower_islands(gm, kind, _inductor_island)
             log.info("%s graph: %d compute islands lowered by Inductor, %d distinct", kind, islands, compiled)
             return _boxed(split), (islands, compiled)

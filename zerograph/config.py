@@ -115,6 +115,15 @@ class Config:
             ``True``, unless ``activation_budget_bytes`` is set (the activation plan moves a
             unit's activations op by op; a template is one op), then ``False``; the field holds
             the resolved value. ``True`` with ``activation_budget_bytes`` raises ``ConfigError``.
+        inductor_islands: under the Inductor lowering with templated units, also lower the
+            compute between the units' calls (the root's embedding, final norm and loss, their
+            gradients, gradients' pre-divides) with Inductor, each distinct island once
+            (``zerograph.islands``). ``False`` (default): Inductor lowers the templated bodies,
+            what repeats, and the rest runs op by op as ATen, as FSDP2 + ``torch.compile`` per
+            block (torchtitan) leaves the root uncompiled; each distinct island costs about 1 s
+            of cold C++ compile on CPU, seven on the GPT, about half of the first step (README,
+            "Compile time against depth"). Without templates Inductor lowers the whole graph
+            either way.
 
     Raises:
         ConfigError: a field of the wrong type or range, an unknown keyword, a policy given both
@@ -134,6 +143,7 @@ class Config:
     reduce_quantization: str | None = None
     unit_templates: bool = True
     secondary_partition_size: int | None = None
+    inductor_islands: bool = False
 
     def __init__(self, *, unit_classes: tuple[type[nn.Module], ...] | None = None,
                  lowering: Literal["auto", "eager", "inductor"] = "auto", timeout_s: float = 300.0,
@@ -142,7 +152,7 @@ class Config:
                  memory: MemoryPolicy | None = None, activations: ActivationPolicy | None = None,
                  gather_quantization: str | None = None, reduce_quantization: str | None = None,
                  unit_templates: bool | None = None, secondary_partition_size: int | None = None,
-                 **flat: Any) -> None:
+                 inductor_islands: bool = False, **flat: Any) -> None:
         given = {"mixed_precision": mixed_precision, "schedule": schedule, "memory": memory,
                  "activations": activations}
         for name, value in flat.items():
@@ -163,7 +173,8 @@ class Config:
                             ("dump_dir", dump_dir), ("disabled_passes", disabled_passes),
                             ("gather_quantization", gather_quantization),
                             ("reduce_quantization", reduce_quantization), ("unit_templates", unit_templates),
-                            ("secondary_partition_size", secondary_partition_size)):
+                            ("secondary_partition_size", secondary_partition_size),
+                            ("inductor_islands", inductor_islands)):
             object.__setattr__(self, name, value)
         if unit_templates is None:  # the default: templates, except where the activation plan needs ops
             object.__setattr__(self, "unit_templates", self.activations.budget_bytes is None)
@@ -178,8 +189,9 @@ class Config:
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 2):
             raise ConfigError(f"Config.secondary_partition_size must be None or the ranks of a node, at least 2, "
                               f"got {size!r}")
-        if not isinstance(self.unit_templates, bool):
-            raise ConfigError(f"Config.unit_templates must be True or False, got {self.unit_templates!r}")
+        for field in ("unit_templates", "inductor_islands"):
+            if not isinstance(getattr(self, field), bool):
+                raise ConfigError(f"Config.{field} must be True or False, got {getattr(self, field)!r}")
         if self.unit_templates and self.activations.budget_bytes is not None:
             # measured (GPT, stage 3, world 2): a P_a plan the pass counted within budget saved 2% over
             # it, and offload moved nothing, since a template's activations are outputs of one op

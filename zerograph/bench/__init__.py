@@ -12,13 +12,15 @@ agree across systems.
 described in ``clusters.json`` (or ``local``: this machine, as a self-consistency check).
 
 Systems (``--systems``, comma-separated):
-    zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>]
+    zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>][-inductor][-islands][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>]
         ``zerograph.compile`` at that stage; ``-noov`` disables ``config.OVERLAP_PASSES`` (every
         wait right after its start); ``-nopool`` disables ``buffer_reuse`` (comm buffers from the
         allocator each step instead of a pool held across steps); ``-keeproot`` sets
         ``Config.reshard_root_after_forward=False`` (the root unit stays gathered from forward
         to backward, as FSDP2 keeps its root); ``-pf``/``-bb`` override ``--prefetch-depth`` /
         ``--bucket-bytes``; ``-inductor`` lowers with Inductor instead of running FX eagerly;
+        ``-islands`` (with ``-inductor``) sets ``Config.inductor_islands`` (Inductor also lowers
+        the compute between templated units);
         ``-qw`` / ``-qg`` set ``Config.gather_quantization`` / ``reduce_quantization`` to
         ``"int8"`` (ZeRO++'s qwZ / qgZ); ``-tpl`` / ``-notpl`` set ``Config.unit_templates`` to
         ``True`` / ``False`` (each kind of unit traced once / the per-parameter build; neither:

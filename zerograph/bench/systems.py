@@ -1,7 +1,7 @@
 """The systems the bench compares: ``--systems`` names parsed into ``SystemSpec``s, and each built.
 
 A system is zerograph at a stage with its schedule options (``zerograph-s<0-3>[-noov][-nopool]
-[-keeproot][-pf<K>][-bb<BYTES>][-inductor][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>]``), DDP,
+[-keeproot][-pf<K>][-bb<BYTES>][-inductor][-islands][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>]``), DDP,
 FSDP2 or FSDP2 under ``torch.compile``; see the package docstring for what each modifier changes.
 ``build_system`` wraps a fresh model in one and gives it AdamW; ``train_step`` is the step every system runs.
 
@@ -37,6 +37,7 @@ class SystemSpec:
     prefetch_depth: int = 1
     bucket_bytes: int = 0
     lowering: str = "eager"
+    inductor_islands: bool = False
     compiled: bool = False
     quantized_gathers: bool = False
     quantized_reductions: bool = False
@@ -56,10 +57,11 @@ class SystemSpec:
                       gather_quantization="int8" if self.quantized_gathers else None,
                       reduce_quantization="int8" if self.quantized_reductions else None,
                       unit_templates=self.unit_templates, secondary_partition_size=self.secondary_partition_size,
+                      inductor_islands=self.inductor_islands,
                       disabled_passes=(() if self.overlap else OVERLAP_PASSES) + (() if self.pool else ("buffer_reuse",)))
 
 
-_MODIFIER = r"noov|nopool|keeproot|inductor|qw|qg|notpl|tpl|pf\d+|bb\d+|hsdp\d+|hpz\d+"
+_MODIFIER = r"noov|nopool|keeproot|inductor|islands|qw|qg|notpl|tpl|pf\d+|bb\d+|hsdp\d+|hpz\d+"
 _ZEROGRAPH_NAME = re.compile(rf"^zerograph-s(?P<stage>[0-3])(?P<mods>(?:-(?:{_MODIFIER}))*)$")
 
 
@@ -72,7 +74,7 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
     match = _ZEROGRAPH_NAME.match(name)
     if not match:
         raise ConfigError(f"unknown system {name!r}: expected zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>]"
-                          "[-inductor][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>], ddp, fsdp2 or fsdp2-compile")
+                          "[-inductor][-islands][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>], ddp, fsdp2 or fsdp2-compile")
     mods = match["mods"].split("-")[1:]
     kinds = [re.sub(r"\d+$", "", mod) for mod in mods]
     repeated = sorted({kind for kind in kinds if kinds.count(kind) > 1})
@@ -98,12 +100,15 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
     if "tpl" in mods and "notpl" in mods:
         raise ConfigError(f"system {name!r}: -tpl and -notpl contradict each other (templates on / off)")
     templates = True if "tpl" in mods else False if "notpl" in mods else None  # None: Config's default
+    if "islands" in mods and "inductor" not in mods:
+        raise ConfigError(f"system {name!r}: -islands needs -inductor (islands are what Inductor lowers between units)")
     if secondary_partition_size is not None and stage != 3:
         raise ConfigError(f"system {name!r}: -hpz needs stage 3 (only stage 3 re-gathers parameters in backward)")
     return SystemSpec(name, "zerograph", stage=stage, overlap="noov" not in mods, pool="nopool" not in mods,
                       keep_root="keeproot" in mods, quantized_gathers="qw" in mods, quantized_reductions="qg" in mods,
                       prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes,
-                      lowering="inductor" if "inductor" in mods else "eager", unit_templates=templates,
+                      lowering="inductor" if "inductor" in mods else "eager", inductor_islands="islands" in mods,
+                      unit_templates=templates,
                       shard_size=shard_size, secondary_partition_size=secondary_partition_size)
 
 
