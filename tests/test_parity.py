@@ -67,20 +67,23 @@ def test_graph_break_eager_frame_sees_full_parameters(training_run, stage: int) 
 @pytest.mark.distributed
 def test_inductor_lowering_matches_single_process() -> None:
     """The same passes lowered by Inductor (C++ kernels on CPU) train the same numbers. The MLP's
-    units are templated, so Inductor lowers each kind's body and, with ``inductor_islands``, the
-    islands of compute between the units' calls and collectives (``zerograph/islands.py``), not
-    the whole graph. (Without islands the compute between units runs as under the eager lowering.)"""
+    units are templated, so Inductor lowers each kind's body once; the compute between the units'
+    calls and collectives runs as FX Python (the default), or with ``inductor_islands`` is
+    lowered by Inductor too, island by island (``zerograph/islands.py``), never the whole graph.
+    Both in one spawn, one after the other."""
     import zerograph
 
     from .distributed import spawn
-    from .workers import train
+    from .workers import train_configs
 
-    config = zerograph.Config(lowering="inductor", inductor_islands=True)
-    results = spawn(train, 2, "mlp", 3, STEPS, 4, LR, config, timeout_s=600)
+    configs = (zerograph.Config(lowering="inductor"), zerograph.Config(lowering="inductor", inductor_islands=True))
+    runs = spawn(train_configs, 2, "mlp", 3, STEPS, 4, LR, configs, timeout_s=600)
     reference = reference_training("mlp", STEPS, 4, LR)
-    for result in results:
-        check_parity(result, reference)
-        # templated units: Inductor lowered the islands between them
-        assert result["templates"] > 0 and {kind for _, kind in result["islands"]} == {"forward", "backward"}
-        assert all(distinct >= 1 for _, distinct in result["islands"].values()), result["islands"]
-    assert results[0]["stats"].comm_elements["all_gather"] > 0  # the collectives ran inside the graphs
+    for default, with_islands in runs:
+        for result in (default, with_islands):
+            check_parity(result, reference)
+            assert result["templates"] > 0
+            assert result["stats"].comm_elements["all_gather"] > 0  # the collectives ran inside the graphs
+        assert default["islands"] == {}
+        assert {kind for _, kind in with_islands["islands"]} == {"forward", "backward"}
+        assert all(distinct >= 1 for _, distinct in with_islands["islands"].values()), with_islands["islands"]

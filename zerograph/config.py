@@ -67,8 +67,8 @@ class Config:
             ``"inductor"`` compiles them with Inductor (C++ on CPU, Triton on GPU). ``"auto"`` (the
             default) is Inductor on CUDA, where its fused Triton kernels are the point of a compiler
             (SimpleFSDP and DeepCompile report their gains from it), and eager on CPU, where
-            Inductor's C++ code measured no faster on this project's GPT and costs about 2.7 s of
-            compile time per block (README, "Choices worth knowing").
+            Inductor's C++ code measured no faster on this project's GPT and its cold C++
+            compiles cost seconds (README, "Choices worth knowing").
         timeout_s: seconds a collective may wait for its peers before the process group raises
             (passed to ``init_process_group`` when zerograph creates the group).
         dump_dir: directory to write every graph before and after every pass; ``None`` reads the
