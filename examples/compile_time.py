@@ -3,6 +3,7 @@
 
     python examples/compile_time.py --blocks 4,16,32,64 --json compile_time.json
     python examples/compile_time.py --one-rank --blocks 8,64     # CPU seconds and per-pass ms, in process
+    python examples/compile_time.py --one-rank --templates-only --blocks 4,32,64
 
 Each (system, depth) runs ``zerograph bench`` in a fresh process group of ``--nproc`` CPU ranks
 (gloo) on a narrow GPT (``--n-embd``, default 64), so no in-process cache of an earlier run helps
@@ -99,11 +100,13 @@ def main() -> None:
     parser.add_argument("--json", dest="json_path", help="write every figure here")
     parser.add_argument("--one-rank", action="store_true", help="measure one rank in process (see above)")
     parser.add_argument("--passes", action="store_true", help="with --one-rank: print each pass's milliseconds")
+    parser.add_argument("--templates-only", action="store_true", help="with --one-rank: skip the per-parameter build")
     args = parser.parse_args()
     blocks = [int(b) for b in args.blocks.split(",")]
     if args.one_rank:
         one_rank(1, args, True)  # warm-up: the process's first compile pays one-time imports and registrations
-        runs = {f"{b}{' templates' if t else ''}": one_rank(b, args, t) for b in blocks for t in (False, True)}
+        builds = (True,) if args.templates_only else (False, True)
+        runs = {f"{b}{' templates' if t else ''}": one_rank(b, args, t) for b in blocks for t in builds}
         for name, run in runs.items():
             phases = ", ".join(f"{k} {v:.1f} s" for k, v in run["phases_s"].items())
             print(f"{name} blocks: compile + first step {run['first_step_cpu_s']:.1f} CPU s ({phases}); "

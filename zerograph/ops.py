@@ -197,8 +197,8 @@ def _unit_forward_setup(ctx, inputs, output) -> None:
     # the saved activations carry no gradient of their own: said so, AOTAutograd's joint trace
     # skips two detach nodes per saved output (about half a templated unit's trace time)
     ctx.mark_non_differentiable(*output[template.n_outputs:])
-    # and autograd hands their backward None instead of a zero tensor each (15 zeros per GPT
-    # block in the joint graph, about a third of its nodes, traced and partitioned per unit)
+    # and autograd hands their backward None instead of a zero tensor each: AOTAutograd's joint
+    # trace made 15 zeros per GPT block, dead code dropped later (about 40% of the trace's time)
     ctx.set_materialize_grads(False)
     ctx.n_outputs = template.n_outputs
 
