@@ -86,3 +86,5 @@ def test_inductor_islands_are_off_by_default_and_must_be_a_bool() -> None:
     assert Config(lowering="inductor", inductor_islands=True).inductor_islands is True
     with pytest.raises(ConfigError, match="Config.inductor_islands must be True or False"):
         Config(inductor_islands=1)
+    with pytest.raises(ConfigError, match="lowering='eager' runs no Inductor"):
+        Config(lowering="eager", inductor_islands=True)

@@ -513,3 +513,42 @@ def test_templates_are_the_default_except_with_an_activation_budget() -> None:
 def test_config_refuses_a_non_bool() -> None:
     with pytest.raises(zerograph.ConfigError, match="unit_templates"):
         zerograph.Config(unit_templates="yes")
+
+
+class _BlocksGradient(torch.autograd.Function):
+    """Identity forward whose backward returns no gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> None:
+        return None
+
+
+class _CutAfterFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = _Block(), _Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(_BlocksGradient.apply(self.first(x)) + x).square().mean()
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_unit_whose_output_gets_no_gradient_trains_as_eager() -> None:
+    """A frozen unit whose output no gradient reaches (a Function whose backward returns None):
+    its backward gets None for every output and returns none (its saved activations carry no
+    zero gradients since ``set_materialize_grads(False)``; all-None once raised StopIteration)."""
+    torch.manual_seed(0)
+    reference = _CutAfterFirst()
+    reference.first.requires_grad_(False)
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=zerograph.Config(unit_classes=(_Block,)))
+    x = torch.randn(4, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    model(x).backward()
+    reference(x_ref).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+    _grads_equal(model, reference)
+    assert all(kind.inline_reason is None for kind in state_of(model).unit_kinds)

@@ -88,6 +88,40 @@ def test_a_dynamic_shape_leaves_the_static_graphs_their_templates() -> None:
     assert "dynamic shape" in kind.inline_reason
 
 
+class _Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.fc(x))
+
+
+class _BrokenStack(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Residual(width) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[1](self.blocks[0](x))
+        torch._dynamo.graph_break()
+        return self.blocks[3](self.blocks[2](x)).sum()
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_after_a_graph_break_a_second_models_first_trace_is_static_too() -> None:
+    """The frame Dynamo resumes in after a graph break keeps a shape history of its own, shared
+    by every model of the class: a second model of other widths is static and templated on both
+    sides of the break."""
+    with fake_rank(2):
+        for width, batch in ((4, 3), (8, 5)):
+            model = zerograph.compile(_BrokenStack(width), 3, config=zerograph.Config(unit_classes=(_Residual,)))
+            model(torch.randn(batch, width)).backward()
+            records = graphs_of(model)
+            assert [_symbolic(r["dynamo"].graph) for r in records] == [False, False], width
+            assert all(any(n.target is UNIT_FORWARD for n in r["forward"].graph.nodes) for r in records), width
+
+
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_models_whose_forward_dynamo_skips_each_keep_their_own_graphs() -> None:
     """``nn.Sequential.forward`` lives in torch/nn, which Dynamo does not take as a top frame:

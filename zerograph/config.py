@@ -123,7 +123,8 @@ class Config:
             block (torchtitan) leaves the root uncompiled; each distinct island costs about 1 s
             of cold C++ compile on CPU, seven on the GPT, about half of the first step (README,
             "Compile time against depth"). Without templates Inductor lowers the whole graph
-            either way.
+            either way. ``True`` with ``lowering="eager"`` raises ``ConfigError``; under
+            ``"auto"`` it takes effect where the lowering resolves to Inductor (CUDA).
 
     Raises:
         ConfigError: a field of the wrong type or range, an unknown keyword, a policy given both
@@ -200,6 +201,9 @@ class Config:
                               "unit is one op, so the budget would not hold; use one or the other")
         if self.lowering not in LOWERINGS:
             raise ConfigError(f"Config.lowering must be one of {LOWERINGS}, got {self.lowering!r}")
+        if self.inductor_islands and self.lowering == "eager":
+            raise ConfigError("Config.inductor_islands asks Inductor to lower the compute between units, but "
+                              "lowering='eager' runs no Inductor; use lowering='inductor' or 'auto'")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise ConfigError(f"Config.timeout_s must be positive seconds, got {self.timeout_s!r}")
         cost_model = self.activations.cost_model

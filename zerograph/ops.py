@@ -204,6 +204,8 @@ def _unit_forward_setup(ctx, inputs, output) -> None:
 
 
 def _unit_forward_backward(ctx, grads: list[torch.Tensor | None]):
+    if all(g is None for g in grads[:ctx.n_outputs]):  # no gradient reached the unit's outputs
+        return None, None, None, [None] * ctx.n_primals
     values = ctx.saved_tensors
     needed, saved = list(values[:ctx.n_needed]), list(values[ctx.n_needed:])
     device = next(g.device for g in grads if g is not None)

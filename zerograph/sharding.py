@@ -495,10 +495,19 @@ def forget_shape_history(fn: Callable) -> None:
     bench's priming model) was traced with symbolic sizes at its very first call, which makes
     every unit template fall back to inline units and the Inductor lowering take the whole graph.
     A model's first trace is static again; a later change of an input's size on that model makes
-    the size symbolic as before (``api`` compiles with ``dynamic=None``)."""
+    the size symbolic as before (``api`` compiles with ``dynamic=None``). The frames Dynamo
+    resumes in after a graph break (``torch_dynamo_resume_in_<name>_at_<line>``, in the same
+    file) keep histories of their own, shared the same way: they are started afresh too."""
     from torch._dynamo import pgo
+    from torch._dynamo.resume_execution import TORCH_DYNAMO_RESUME_IN_PREFIX
 
     code = getattr(fn, "__code__", None)
-    if code is not None:
-        pgo.get_code_state().pop(pgo.CodeId.make(code, fn.__closure__), None)
+    if code is None:
+        return
+    states = pgo.get_code_state()
+    own = pgo.CodeId.make(code, fn.__closure__)
+    resumed = f"_{code.co_name}_at_"
+    for code_id in [c for c in states if c == own or (
+            c.file_hash == own.file_hash and c.name.startswith(TORCH_DYNAMO_RESUME_IN_PREFIX) and resumed in c.name)]:
+        del states[code_id]
 
