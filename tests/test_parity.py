@@ -85,5 +85,9 @@ def test_inductor_lowering_matches_single_process() -> None:
             assert result["templates"] > 0
             assert result["stats"].comm_elements["all_gather"] > 0  # the collectives ran inside the graphs
         assert default["islands"] == {}
+        # every graph Inductor lowered (the templates' bodies, the islands) went through its FX graph
+        # cache, so a restart reuses it (a template traced without a ShapeEnv once bypassed it)
+        assert with_islands["fx_graph_cache"].get("fxgraph_cache_bypass", 0) == 0, with_islands["fx_graph_cache"]
+        assert sum(with_islands["fx_graph_cache"].values()) > 0
         assert {kind for _, kind in with_islands["islands"]} == {"forward", "backward"}
         assert all(distinct >= 1 for _, distinct in with_islands["islands"].values()), with_islands["islands"]

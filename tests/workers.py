@@ -38,6 +38,8 @@ def train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_s
         "input_params": state.captured.input_params,
         "templates": len(state.captured.templates),
         "islands": dict(state.captured.islands),
+        # Inductor's FX graph cache, this process so far: a lowering it bypassed is not reused on restart
+        "fx_graph_cache": {k: v for k, v in torch._dynamo.utils.counters["inductor"].items() if k.startswith("fxgraph_cache")},
     }
 
 

@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -114,7 +115,10 @@ def trace_unit(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_gra
     param_grads = [True] if flat is not None else [mod._parameters[name].requires_grad for mod, name in param_slots]
     wants_grad = ([dtype.is_floating_point and bool(arg_grads >> i & 1) for i, (_, _, dtype) in enumerate(metas[:n_args])]
                   + param_grads + [False] * n_buffers)
-    fake_mode = FakeTensorMode()
+    # a ShapeEnv (no symbol is made: every size is an int) so that Inductor's FX graph cache takes
+    # the lowered body: without one it bypasses the cache ("No shape env"), and a restart lowered
+    # and generated every template's code again
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     with fake_mode:
         primals = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
                    for (shape, stride, dtype), grad in zip(metas, wants_grad)]
@@ -345,7 +349,8 @@ def _lower(lowering: str, fwd: fx.GraphModule, bwd: fx.GraphModule, fake_mode: F
         lowered = []
         for gm, inputs, backward in ((fwd, fwd_inputs, False), (bwd, bwd_inputs, True)):
             decomposed = make_fx(fx.Interpreter(gm).run, decomposition_table=select_decomp_table())(*inputs)
-            compiled = compile_fx_inner(decomposed, inputs, is_backward=backward)
+            with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):  # where the cache finds the ShapeEnv
+                compiled = compile_fx_inner(decomposed, inputs, is_backward=backward)
             lowered.append(_unboxed(compiled))
     return lowered[0], lowered[1]
 
