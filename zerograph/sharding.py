@@ -461,7 +461,7 @@ def traceable_forward(cls: type) -> Callable:
     object for every such model in a process, so their graphs would share one cache entry of at
     most 8 graphs, and the ninth model would run eagerly. Such a ``forward`` is called from a
     wrapper of zerograph's own instead, which ``own_code`` then copies per model. The copies share
-    one shape history (``forget_shape_history`` says why that is harmless)."""
+    one shape history, which ``forget_shape_history`` starts afresh at each model's first trace."""
     forward = cls.forward
     if not trace_rules.check(forward):
         return own_code(forward)
@@ -504,10 +504,12 @@ def forget_shape_history(fn: Callable) -> None:
     code = getattr(fn, "__code__", None)
     if code is None:
         return
-    states = pgo.get_code_state()
     own = pgo.CodeId.make(code, fn.__closure__)
-    resumed = f"_{code.co_name}_at_"
-    for code_id in [c for c in states if c == own or (
-            c.file_hash == own.file_hash and c.name.startswith(TORCH_DYNAMO_RESUME_IN_PREFIX) and resumed in c.name)]:
-        del states[code_id]
 
+    def shared(code_id: pgo.CodeId) -> bool:  # fn's own history, or a frame resumed in fn after a break
+        return code_id == own or (code_id.file_hash == own.file_hash and code_id.name.startswith(
+            TORCH_DYNAMO_RESUME_IN_PREFIX) and f"_{code.co_name}_at_" in code_id.name)
+
+    states = pgo.get_code_state()
+    for code_id in [c for c in states if shared(c)]:
+        del states[code_id]
