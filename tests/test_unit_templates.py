@@ -552,3 +552,27 @@ def test_a_unit_whose_output_gets_no_gradient_trains_as_eager() -> None:
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
     _grads_equal(model, reference)
     assert all(kind.inline_reason is None for kind in state_of(model).unit_kinds)
+
+
+def test_a_unit_ops_fake_outputs_belong_to_its_inputs_fake_mode() -> None:
+    """The unit ops' fake implementation makes its outputs as meta tensors wrapped into the
+    inputs' fake mode (not through that mode's dispatch): each output is a ``FakeTensor`` of that
+    very mode, on the inputs' device, with the shape, stride and dtype asked; without fake inputs
+    (meta tensors) it makes plain tensors on their device."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from zerograph.ops import _empty_like_meta
+
+    metas = [((2, 3), (3, 1), torch.float32), ((3, 2), (1, 3), torch.bfloat16), ((), (), torch.int64)]
+    mode = FakeTensorMode()
+    with mode:
+        like = torch.empty(4)
+        outputs = _empty_like_meta(like, metas)
+    for output, (shape, stride, dtype) in zip(outputs, metas, strict=True):
+        assert isinstance(output, FakeTensor) and output.fake_mode is mode
+        assert (tuple(output.shape), output.stride(), output.dtype, output.device) == (shape, stride, dtype, like.device)
+    with mode:  # usable as the mode's own tensors
+        assert (outputs[0] @ outputs[1].float()).shape == (2, 2)
+    meta_outputs = _empty_like_meta(torch.empty(4, device="meta"), metas)
+    assert [(type(t), t.device.type, tuple(t.shape), t.stride(), t.dtype) for t in meta_outputs] == [
+        (torch.Tensor, "meta", shape, stride, dtype) for shape, stride, dtype in metas]
