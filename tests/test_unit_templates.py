@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import operator
 import types
 
 import pytest
@@ -18,7 +19,7 @@ import zerograph
 from zerograph.dump.report import build_report, summary_markdown
 from zerograph.errors import ShardingError
 from zerograph.models.gpt import GPT, GPTConfig
-from zerograph.ops import UNIT_BACKWARD, UNIT_FORWARD
+from zerograph.ops import UNIT_BACKWARD, UNIT_CALL, UNIT_CALL_BACKWARD, UNIT_FORWARD
 from zerograph.runtime import schedule_of
 from zerograph.state import graphs_of, runtime_of_model, state_of
 
@@ -55,6 +56,36 @@ def _gpt(blocks: int, templates: bool) -> nn.Module:
     idx = torch.randint(0, 256, (2, 16))
     model(idx, idx).backward()
     return model
+
+
+def test_the_traces_see_one_node_per_unit_and_the_partitioned_graphs_hand_each_units_activations_over() -> None:
+    """Until the partition a block is one ``unit_call`` with one output (the joint holds no
+    ``unit_forward`` and none of its 16 outputs); after it, the forward holds one ``unit_forward``
+    per block, the backward one ``unit_backward`` per block that reads exactly its own block's
+    saved activations (the blocks' backwards in reverse order), handed over as forward outputs in
+    the backward's input order, and no saved tensor goes unread."""
+    with fake_rank(2):
+        model = _gpt(3, templates=True)
+        record = graphs_of(model)[0]
+        (template,) = state_of(model).captured.templates
+    joint, fwd, bwd = (record[kind].graph for kind in ("joint", "forward", "backward"))
+    joint_targets = [n.target for n in joint.nodes]
+    assert joint_targets.count(UNIT_CALL) == 3 and joint_targets.count(UNIT_CALL_BACKWARD) == 3
+    assert UNIT_FORWARD not in joint_targets and UNIT_BACKWARD not in joint_targets
+    assert not any(n.target in (UNIT_CALL, UNIT_CALL_BACKWARD) for g in (fwd, bwd) for n in g.nodes)
+    forwards = [n for n in fwd.nodes if n.target is UNIT_FORWARD]
+    backwards = [n for n in bwd.nodes if n.target is UNIT_BACKWARD]
+    assert len(forwards) == len(backwards) == 3
+    saved_inputs = [n for n in bwd.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    outputs = list(fwd.output_node().args[0])
+    handed = outputs[len(outputs) - len(saved_inputs):]
+    assert [n.meta["val"].shape for n in saved_inputs] == [n.meta["val"].shape for n in handed]
+    assert all(n.users for n in saved_inputs)
+    n_saved = len(template.output_metas) - template.n_outputs
+    for backward, forward in zip(backwards, reversed(forwards)):
+        producers = [handed[saved_inputs.index(n)] for n in backward.args[2]]
+        assert [(p.target, p.args[0]) for p in producers] == [(operator.getitem, forward)] * n_saved
+        assert [p.args[1] for p in producers] == list(range(template.n_outputs, template.n_outputs + n_saved))
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from zerograph.passes.activation_partition import offloaded_outputs, saved_activation_outputs, wants_offload
 from zerograph.passes.context import PassContext
+from zerograph.passes.expand_unit_calls import expand_inference_unit_calls, expand_unit_calls, pair_unit_calls
 from zerograph.passes.liveness import Timeline, timeline
 from zerograph.passes.manager import (
     check_no_gradient_reduction_in_forward,
@@ -160,9 +161,11 @@ class _GraphCompile:
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         """AOTAutograd's ``partition_fn``: the joint pipeline, then the min-cut partitioner."""
         self.user_outputs.append(kwargs["num_fwd_outputs"])  # the forward's outputs past these are saved for backward
+        pair_unit_calls(joint)  # before the passes rewrite the calls' arguments
         joint = self.run_passes("joint", joint)
         with _offloading(joint):
             fwd, bwd = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        fwd, bwd = expand_unit_calls(fwd, bwd, kwargs["num_fwd_outputs"], _template_of)
         check_no_gradient_reduction_in_forward(fwd)
         if self.backend.runtime.stage == 3:
             check_no_saved_gathers(fwd)
@@ -171,6 +174,8 @@ class _GraphCompile:
     def compile_graph(self, kind: str, g: fx.GraphModule, inputs: list[Any]) -> Callable:
         """AOTAutograd's forward / backward / inference compiler: passes, liveness, lowering, accounting."""
         backend = self.backend
+        if kind == "inference":
+            g = expand_inference_unit_calls(g, _template_of)
         g = self.run_passes(kind, g)
         carried = self.memory["forward"].saved if kind == "backward" else None
         self.memory[kind] = timeline(g.graph, carried=carried)
@@ -337,6 +342,13 @@ def _offloading(joint: fx.GraphModule) -> contextlib.AbstractContextManager:
                    activation_offload_sink_wait=on_cuda, activation_reload_prefetch=on_cuda, cse=False)
     known = {k: v for k, v in options.items() if hasattr(torch._functorch.config, k)}  # older torch: fewer knobs
     return torch._functorch.config.patch(**known)
+
+
+def _template_of(call: fx.Node) -> Any:
+    """The ``UnitTemplate`` a ``unit_call`` node calls (traced already:
+    the node's fake implementation looked it up)."""
+    kind, mode, arg_grads, primals = call.args[:4]
+    return registry.unit_template(kind, mode, arg_grads, [p.meta["val"] for p in primals])
 
 
 def _pool_for(lowering: str, runtime: Runtime) -> int | None:

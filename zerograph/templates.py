@@ -5,7 +5,8 @@ each submodule's class and plain attributes, each parameter's and buffer's name,
 ``requires_grad``), so a GPT's 32 blocks are one kind, while blocks of another width, without a
 bias, with an extra parameter or with a flag that changes their control flow are kinds of their
 own. Each unit's ``forward`` becomes one ``zerograph::unit_forward(kind, mode, arg_grads, primals)`` node
-(``install_unit_templates``): Dynamo traces the unit's parameter reads, which are still the
+(``install_unit_templates``; until the partition, ``unit_call``, which has the unit's output only:
+``passes/expand_unit_calls``): Dynamo traces the unit's parameter reads, which are still the
 ``zerograph::unshard`` markers the passes expand into all-gathers, and the call, but not the
 unit's body. A kind's units also keep their shards in one flat buffer each
 (``flat.py``, FSDP1's layout): the read is then one marker of the whole unit, and the template
@@ -64,6 +65,7 @@ from . import registry
 from . import sharding as _sharding
 from .errors import DynamicShapeTrace, ShardingError, TemplateUnavailable
 from .flat import FlatShard
+from .ops import UNIT_CALL as _unit_call
 from .ops import unit_forward
 from .passes._fx import layout_template
 from .sharding import full_parameter, original_class, own_code
@@ -324,6 +326,8 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         primals = [*args, *[full_parameter(mod._parameters[name], key) for (mod, name), key in zip(param_slots, keys)]]
     for mod, name in buffer_slots:
         primals.append(mod._buffers[name])
+    if torch.compiler.is_compiling():  # the traces see one node, one output per unit (ops.unit_call)
+        return _unit_call(kind, mode, arg_grads, primals)
     return _unit_forward(kind, mode, arg_grads, primals)[0]
 
 
