@@ -25,7 +25,11 @@ with the same arguments (its output: ``getitem`` 0); each ``unit_call_backward``
 with the same outputs. Where that ``unit_forward`` is in the forward, its activations are new
 saved tensors, first among them on both sides; a saved tensor no backward node reads any longer
 (a primal only ``unit_call_backward`` read) is dropped from both sides. AOTAutograd reads the
-saved-tensor counts off the returned graphs, so the pair stays consistent.
+saved-tensor counts off the returned graphs, so the pair stays consistent. A unit under an
+activation checkpoint (``pair_unit_calls`` marks its backward) hands nothing over: the backward
+runs its ``unit_forward`` again, from the primals the partitioner made available there, as the
+checkpoint asks (without this, a block whose output backward has anyway, the next block's input,
+kept its activations from forward: the partitioner cannot see them inside ``unit_call``).
 
 ``expand_inference_unit_calls``: an inference graph's ``unit_call``s become ``unit_forward``'s
 first output.
@@ -38,18 +42,24 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from zerograph.ops import UNIT_BACKWARD, UNIT_CALL, UNIT_CALL_BACKWARD, UNIT_FORWARD, _empty_like_meta
 
 PAIR = "zerograph_unit_call"  # node.meta key: the id shared by a unit_call and its backward
+RECOMPUTED = "zerograph_unit_recomputed"  # on a unit_call_backward whose unit's activations backward recomputes
 
 _ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
+_RECOMPUTE = frozenset({CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE})
 TemplateOf = Callable[[fx.Node], Any]  # a unit_call node -> its unit_trace.UnitTemplate
 
 
 def pair_unit_calls(joint: fx.GraphModule) -> int:
     """Give each ``unit_call_backward`` of ``joint`` and the ``unit_call`` whose output it names
-    one id (``meta[PAIR]``); returns the number of pairs."""
+    one id (``meta[PAIR]``); returns the number of pairs. A ``unit_call`` inside an activation
+    checkpoint (``torch.utils.checkpoint``: its recompute tag) has its activations recomputed in
+    backward, not saved: its backward is given every primal of the call (``meta[RECOMPUTED]``),
+    so that the partitioner makes them all available there."""
     pairs = 0
     for node in joint.graph.nodes:
         if node.target is UNIT_CALL_BACKWARD:
@@ -59,30 +69,39 @@ def pair_unit_calls(joint: fx.GraphModule) -> int:
             assert forward.target is UNIT_CALL, f"{node.name} names {forward.name}, not a unit_call"
             forward.meta[PAIR] = node.meta[PAIR] = pairs
             pairs += 1
+            if forward.meta.get("recompute") in _RECOMPUTE:
+                template_id, _, output, tangent = node.args
+                node.args = (template_id, list(forward.args[3]), output, tangent)
+                node.meta[RECOMPUTED] = True
     return pairs
 
 
-def _unit_forward(graph: fx.Graph, call: fx.Node, template: Any) -> list[fx.Node]:
-    """``unit_forward`` in place of ``call``; returns its saved activations (``getitem`` nodes;
-    those no one reads are left to dead-code elimination)."""
-    values = _empty_like_meta(call.args[3][0].meta["val"], template.output_metas)
+def _unit_forward(graph: fx.Graph, call: fx.Node, template: Any, args: tuple | None = None) -> list[fx.Node]:
+    """``unit_forward`` with ``call``'s arguments (or ``args``) before ``call``; with no ``args``,
+    in its place. Returns its saved activations (``getitem`` nodes; those no one reads are left
+    to dead-code elimination)."""
+    args = call.args if args is None else args
+    values = _empty_like_meta(args[3][0].meta["val"], template.output_metas)
     with graph.inserting_before(call):
-        forward = graph.call_function(UNIT_FORWARD, call.args, call.kwargs)
-        forward.meta.update({k: v for k, v in call.meta.items() if k != "val"})
+        forward = graph.call_function(UNIT_FORWARD, args)
+        forward.meta.update({k: v for k, v in call.meta.items() if k not in ("val", PAIR, RECOMPUTED)})
         forward.meta["val"] = values
         items = []
         for i, value in enumerate(values):
             item = graph.call_function(operator.getitem, (forward, i))
             item.meta["val"] = value
             items.append(item)
-    call.replace_all_uses_with(items[0])
-    graph.erase_node(call)
+    if call.target is UNIT_CALL:
+        call.replace_all_uses_with(items[0])
+        graph.erase_node(call)
     return items[template.n_outputs:]
 
 
-def _unit_backward(graph: fx.Graph, call: fx.Node, saved: list[fx.Node]) -> None:
-    """``unit_backward`` in place of ``call`` (a ``unit_call_backward``), reading ``saved``."""
+def _unit_backward(graph: fx.Graph, call: fx.Node, template: Any, saved: list[fx.Node]) -> None:
+    """``unit_backward`` of ``template`` in place of ``call`` (a ``unit_call_backward``), reading ``saved``."""
     template_id, primals, _, tangent = call.args
+    if call.meta.get(RECOMPUTED):  # it was given every primal: the template's backward reads some
+        primals = [primals[i] for i in template.saved_primals]
     with graph.inserting_before(call):
         backward = graph.call_function(UNIT_BACKWARD, (template_id, primals, saved, [tangent]))
     backward.meta.update(call.meta)
@@ -90,36 +109,47 @@ def _unit_backward(graph: fx.Graph, call: fx.Node, saved: list[fx.Node]) -> None
     graph.erase_node(call)
 
 
-def _expand_forwards(graph: fx.Graph, template_of: TemplateOf) -> dict[int, list[fx.Node]]:
-    """Expand every ``unit_call`` of ``graph``: pair id -> its saved activations there."""
-    return {call.meta.get(PAIR, -1 - i): _unit_forward(graph, call, template_of(call))
-            for i, call in enumerate([n for n in graph.nodes if n.target is UNIT_CALL])}
+def _expand_forwards(graph: fx.Graph, template_of: TemplateOf) -> dict[int, tuple[tuple, Any, list[fx.Node]]]:
+    """Expand every ``unit_call`` of ``graph``: pair id -> (its arguments' scalars, its template,
+    its saved activations there)."""
+    expanded = {}
+    for i, call in enumerate([n for n in graph.nodes if n.target is UNIT_CALL]):
+        template = template_of(call)
+        expanded[call.meta.get(PAIR, -1 - i)] = (call.args[:3], template, _unit_forward(graph, call, template))
+    return expanded
 
 
 def expand_unit_calls(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int,
                       template_of: TemplateOf) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Expand the unit calls of a partitioned pair (module docstring: pre and post)."""
     in_forward = _expand_forwards(fwd.graph, template_of)
-    in_backward = _expand_forwards(bwd.graph, template_of)  # a forward the partitioner recomputes there
+    in_backward = _expand_forwards(bwd.graph, template_of)  # forwards the partitioner put in backward
     backward_calls = [n for n in bwd.graph.nodes if n.target is UNIT_CALL_BACKWARD]
-    handed = [call.meta[PAIR] for call in backward_calls if call.meta[PAIR] not in in_backward]
+    saved_of = {pair: saved for pair, (_, _, saved) in in_backward.items()}
+    for call in backward_calls:  # a checkpointed unit: its forward again, from the primals it was given
+        pair = call.meta[PAIR]
+        if call.meta.get(RECOMPUTED) and pair not in saved_of:
+            scalars, template, _ = in_forward[pair]
+            saved_of[pair] = _unit_forward(bwd.graph, call, template, (*scalars, call.args[1]))
+    handed = [call.meta[PAIR] for call in backward_calls if call.meta[PAIR] not in saved_of]
     # the activations handed over: first among the saved tensors, in one order on both sides
     fwd_out = fwd.graph.output_node()
     outputs = list(fwd_out.args[0])
     n_saved_symbols = sum(1 for v in outputs[num_fwd_outputs:] if _is_symbol(v))
-    fwd_out.args = (outputs[:num_fwd_outputs] + [v for pair in handed for v in in_forward[pair]]
+    fwd_out.args = (outputs[:num_fwd_outputs] + [v for pair in handed for v in in_forward[pair][2]]
                     + outputs[num_fwd_outputs:],)
     first_saved = [n for n in bwd.graph.nodes if n.op == "placeholder"][n_saved_symbols]
-    saved_of = dict(in_backward)
     with bwd.graph.inserting_before(first_saved):
         for pair in handed:
             saved_of[pair] = []
-            for value in in_forward[pair]:
+            for value in in_forward[pair][2]:
                 placeholder = bwd.graph.placeholder(f"{value.name}_saved")
                 placeholder.meta["val"] = value.meta["val"]
                 saved_of[pair].append(placeholder)
     for call in backward_calls:
-        _unit_backward(bwd.graph, call, saved_of[call.meta[PAIR]])
+        pair = call.meta[PAIR]
+        template = (in_forward.get(pair) or in_backward[pair])[1]
+        _unit_backward(bwd.graph, call, template, saved_of[pair])
     _drop_unread_saved(fwd, bwd, num_fwd_outputs, n_saved_symbols)
     for gm in (fwd, bwd):
         gm.graph.eliminate_dead_code()
@@ -151,7 +181,7 @@ def _drop_unread_saved(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs
 def expand_inference_unit_calls(gm: fx.GraphModule, template_of: TemplateOf) -> fx.GraphModule:
     """Each ``unit_call`` of an inference graph becomes ``unit_forward``'s first output."""
     if any(n.target is UNIT_CALL for n in gm.graph.nodes):
-        for saved in _expand_forwards(gm.graph, template_of).values():
+        for _, _, saved in _expand_forwards(gm.graph, template_of).values():
             for item in saved:
                 gm.graph.erase_node(item)
         gm.graph.lint()
