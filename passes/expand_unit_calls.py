@@ -1,6 +1,6 @@
 """Put each templated unit's ops back into the partitioned forward and backward.
 
-Until the partition a templated unit is one node with one output in the model's graphs:
+Until the partition a templated unit is one node in the model's graphs, with its output and a token:
 ``zerograph::unit_call`` in the forward, ``zerograph::unit_call_backward`` in the joint's backward
 (``ops.py``). Dynamo, AOTAutograd and the min-cut partitioner each pay per graph value, and the
 template's own op, ``unit_forward``, returns the unit's output and every activation its backward
@@ -8,28 +8,30 @@ reads (16 values for a GPT block, each a ``getitem`` node in every trace). Measu
 custom ops standing for units (``aot_autograd`` with the min-cut partitioner, 4 -> 64 units, CPU
 ms per unit): 48-49 with 16 outputs per op, 12-17 with one.
 
-``pair_unit_calls`` (on the joint, before its passes): each ``unit_call_backward`` and the
-``unit_call`` whose backward it is (the same primals, node for node) get one id in
-``meta["zerograph_unit_call"]``, which the partitioner's node copies keep.
+``mark_recomputed_unit_calls`` (on the joint, before its passes): a unit inside an activation
+checkpoint gets every primal of its call in its backward, so that its activations can be
+recomputed there.
 
 ``expand_unit_calls`` (on the partitioned pair, inside AOTAutograd's ``partition_fn``):
 
 Pre: ``fwd`` / ``bwd`` as the min-cut partitioner returns them: ``fwd``'s outputs are its
 ``num_fwd_outputs`` own, then the saved tensors, then saved opaque objects and symbolic ints;
 ``bwd``'s inputs are the saved symbolic ints, the saved tensors in the same order, then the rest
-(tangents); every ``unit_call_backward`` is paired.
+(tangents).
 Post: no ``unit_call`` / ``unit_call_backward`` is left. Each ``unit_call`` is ``unit_forward``
 with the same arguments (its output: ``getitem`` 0); each ``unit_call_backward`` is
 ``unit_backward`` of the template, reading the primals the template saves
 (``UnitTemplate.saved_primals``), the activations its ``unit_forward`` saved, and the tangent,
-with the same outputs. Where that ``unit_forward`` is in the forward, its activations are new
-saved tensors, first among them on both sides; a saved tensor no backward node reads any longer
-(a primal only ``unit_call_backward`` read) is dropped from both sides. AOTAutograd reads the
-saved-tensor counts off the returned graphs, so the pair stays consistent. A unit under an
-activation checkpoint (``pair_unit_calls`` marks its backward) hands nothing over: the backward
-runs its ``unit_forward`` again, from the primals the partitioner made available there, as the
-checkpoint asks (without this, a block whose output backward has anyway, the next block's input,
-kept its activations from forward: the partitioner cannot see them inside ``unit_call``).
+with the same outputs; which ``unit_call`` a backward belongs to is read off the token it was
+given (``unit_call``'s second output, saved or recomputed like any value). Where that
+``unit_forward`` is in the forward, its activations are new saved tensors, first among them on
+both sides; a saved tensor no backward node reads any longer (a primal, or a token, only
+``unit_call_backward`` read) is dropped from both sides. AOTAutograd reads the saved-tensor counts
+off the returned graphs, so the pair stays consistent. A unit under an activation checkpoint
+(``mark_recomputed_unit_calls``) hands nothing over: the backward runs its ``unit_forward`` again,
+from the primals the partitioner made available there, as the checkpoint asks (without this, a
+block whose output backward has anyway, the next block's input, kept its activations from forward:
+the partitioner cannot see them inside ``unit_call``).
 
 ``expand_inference_unit_calls``: an inference graph's ``unit_call``s become ``unit_forward``'s
 first output.
@@ -46,7 +48,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from zerograph.ops import UNIT_BACKWARD, UNIT_CALL, UNIT_CALL_BACKWARD, UNIT_FORWARD, _empty_like_meta
 
-PAIR = "zerograph_unit_call"  # node.meta key: the id shared by a unit_call and its backward
 RECOMPUTED = "zerograph_unit_recomputed"  # on a unit_call_backward whose unit's activations backward recomputes
 
 _ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
@@ -54,46 +55,58 @@ _RECOMPUTE = frozenset({CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER
 TemplateOf = Callable[[fx.Node], Any]  # a unit_call node -> its unit_trace.UnitTemplate
 
 
-def pair_unit_calls(joint: fx.GraphModule) -> int:
-    """Give each ``unit_call_backward`` of ``joint`` and the ``unit_call`` whose output it names
-    one id (``meta[PAIR]``); returns the number of pairs. A ``unit_call`` inside an activation
-    checkpoint (``torch.utils.checkpoint``: its recompute tag) has its activations recomputed in
-    backward, not saved: its backward is given every primal of the call (``meta[RECOMPUTED]``),
-    so that the partitioner makes them all available there."""
-    pairs = 0
+def _call_of(token: fx.Node) -> fx.Node:
+    """The ``unit_call`` node whose token ``token`` is (through aliases and the ``getitem``)."""
+    while token.target in _ALIASES:
+        token = token.args[0]
+    assert token.target is operator.getitem and token.args[0].target is UNIT_CALL and token.args[1] == 1, \
+        f"{token.name} is not a unit_call's token"
+    return token.args[0]
+
+
+def mark_recomputed_unit_calls(joint: fx.GraphModule) -> int:
+    """A ``unit_call`` of ``joint`` inside an activation checkpoint (``torch.utils.checkpoint``:
+    its recompute tag) has its activations recomputed in backward, not saved: its
+    ``unit_call_backward`` is given every primal of the call, so that the partitioner makes them
+    all available there, and marked ``meta[RECOMPUTED]``. Returns the number marked."""
+    marked = 0
     for node in joint.graph.nodes:
         if node.target is UNIT_CALL_BACKWARD:
-            forward = node.args[2]
-            while forward.target in _ALIASES:  # autograd saves the output detached
-                forward = forward.args[0]
-            assert forward.target is UNIT_CALL, f"{node.name} names {forward.name}, not a unit_call"
-            forward.meta[PAIR] = node.meta[PAIR] = pairs
-            pairs += 1
-            if forward.meta.get("recompute") in _RECOMPUTE:
-                template_id, _, output, tangent = node.args
-                node.args = (template_id, list(forward.args[3]), output, tangent)
+            call = _call_of(node.args[2])
+            if call.meta.get("recompute") in _RECOMPUTE:
+                template_id, _, token, tangent = node.args
+                node.args = (template_id, list(call.args[3]), token, tangent)
                 node.meta[RECOMPUTED] = True
-    return pairs
+                marked += 1
+    return marked
 
 
 def _unit_forward(graph: fx.Graph, call: fx.Node, template: Any, args: tuple | None = None) -> list[fx.Node]:
     """``unit_forward`` with ``call``'s arguments (or ``args``) before ``call``; with no ``args``,
-    in its place. Returns its saved activations (``getitem`` nodes; those no one reads are left
-    to dead-code elimination)."""
+    in its place (``call``'s token becomes an empty tensor nothing reads once the backward is
+    expanded). Returns its saved activations (``getitem`` nodes; those no one reads are left to
+    dead-code elimination)."""
     args = call.args if args is None else args
     values = _empty_like_meta(args[3][0].meta["val"], template.output_metas)
     with graph.inserting_before(call):
         forward = graph.call_function(UNIT_FORWARD, args)
-        forward.meta.update({k: v for k, v in call.meta.items() if k not in ("val", PAIR, RECOMPUTED)})
+        forward.meta.update({k: v for k, v in call.meta.items() if k not in ("val", RECOMPUTED)})
         forward.meta["val"] = values
         items = []
         for i, value in enumerate(values):
             item = graph.call_function(operator.getitem, (forward, i))
             item.meta["val"] = value
             items.append(item)
-    if call.target is UNIT_CALL:
-        call.replace_all_uses_with(items[0])
-        graph.erase_node(call)
+        if call.target is UNIT_CALL:
+            for user in list(call.users):  # getitem 0: the output; getitem 1: the token
+                if user.args[1] == 0:
+                    user.replace_all_uses_with(items[0])
+                else:
+                    token = graph.call_function(torch.ops.aten.new_empty.default, (items[0], [0]))
+                    token.meta["val"] = user.meta["val"]
+                    user.replace_all_uses_with(token)
+                graph.erase_node(user)
+            graph.erase_node(call)
     return items[template.n_outputs:]
 
 
@@ -109,47 +122,59 @@ def _unit_backward(graph: fx.Graph, call: fx.Node, template: Any, saved: list[fx
     graph.erase_node(call)
 
 
-def _expand_forwards(graph: fx.Graph, template_of: TemplateOf) -> dict[int, tuple[tuple, Any, list[fx.Node]]]:
-    """Expand every ``unit_call`` of ``graph``: pair id -> (its arguments' scalars, its template,
-    its saved activations there)."""
+def _expand_forwards(graph: fx.Graph, template_of: TemplateOf) -> dict[fx.Node, tuple[tuple, Any, list[fx.Node]]]:
+    """Expand every ``unit_call`` of ``graph``: the call (erased) -> (its arguments' scalars, its
+    template, its saved activations there)."""
     expanded = {}
-    for i, call in enumerate([n for n in graph.nodes if n.target is UNIT_CALL]):
+    for call in [n for n in graph.nodes if n.target is UNIT_CALL]:
         template = template_of(call)
-        expanded[call.meta.get(PAIR, -1 - i)] = (call.args[:3], template, _unit_forward(graph, call, template))
+        expanded[call] = (call.args[:3], template, _unit_forward(graph, call, template))
     return expanded
 
 
 def expand_unit_calls(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int,
                       template_of: TemplateOf) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Expand the unit calls of a partitioned pair (module docstring: pre and post)."""
-    in_forward = _expand_forwards(fwd.graph, template_of)
-    in_backward = _expand_forwards(bwd.graph, template_of)  # forwards the partitioner put in backward
+    outputs = list(fwd.graph.output_node().args[0])
+    n_saved_symbols = sum(1 for v in outputs[num_fwd_outputs:] if _is_symbol(v))
+    saved_index = {n: i for i, n in enumerate([n for n in bwd.graph.nodes if n.op == "placeholder"][n_saved_symbols:])}
     backward_calls = [n for n in bwd.graph.nodes if n.target is UNIT_CALL_BACKWARD]
-    saved_of = {pair: saved for pair, (_, _, saved) in in_backward.items()}
+    # each backward's unit_call, through its token: in the backward (the partitioner recomputed
+    # it there) or, through the saved tensors, in the forward; two identical calls the
+    # partitioner merged are one call here, and their backwards share its activations
+    call_of = {}
+    for call in backward_calls:
+        token = call.args[2]
+        while token.target in _ALIASES:
+            token = token.args[0]
+        if token in saved_index:
+            token = outputs[num_fwd_outputs + saved_index[token]]
+        call_of[call] = _call_of(token)
+    in_forward = _expand_forwards(fwd.graph, template_of)
+    in_backward = _expand_forwards(bwd.graph, template_of)
+    saved_of = {forward: saved for forward, (_, _, saved) in in_backward.items()}
     for call in backward_calls:  # a checkpointed unit: its forward again, from the primals it was given
-        pair = call.meta[PAIR]
-        if call.meta.get(RECOMPUTED) and pair not in saved_of:
-            scalars, template, _ = in_forward[pair]
-            saved_of[pair] = _unit_forward(bwd.graph, call, template, (*scalars, call.args[1]))
-    handed = [call.meta[PAIR] for call in backward_calls if call.meta[PAIR] not in saved_of]
+        if call.meta.get(RECOMPUTED) and call_of[call] not in saved_of:
+            scalars, template, _ = in_forward[call_of[call]]
+            saved_of[call] = _unit_forward(bwd.graph, call, template, (*scalars, call.args[1]))
+    handed = list(dict.fromkeys(call_of[c] for c in backward_calls if c not in saved_of and call_of[c] not in saved_of))
     # the activations handed over: first among the saved tensors, in one order on both sides
     fwd_out = fwd.graph.output_node()
     outputs = list(fwd_out.args[0])
-    n_saved_symbols = sum(1 for v in outputs[num_fwd_outputs:] if _is_symbol(v))
-    fwd_out.args = (outputs[:num_fwd_outputs] + [v for pair in handed for v in in_forward[pair][2]]
+    fwd_out.args = (outputs[:num_fwd_outputs] + [v for forward in handed for v in in_forward[forward][2]]
                     + outputs[num_fwd_outputs:],)
     first_saved = [n for n in bwd.graph.nodes if n.op == "placeholder"][n_saved_symbols]
     with bwd.graph.inserting_before(first_saved):
-        for pair in handed:
-            saved_of[pair] = []
-            for value in in_forward[pair][2]:
+        for forward in handed:
+            saved_of[forward] = []
+            for value in in_forward[forward][2]:
                 placeholder = bwd.graph.placeholder(f"{value.name}_saved")
                 placeholder.meta["val"] = value.meta["val"]
-                saved_of[pair].append(placeholder)
+                saved_of[forward].append(placeholder)
     for call in backward_calls:
-        pair = call.meta[PAIR]
-        template = (in_forward.get(pair) or in_backward[pair])[1]
-        _unit_backward(bwd.graph, call, template, saved_of[pair])
+        forward = call_of[call]
+        template = (in_forward.get(forward) or in_backward[forward])[1]
+        _unit_backward(bwd.graph, call, template, saved_of[call] if call in saved_of else saved_of[forward])
     _drop_unread_saved(fwd, bwd, num_fwd_outputs, n_saved_symbols)
     for gm in (fwd, bwd):
         gm.graph.eliminate_dead_code()

@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from zerograph.passes.activation_partition import offloaded_outputs, saved_activation_outputs, wants_offload
 from zerograph.passes.context import PassContext
-from zerograph.passes.expand_unit_calls import expand_inference_unit_calls, expand_unit_calls, pair_unit_calls
+from zerograph.passes.expand_unit_calls import expand_inference_unit_calls, expand_unit_calls, mark_recomputed_unit_calls
 from zerograph.passes.liveness import Timeline, timeline
 from zerograph.passes.manager import (
     check_no_gradient_reduction_in_forward,
@@ -161,7 +161,7 @@ class _GraphCompile:
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         """AOTAutograd's ``partition_fn``: the joint pipeline, then the min-cut partitioner."""
         self.user_outputs.append(kwargs["num_fwd_outputs"])  # the forward's outputs past these are saved for backward
-        pair_unit_calls(joint)  # before the passes rewrite the calls' arguments
+        mark_recomputed_unit_calls(joint)  # before the passes rewrite the calls' arguments
         joint = self.run_passes("joint", joint)
         with _offloading(joint):
             fwd, bwd = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)

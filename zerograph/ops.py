@@ -20,7 +20,7 @@ inputs are its activations and its parameters (the unshard markers' outputs) and
 are the unit's output followed by what its backward needs; the template is traced, partitioned
 and lowered once per kind of unit and input shapes, and every unit of that kind calls it.
 Until the partition the model's graphs hold ``unit_call`` instead (its backward
-``unit_call_backward``): the unit's output only, one node with one output per unit for Dynamo,
+``unit_call_backward``): the unit's output and a token only, one node per unit for Dynamo,
 AOTAutograd and the partitioner to trace and cut, where ``unit_forward`` has the output and each
 saved activation (16 for a GPT block); ``passes/expand_unit_calls`` then puts ``unit_forward`` and
 ``unit_backward`` in their place in the partitioned forward and backward.
@@ -236,28 +236,30 @@ unit_forward.register_autograd(_unit_forward_backward, setup_context=_unit_forwa
 
 
 @torch.library.custom_op("zerograph::unit_call", mutates_args=())
-def unit_call(kind: int, mode: int, arg_grads: int, primals: list[torch.Tensor]) -> torch.Tensor:
+def unit_call(kind: int, mode: int, arg_grads: int, primals: list[torch.Tensor]) -> list[torch.Tensor]:
     """One unit's forward as the model's graphs carry it until the partition: ``unit_forward``'s
-    arguments (same meaning), the unit's output only (a new tensor, the shape and dtype of the
-    template's first output). The partitioned graphs hold ``unit_forward`` in its place
-    (``passes/expand_unit_calls``); run as it is, it is ``unit_forward``'s first output."""
-    return registry.unit_template(kind, mode, arg_grads, primals).forward(primals)[0]
+    arguments (same meaning) -> the unit's output (a new tensor, the shape and dtype of the
+    template's first output) and a token (an empty tensor of its own that only the call's backward
+    reads: it pairs the two, ``passes/expand_unit_calls``). The partitioned graphs hold
+    ``unit_forward`` in its place; run as it is, it is ``unit_forward``'s first output and a token."""
+    output = registry.unit_template(kind, mode, arg_grads, primals).forward(primals)[0]
+    return [output, output.new_empty(0)]
 
 
 @unit_call.register_fake
-def _unit_call_fake(kind: int, mode: int, arg_grads: int, primals: list[torch.Tensor]) -> torch.Tensor:
-    template = registry.unit_template(kind, mode, arg_grads, primals)
-    return _empty_like_meta(primals[0], template.output_metas[:template.n_outputs])[0]
+def _unit_call_fake(kind: int, mode: int, arg_grads: int, primals: list[torch.Tensor]) -> list[torch.Tensor]:
+    output_meta = registry.unit_template(kind, mode, arg_grads, primals).output_metas[0]
+    return _empty_like_meta(primals[0], [output_meta, ((0,), (1,), output_meta[2])])
 
 
 @torch.library.custom_op("zerograph::unit_call_backward", mutates_args=())
-def unit_call_backward(template: int, primals: list[torch.Tensor], output: torch.Tensor,
+def unit_call_backward(template: int, primals: list[torch.Tensor], token: torch.Tensor,
                        tangent: torch.Tensor) -> list[torch.Tensor]:
     """``unit_call``'s backward until the partition: ``primals`` the inputs template ``template``'s
-    backward reads (``UnitTemplate.saved_primals``), ``output`` the ``unit_call`` it is the backward
-    of (which pairs the two, ``passes/expand_unit_calls``; no kernel reads it), ``tangent`` the
-    gradient of that output (contiguous) -> the gradient of each differentiable primal
-    (``UnitTemplate.grad_mask``), in primal order, as ``unit_backward`` returns them.
+    backward reads (``UnitTemplate.saved_primals``), ``token`` the token of the ``unit_call`` it
+    is the backward of, ``tangent`` the gradient of that call's output (contiguous) -> the gradient
+    of each differentiable primal (``UnitTemplate.grad_mask``), in primal order, as
+    ``unit_backward`` returns them.
 
     Raises ``RuntimeError`` if run: every partitioned backward holds ``unit_backward`` in its place."""
     raise RuntimeError("zerograph::unit_call_backward ran; expand_unit_calls should have replaced it with "
@@ -265,7 +267,7 @@ def unit_call_backward(template: int, primals: list[torch.Tensor], output: torch
 
 
 @unit_call_backward.register_fake
-def _unit_call_backward_fake(template: int, primals: list[torch.Tensor], output: torch.Tensor,
+def _unit_call_backward_fake(template: int, primals: list[torch.Tensor], token: torch.Tensor,
                              tangent: torch.Tensor) -> list[torch.Tensor]:
     return _empty_like_meta(tangent, registry.template_of(template).grad_metas)
 
@@ -274,15 +276,18 @@ def _unit_call_setup(ctx, inputs, output) -> None:
     kind, mode, arg_grads, primals = inputs
     template = registry.unit_template(kind, mode, arg_grads, primals)
     ctx.template, ctx.grad_mask = template.id, template.grad_mask
-    ctx.save_for_backward(*[primals[i] for i in template.saved_primals], output)
+    # the token, not the output, names the call: user code may write the output in place
+    # (x = block(x); x.mul_(2)), and then the output backward sees is another value
+    ctx.save_for_backward(*[primals[i] for i in template.saved_primals], output[1])
+    ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
 
 
-def _unit_call_backward_formula(ctx, grad: torch.Tensor | None):
-    if grad is None:  # no gradient reached the unit's output
+def _unit_call_backward_formula(ctx, grads: list[torch.Tensor | None]):
+    if grads[0] is None:  # no gradient reached the unit's output
         return None, None, None, [None] * len(ctx.grad_mask)
-    *primals, output = ctx.saved_tensors
-    grad_iter = iter(unit_call_backward(ctx.template, primals, output, grad.contiguous()))
+    *primals, token = ctx.saved_tensors
+    grad_iter = iter(unit_call_backward(ctx.template, primals, token, grads[0].contiguous()))
     return None, None, None, [next(grad_iter) if differentiable else None for differentiable in ctx.grad_mask]
 
 

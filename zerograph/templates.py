@@ -5,7 +5,7 @@ each submodule's class and plain attributes, each parameter's and buffer's name,
 ``requires_grad``), so a GPT's 32 blocks are one kind, while blocks of another width, without a
 bias, with an extra parameter or with a flag that changes their control flow are kinds of their
 own. Each unit's ``forward`` becomes one ``zerograph::unit_forward(kind, mode, arg_grads, primals)`` node
-(``install_unit_templates``; until the partition, ``unit_call``, which has the unit's output only:
+(``install_unit_templates``; until the partition, ``unit_call``, which has the unit's output and a token only:
 ``passes/expand_unit_calls``): Dynamo traces the unit's parameter reads, which are still the
 ``zerograph::unshard`` markers the passes expand into all-gathers, and the call, but not the
 unit's body. A kind's units also keep their shards in one flat buffer each
@@ -327,7 +327,7 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     for mod, name in buffer_slots:
         primals.append(mod._buffers[name])
     if torch.compiler.is_compiling():  # the traces see one node, one output per unit (ops.unit_call)
-        return _unit_call(kind, mode, arg_grads, primals)
+        return _unit_call(kind, mode, arg_grads, primals)[0]
     return _unit_forward(kind, mode, arg_grads, primals)[0]
 
 
