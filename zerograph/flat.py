@@ -161,7 +161,8 @@ def flatten_unit_(unit: int, name: str, shards: Sequence[nn.Parameter], layouts:
 
     def hand_over(leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None  # the parameters' .grad hold it from here on
-        result.add_grad(grad)
+        if grad is not None:  # None: no gradient reached the unit (its output unused, detached): .grad stays None
+            result.add_grad(grad)
 
     param.register_post_accumulate_grad_hook(hand_over)
     return result

@@ -190,6 +190,7 @@ def trace_unit(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_gra
         fwd, bwd = min_cut_rematerialization_partition(joint_graph, (primals, tangents), num_fwd_outputs=len(tangents))
     n_outputs = len(tangents)
     backward_sources, saved_primals = _own_outputs(fwd, n_outputs)
+    _own_gradients(bwd)
     template_id = registry.next_template_id()
     out_node = fwd.graph.output_node()
     outputs = out_node.args[0]
@@ -267,6 +268,32 @@ def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[list[tuple[str, i
     # "output" sources index unit_forward's outputs past the unit's own
     sources = [(s, i - n_outputs if s == "output" else i) for s, i in sources]
     return sources, saved_primals
+
+
+def _own_gradients(bwd: fx.GraphModule) -> None:
+    """Rewrite the partitioned backward so that no gradient it returns aliases one of its inputs
+    or an earlier gradient (a clone where one would): ``unit_backward``, a custom op, may not
+    return a view of its input, and a block whose input gradient is the incoming gradient itself
+    (``return x``, ``fc(x) + y``) would."""
+    graph = bwd.graph
+    storages = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in graph.nodes
+                if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+    out_node = graph.output_node()
+    grads = []
+    with graph.inserting_before(out_node):
+        for node in out_node.args[0]:
+            if isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
+                ref = StorageWeakRef(node.meta["val"].untyped_storage())
+                if ref in storages:
+                    clone = graph.call_function(torch.ops.aten.clone.default, (node,))
+                    clone.meta["val"] = node.meta["val"].clone()
+                    node = clone
+                    ref = StorageWeakRef(node.meta["val"].untyped_storage())
+                storages.add(ref)
+            grads.append(node)
+    out_node.args = (grads,)
+    graph.lint()
+    bwd.recompile()
 
 
 # what ``FlatShard.unflatten`` traces to: the cuts that make a unit's parameters out of its flat shard
