@@ -55,10 +55,16 @@ _RECOMPUTE = frozenset({CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER
 TemplateOf = Callable[[fx.Node], Any]  # a unit_call node -> its unit_trace.UnitTemplate
 
 
+def _through_aliases(node: fx.Node) -> fx.Node:
+    """The value ``node`` is a ``detach`` / ``alias`` chain of (``node`` itself if none)."""
+    while node.target in _ALIASES:
+        node = node.args[0]
+    return node
+
+
 def _call_of(token: fx.Node) -> fx.Node:
     """The ``unit_call`` node whose token ``token`` is (through aliases and the ``getitem``)."""
-    while token.target in _ALIASES:
-        token = token.args[0]
+    token = _through_aliases(token)
     assert token.target is operator.getitem and token.args[0].target is UNIT_CALL and token.args[1] == 1, \
         f"{token.name} is not a unit_call's token"
     return token.args[0]
@@ -137,16 +143,15 @@ def expand_unit_calls(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs:
     """Expand the unit calls of a partitioned pair (module docstring: pre and post)."""
     outputs = list(fwd.graph.output_node().args[0])
     n_saved_symbols = sum(1 for v in outputs[num_fwd_outputs:] if _is_symbol(v))
-    saved_index = {n: i for i, n in enumerate([n for n in bwd.graph.nodes if n.op == "placeholder"][n_saved_symbols:])}
+    saved_inputs = [n for n in bwd.graph.nodes if n.op == "placeholder"][n_saved_symbols:]
+    saved_index = {n: i for i, n in enumerate(saved_inputs)}
     backward_calls = [n for n in bwd.graph.nodes if n.target is UNIT_CALL_BACKWARD]
     # each backward's unit_call, through its token: in the backward (the partitioner recomputed
     # it there) or, through the saved tensors, in the forward; two identical calls the
     # partitioner merged are one call here, and their backwards share its activations
     call_of = {}
     for call in backward_calls:
-        token = call.args[2]
-        while token.target in _ALIASES:
-            token = token.args[0]
+        token = _through_aliases(call.args[2])
         if token in saved_index:
             token = outputs[num_fwd_outputs + saved_index[token]]
         call_of[call] = _call_of(token)
@@ -163,8 +168,7 @@ def expand_unit_calls(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs:
     outputs = list(fwd_out.args[0])
     fwd_out.args = (outputs[:num_fwd_outputs] + [v for forward in handed for v in in_forward[forward][2]]
                     + outputs[num_fwd_outputs:],)
-    first_saved = [n for n in bwd.graph.nodes if n.op == "placeholder"][n_saved_symbols]
-    with bwd.graph.inserting_before(first_saved):
+    with bwd.graph.inserting_before(saved_inputs[0]):  # a tangent follows the saved tensors: never empty
         for forward in handed:
             saved_of[forward] = []
             for value in in_forward[forward][2]:
@@ -205,10 +209,11 @@ def _drop_unread_saved(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs
 
 def expand_inference_unit_calls(gm: fx.GraphModule, template_of: TemplateOf) -> fx.GraphModule:
     """Each ``unit_call`` of an inference graph becomes ``unit_forward``'s first output."""
-    if any(n.target is UNIT_CALL for n in gm.graph.nodes):
-        for _, _, saved in _expand_forwards(gm.graph, template_of).values():
-            for item in saved:
-                gm.graph.erase_node(item)
+    expanded = _expand_forwards(gm.graph, template_of)
+    for _, _, saved in expanded.values():
+        for item in saved:
+            gm.graph.erase_node(item)
+    if expanded:
         gm.graph.lint()
         gm.recompile()
     return gm

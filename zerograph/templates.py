@@ -326,7 +326,7 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         primals = [*args, *[full_parameter(mod._parameters[name], key) for (mod, name), key in zip(param_slots, keys)]]
     for mod, name in buffer_slots:
         primals.append(mod._buffers[name])
-    if torch.compiler.is_compiling():  # the traces see one node, one output per unit (ops.unit_call)
+    if torch.compiler.is_compiling():  # the traces see one node per unit, its output and a token (ops.unit_call)
         return _unit_call(kind, mode, arg_grads, primals)[0]
     return _unit_forward(kind, mode, arg_grads, primals)[0]
 

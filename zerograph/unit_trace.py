@@ -248,21 +248,7 @@ def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[list[tuple[str, i
             if node not in returned:
                 returned.append(node)
             sources.append(("output", returned.index(node)))
-    # outputs must be new tensors: clone any that shares a storage with a primal or an earlier output
-    storages = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in placeholders
-                if isinstance(n.meta.get("val"), torch.Tensor)}
-    final = []
-    with graph.inserting_before(out_node):
-        for node in returned:
-            ref = StorageWeakRef(node.meta["val"].untyped_storage())
-            if ref in storages:
-                clone = graph.call_function(torch.ops.aten.clone.default, (node,))
-                clone.meta["val"] = node.meta["val"].clone()
-                node = clone
-                ref = StorageWeakRef(node.meta["val"].untyped_storage())
-            storages.add(ref)
-            final.append(node)
-    out_node.args = (final,)
+    out_node.args = (_unaliased(graph, returned),)
     graph.lint()
     fwd.recompile()
     # "output" sources index unit_forward's outputs past the unit's own
@@ -275,25 +261,29 @@ def _own_gradients(bwd: fx.GraphModule) -> None:
     or an earlier gradient (a clone where one would): ``unit_backward``, a custom op, may not
     return a view of its input, and a block whose input gradient is the incoming gradient itself
     (``return x``, ``fc(x) + y``) would."""
-    graph = bwd.graph
+    out_node = bwd.graph.output_node()
+    out_node.args = (_unaliased(bwd.graph, list(out_node.args[0])),)
+    bwd.graph.lint()
+    bwd.recompile()
+
+
+def _unaliased(graph: fx.Graph, returned: list[Any]) -> list[Any]:
+    """``returned`` (a graph's outputs; ``None`` for an absent gradient) with a clone, inserted
+    before the output node, in place of each tensor that shares a storage with a placeholder or
+    an earlier output: a custom op's outputs must be new tensors."""
     storages = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in graph.nodes
                 if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
-    out_node = graph.output_node()
-    grads = []
-    with graph.inserting_before(out_node):
-        for node in out_node.args[0]:
+    final = []
+    with graph.inserting_before(graph.output_node()):
+        for node in returned:
             if isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
-                ref = StorageWeakRef(node.meta["val"].untyped_storage())
-                if ref in storages:
+                if StorageWeakRef(node.meta["val"].untyped_storage()) in storages:
                     clone = graph.call_function(torch.ops.aten.clone.default, (node,))
                     clone.meta["val"] = node.meta["val"].clone()
                     node = clone
-                    ref = StorageWeakRef(node.meta["val"].untyped_storage())
-                storages.add(ref)
-            grads.append(node)
-    out_node.args = (grads,)
-    graph.lint()
-    bwd.recompile()
+                storages.add(StorageWeakRef(node.meta["val"].untyped_storage()))
+            final.append(node)
+    return final
 
 
 # what ``FlatShard.unflatten`` traces to: the cuts that make a unit's parameters out of its flat shard

@@ -175,7 +175,7 @@ def _template_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = ["", "## Unit templates (`Config(unit_templates=True)`)", "",
              "Each kind of unit was traced, partitioned and lowered once; the units listed call that template "
              "(one `zerograph::unit_forward` / `unit_backward` node each in the forward and backward graphs above; "
-             "`unit_call` / `unit_call_backward`, with the unit's output only, in the joint). Its graphs are "
+             "`unit_call` / `unit_call_backward`, with the unit's output and a token, in the joint). Its graphs are "
              "`template<id>_{forward,backward}.py` in this folder. A template another model in this process "
              "traced is reused, not traced again (\"copy of\" names it).", "",
              "| template | units | first input | forward / backward nodes | trace s |", "|---:|---|---|---:|---:|"]
