@@ -376,3 +376,34 @@ def sink_to_first_use(nodes: Sequence[fx.Node], limit: fx.Node | None = None, or
         if order[first] > order[node] and first.prev is not node:  # only ever down
             first.prepend(node)
             order.moved(node)
+
+
+def saved_tensor_inputs(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
+    """The backward inputs of a partitioned pair that are saved tensors, in order. AOTAutograd's
+    convention (the min-cut partitioner's): the forward returns its ``num_fwd_outputs`` outputs, then
+    the saved tensors, then the saved symbols; the backward takes the saved symbols, then the saved
+    tensors, then the tangents."""
+    outputs = fwd.graph.output_node().args[0]
+    n_saved_symbols = sum(1 for v in outputs[num_fwd_outputs:] if isinstance(v, fx.Node)
+                          and isinstance(v.meta.get("val"), torch.SymInt | torch.SymFloat | torch.SymBool))
+    return [n for n in bwd.graph.nodes if n.op == "placeholder"][n_saved_symbols:]
+
+
+def save_for_backward(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int,
+                      values: Sequence[fx.Node]) -> list[fx.Node]:
+    """Hand forward nodes ``values`` over to the backward of a partitioned pair, as the first saved
+    tensors (``saved_tensor_inputs``' convention): new forward outputs, and new backward inputs,
+    returned in the order of ``values``. The pair must have a tangent or a saved tensor already
+    (a backward input to insert before)."""
+    first_saved = (saved_tensor_inputs(fwd, bwd, num_fwd_outputs) or [None])[0]
+    fwd_out = fwd.graph.output_node()
+    outputs = list(fwd_out.args[0])
+    fwd_out.args = (outputs[:num_fwd_outputs] + list(values) + outputs[num_fwd_outputs:],)
+    inputs = []
+    with bwd.graph.inserting_before(first_saved):
+        for value in values:
+            placeholder = bwd.graph.placeholder(f"{value.name}_saved")
+            placeholder.meta["val"] = value.meta["val"]
+            inputs.append(placeholder)
+    return inputs
+

@@ -48,6 +48,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from zerograph.ops import UNIT_BACKWARD, UNIT_CALL, UNIT_CALL_BACKWARD, UNIT_FORWARD, _empty_like_meta
 
+from ._fx import save_for_backward, saved_tensor_inputs
+
 RECOMPUTED = "zerograph_unit_recomputed"  # on a unit_call_backward whose unit's activations backward recomputes
 
 _ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
@@ -142,8 +144,7 @@ def expand_unit_calls(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs:
                       template_of: TemplateOf) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Expand the unit calls of a partitioned pair (module docstring: pre and post)."""
     outputs = list(fwd.graph.output_node().args[0])
-    n_saved_symbols = sum(1 for v in outputs[num_fwd_outputs:] if _is_symbol(v))
-    saved_inputs = [n for n in bwd.graph.nodes if n.op == "placeholder"][n_saved_symbols:]
+    saved_inputs = saved_tensor_inputs(fwd, bwd, num_fwd_outputs)
     saved_index = {n: i for i, n in enumerate(saved_inputs)}
     backward_calls = [n for n in bwd.graph.nodes if n.target is UNIT_CALL_BACKWARD]
     # each backward's unit_call, through its token: in the backward (the partitioner recomputed
@@ -164,22 +165,14 @@ def expand_unit_calls(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs:
             saved_of[call] = _unit_forward(bwd.graph, call, template, (*scalars, call.args[1]))
     handed = list(dict.fromkeys(call_of[c] for c in backward_calls if c not in saved_of and call_of[c] not in saved_of))
     # the activations handed over: first among the saved tensors, in one order on both sides
-    fwd_out = fwd.graph.output_node()
-    outputs = list(fwd_out.args[0])
-    fwd_out.args = (outputs[:num_fwd_outputs] + [v for forward in handed for v in in_forward[forward][2]]
-                    + outputs[num_fwd_outputs:],)
-    with bwd.graph.inserting_before(saved_inputs[0]):  # a tangent follows the saved tensors: never empty
-        for forward in handed:
-            saved_of[forward] = []
-            for value in in_forward[forward][2]:
-                placeholder = bwd.graph.placeholder(f"{value.name}_saved")
-                placeholder.meta["val"] = value.meta["val"]
-                saved_of[forward].append(placeholder)
+    inputs = iter(save_for_backward(fwd, bwd, num_fwd_outputs, [v for f in handed for v in in_forward[f][2]]))
+    for forward in handed:
+        saved_of[forward] = [next(inputs) for _ in in_forward[forward][2]]
     for call in backward_calls:
         forward = call_of[call]
         template = (in_forward.get(forward) or in_backward[forward])[1]
         _unit_backward(bwd.graph, call, template, saved_of[call] if call in saved_of else saved_of[forward])
-    _drop_unread_saved(fwd, bwd, num_fwd_outputs, n_saved_symbols)
+    _drop_unread_saved(fwd, bwd, num_fwd_outputs)
     for gm in (fwd, bwd):
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
@@ -187,17 +180,13 @@ def expand_unit_calls(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs:
     return fwd, bwd
 
 
-def _is_symbol(value: Any) -> bool:
-    return isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.SymInt | torch.SymFloat | torch.SymBool)
-
-
-def _drop_unread_saved(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int, n_saved_symbols: int) -> None:
+def _drop_unread_saved(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) -> None:
     """Drop each saved tensor that no backward node reads from the forward's outputs and the
-    backward's inputs (the i-th saved tensor is forward output ``num_fwd_outputs + i`` and
-    backward input ``n_saved_symbols + i``)."""
+    backward's inputs (``saved_tensor_inputs``: the i-th saved tensor is forward output
+    ``num_fwd_outputs + i``)."""
     fwd_out = fwd.graph.output_node()
     outputs = list(fwd_out.args[0])
-    saved_inputs = [n for n in bwd.graph.nodes if n.op == "placeholder"][n_saved_symbols:]
+    saved_inputs = saved_tensor_inputs(fwd, bwd, num_fwd_outputs)
     n_saved_tensors = sum(1 for v in outputs[num_fwd_outputs:] if isinstance(v, fx.Node)
                           and isinstance(v.meta.get("val"), torch.Tensor))
     unread = [i for i in range(n_saved_tensors) if not saved_inputs[i].users]

@@ -27,9 +27,11 @@ import logging
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from zerograph.errors import PassError
+from zerograph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
 from zerograph.vocab import TAG
 
-from ._fx import find_collectives, position
+from ._fx import find_collectives, position, save_for_backward
 from .activation_partition import backward_nodes, partition_storage
 from .context import PassContext, PassResult
 from .contract import contract
@@ -57,11 +59,16 @@ def secondary_partition(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if not any(u in backward for n in views for u in n.users):
                 continue
             partition_storage(graph, root, backward, pos, group_name, group_size, role="secondary")
+            partitioned += 1
+            if _read_by_checkpointed_forward(views, backward):
+                # an activation checkpoint recomputes an op that reads the buffer: the chain stays
+                # tagged, so the partitioner recomputes the gather for it (saving the buffer would
+                # keep it whole), and hand_over_secondary_pieces then feeds that op the piece
+                continue
             # backward no longer reads the gathered buffer: untag the chain, or the partitioner
             # would recompute it in backward to make the piece there instead of saving the piece
             for node in [*collective.issue, *collective.finish, *views]:
                 node.meta.pop("recompute", None)
-            partitioned += 1
     if partitioned:
         graph.eliminate_dead_code()
         graph.lint()
@@ -77,6 +84,74 @@ def secondary_partition_outputs(graph: fx.Graph) -> list[int]:
     output = graph.find_nodes(op="output")[0]
     return [i for i, node in enumerate(output.args[0])
             if isinstance(node, fx.Node) and node.meta.get(TAG, {}).get("role") == "secondary_shard"]
+
+
+def hand_over_secondary_pieces(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) -> int:
+    """The second half of hpZ, on the partitioned pair, for units an activation checkpoint
+    recomputes (``torch.utils.checkpoint`` around a block: its forward ops carry a recompute tag).
+
+    Pre: the partitioner recomputed such a unit's gather chain (an all-gather over all N ranks)
+    in backward, for the checkpoint's recomputation of the unit's forward, and with it the
+    unit's secondary piece (``shard_activation`` of the recomputed buffer), which the node-group
+    all-gather (``gather_activation``, tagged ``secondary_gather``) reads. Post: the forward makes
+    the piece from its own gathered buffer and saves it (tagged ``secondary_shard``, the first
+    saved tensors); backward's node-group all-gather reads the saved piece, runs before the first
+    op that read the recomputed buffer, and every such op reads it instead; the N-rank gather
+    chain is gone from backward. So a checkpointed unit is re-gathered over its node, like any
+    other, and forward saves 1/M of it, not the whole. Returns the number of pieces handed over."""
+    gathers = [n for n in bwd.graph.find_nodes(op="call_function", target=GATHER_ACTIVATION)
+               if n.meta.get(TAG, {}).get("role") == "secondary_gather" and n.args[0].op != "placeholder"]
+    if not gathers:
+        return 0
+    in_forward = {n.name: n for n in fwd.graph.nodes}
+    pieces = []
+    for gather in gathers:
+        recomputed = gather.args[0].args[0]  # the buffer the recomputed piece was cut from
+        root = in_forward.get(recomputed.name)
+        if root is None or root.target is not recomputed.target:
+            raise PassError(f"hpZ: the forward has no gathered buffer {recomputed.name} to cut a secondary piece from")
+        with fwd.graph.inserting_after(root):
+            piece = fwd.graph.call_function(SHARD_ACTIVATION, (root, *gather.args[0].args[1:]))
+        piece.meta.update({"val": gather.args[0].meta["val"], TAG: {"role": "secondary_shard"}})
+        pieces.append(piece)
+    order = position(bwd.graph)
+    for gather, saved in zip(gathers, save_for_backward(fwd, bwd, num_fwd_outputs, pieces), strict=True):
+        recomputed_piece, recomputed = gather.args[0], gather.args[0].args[0]
+        gather.replace_input_with(recomputed_piece, saved)
+        first_read = min((*recomputed.users, gather), key=order.__getitem__)
+        if first_read is not gather:
+            first_read.prepend(gather)
+        recomputed.replace_all_uses_with(gather)
+        _erase_dead_gather(bwd.graph, recomputed)
+    for gm in (fwd, bwd):
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return len(pieces)
+
+
+def _erase_dead_gather(graph: fx.Graph, buffer: fx.Node) -> None:
+    """Erase ``buffer`` (read by no one now) and, upwards, each node of its gather chain (tagged
+    ``TAG`` role "gather") that no one reads any more. Dead-code elimination alone would leave the
+    collective's ``wait_tensor``, which FX counts as a side effect."""
+    stack = [buffer]
+    while stack:
+        node = stack.pop()
+        if node.users or node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        stack.extend(n for n in inputs if n.meta.get(TAG, {}).get("role") == "gather")
+
+
+_RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def _read_by_checkpointed_forward(views: list[fx.Node], backward: set[fx.Node]) -> bool:
+    """A forward op an activation checkpoint recomputes (its recompute tag; not zerograph's own
+    gather chain, which carries ``TAG``) reads ``views``."""
+    return any(u not in backward and TAG not in u.meta and u.meta.get("recompute") in _RECOMPUTE
+               for n in views for u in n.users)
 
 
 def _gathered_roots(collective) -> list[fx.Node]:

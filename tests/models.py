@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from zerograph.models.gpt import GPT, GPTConfig
 
@@ -46,10 +48,24 @@ class ScaledMLP(UnevenMLP):
         return ((self.scale * self.layers(x) - y) ** 2).mean()
 
 
+class CheckpointedGPT(GPT):
+    """The GPT with each block under ``torch.utils.checkpoint`` (non-reentrant), as a user trades
+    activation memory for a second forward of each block in backward."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 def build(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "gpt":
         return GPT(TINY_GPT)
+    if name == "gpt_checkpointed":
+        return CheckpointedGPT(TINY_GPT)
     if name == "gpt_deep":
         return GPT(DEEP_GPT)
     if name == "mlp":

@@ -44,13 +44,14 @@ def train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_s
 
 
 def train_runs(rank: int, world_size: int, runs: tuple[tuple[str, int], ...], steps: int, batch_size: int,
-               lr: float) -> dict:
-    """``train`` for each ``(name, stage)`` in turn in this process group: ``{(name, stage): result}``.
-    One spawn for several runs saves a process start and a first compile per run."""
+               lr: float, config: zerograph.Config | None = None) -> dict:
+    """``train`` for each ``(name, stage)`` in turn in this process group, under ``config``:
+    ``{(name, stage): result}``. One spawn for several runs saves a process start and a first
+    compile per run."""
     out = {}
     for name, stage in runs:
         torch._dynamo.reset()  # a fresh model per run: Dynamo keeps at most 8 graphs per code object
-        out[name, stage] = train(rank, world_size, name, stage, steps, batch_size, lr)
+        out[name, stage] = train(rank, world_size, name, stage, steps, batch_size, lr, config)
     return out
 
 

@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor
 
 import zerograph
 from zerograph.ops import GATHER_ACTIVATION
+from zerograph.passes.secondary_partition import secondary_partition_outputs
 from zerograph.state import graphs_of, runtime_of_model
 from zerograph.vocab import COLLECTIVE_KINDS
 
@@ -122,20 +123,24 @@ def hybrid_reload(rank: int, world_size: int, name: str, stage: int, ckpt_dir: s
 
 
 
-def hpz_graph_facts(rank: int, world_size: int, size: int) -> dict:
-    """One step of the tiny GPT at stage 3 with hpZ over nodes of ``size`` ranks: what its
-    backward graph all-gathers over which group, and the step's bytes per dim."""
-    model = zerograph.compile(build("gpt"), 3, config=zerograph.Config(secondary_partition_size=size))
+def hpz_graph_facts(rank: int, world_size: int, size: int, name: str = "gpt") -> dict:
+    """One step of the tiny GPT ``name`` at stage 3 with hpZ over nodes of ``size`` ranks: what its
+    backward graph all-gathers over which group, what its forward saves, and the step's bytes per dim."""
+    model = zerograph.compile(build(name), 3, config=zerograph.Config(secondary_partition_size=size))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(*rank_slice(global_batch("gpt", 0, 4), rank, world_size)).backward()
+    model(*rank_slice(global_batch(name, 0, 4), rank, world_size)).backward()
     opt.step()
     stats = zerograph.stats(model, opt)
     runtime = runtime_of_model(model)
-    backward = graphs_of(model)[0]["backward"].graph
+    forward, backward = graphs_of(model)[0]["forward"].graph, graphs_of(model)[0]["backward"].graph
     return {
         "world_gathers_in_backward": sum(COLLECTIVE_KINDS.get(n.target) == "all_gather" for n in backward.nodes),
         "node_gathers_in_backward": [(n.args[2] == runtime.secondary_group_name, n.args[3])
                                      for n in backward.nodes if n.target is GATHER_ACTIVATION],
+        "node_gathers_of_saved_pieces": sum(n.target is GATHER_ACTIVATION and n.args[0].op == "placeholder"
+                                            for n in backward.nodes),
+        "pieces_saved": len(secondary_partition_outputs(forward)),
         "comm_bytes_per_dim": {d: dict(c) for d, c in stats.comm_bytes_per_dim.items()},
         "secondary_partition_bytes": stats.secondary_partition_bytes,
+        "saved_activation_bytes": stats.saved_activation_bytes,
     }

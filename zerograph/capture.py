@@ -38,7 +38,7 @@ from zerograph.passes.manager import (
     run_pipeline,
     structured_trace_on,
 )
-from zerograph.passes.secondary_partition import secondary_partition_outputs
+from zerograph.passes.secondary_partition import hand_over_secondary_pieces, secondary_partition_outputs
 
 from . import registry
 from .config import Config
@@ -166,6 +166,7 @@ class _GraphCompile:
         with _offloading(joint):
             fwd, bwd = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         fwd, bwd = expand_unit_calls(fwd, bwd, kwargs["num_fwd_outputs"], _template_of)
+        hand_over_secondary_pieces(fwd, bwd, kwargs["num_fwd_outputs"])
         check_no_gradient_reduction_in_forward(fwd)
         if self.backend.runtime.stage == 3:
             check_no_saved_gathers(fwd)
