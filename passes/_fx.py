@@ -384,8 +384,7 @@ def saved_tensor_inputs(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_output
     the saved tensors, then the saved symbols; the backward takes the saved symbols, then the saved
     tensors, then the tangents."""
     outputs = fwd.graph.output_node().args[0]
-    n_saved_symbols = sum(1 for v in outputs[num_fwd_outputs:] if isinstance(v, fx.Node)
-                          and isinstance(v.meta.get("val"), torch.SymInt | torch.SymFloat | torch.SymBool))
+    n_saved_symbols = sum(1 for v in outputs[num_fwd_outputs:] if _is_symbol(v))
     return [n for n in bwd.graph.nodes if n.op == "placeholder"][n_saved_symbols:]
 
 
@@ -407,3 +406,40 @@ def save_for_backward(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs:
             inputs.append(placeholder)
     return inputs
 
+
+
+def saved_opaque_objects_last(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) -> int:
+    """Reorder the saved values of a partitioned pair so that opaque objects (the per-parameter
+    build's ``DeviceMesh``) follow every saved tensor, as AOTAutograd's runtime reads them
+    (tensors, then opaque objects, then symbols). In torch 2.13 the partitioner appends the RNG
+    states it saves for a recomputed random op (``functionalize_rng_ops``: under
+    ``torch.utils.checkpoint``, SDPA counts as one) after the opaque objects, and the runtime then
+    refuses the mesh as a tensor. Both graphs move alike: the forward's outputs and the backward's
+    inputs. Returns the number of opaque objects moved."""
+    fwd_out = fwd.graph.output_node()
+    outputs = list(fwd_out.args[0])
+    inputs = saved_tensor_inputs(fwd, bwd, num_fwd_outputs)  # the non-symbols saved, then the tangents
+    saved = [v for v in outputs[num_fwd_outputs:] if not _is_symbol(v)]
+    opaque = [i for i, v in enumerate(saved) if _is_opaque(v)]
+    order = [i for i in range(len(saved)) if i not in opaque] + opaque
+    if order == list(range(len(saved))):
+        return 0
+    fwd_out.args = (outputs[:num_fwd_outputs] + [saved[i] for i in order] + outputs[num_fwd_outputs + len(saved):],)
+    anchor = inputs[0].prev
+    for i in order:
+        anchor.append(inputs[i])
+        anchor = inputs[i]
+    for gm in (fwd, bwd):
+        gm.graph.lint()
+        gm.recompile()
+    return len(opaque)
+
+
+def _is_symbol(value: Any) -> bool:
+    return isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.SymInt | torch.SymFloat | torch.SymBool)
+
+
+def _is_opaque(value: Any) -> bool:
+    from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+
+    return is_opaque_node(value)

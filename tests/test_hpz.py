@@ -20,9 +20,12 @@ from .workers_hybrid import hpz_graph_facts
 @pytest.mark.distributed
 def test_hpz_matches_single_process_on_two_nodes_of_two() -> None:
     """The tiny GPT, and the same GPT with every block under ``torch.utils.checkpoint`` (whose
-    backward recomputes each block's forward from the node group's re-gather)."""
-    runs = (("gpt", 3), ("gpt_checkpointed", 3))
-    results = spawn(train_runs, 4, runs, STEPS, 4, LR, zerograph.Config(secondary_partition_size=2))
+    backward recomputes each block's forward from the node group's re-gather), with templated
+    units and with the per-parameter build."""
+    hpz = zerograph.Config(secondary_partition_size=2)
+    per_parameter = zerograph.Config(secondary_partition_size=2, unit_templates=False)
+    runs = (("gpt", 3), ("gpt_checkpointed", 3), ("gpt_checkpointed", 3, per_parameter))
+    results = spawn(train_runs, 4, runs, STEPS, 4, LR, hpz)
     for run in runs:
         reference = reference_training(run[0], STEPS, 4, LR)
         for result in results:
@@ -44,15 +47,15 @@ def test_hpz_backward_gathers_inside_the_node() -> None:
     assert facts["secondary_partition_bytes"] == planned.secondary_partition_bytes > 0
 
 
-def test_hpz_with_activation_checkpointing_saves_pieces_not_gathered_blocks() -> None:
+@pytest.mark.parametrize("templates", [True, False], ids=["templates", "per-parameter"])
+def test_hpz_with_activation_checkpointing_saves_pieces_not_gathered_blocks(templates: bool) -> None:
     """Blocks under ``torch.utils.checkpoint``: backward recomputes each block's forward, which
     reads the block's gathered parameters. The forward saves the block's 1/2 piece (not the
     gathered block, which stage 3 forbids), and backward re-gathers it over the node only, the
-    same bytes per group and the same pieces as without the checkpoint. (Templated units, the
-    default; the per-parameter build does not take ``torch.utils.checkpoint`` yet: README, "Not
-    done yet".)"""
-    facts = run_as_rank(hpz_graph_facts, 4, 2, "gpt_checkpointed")
-    plain = run_as_rank(hpz_graph_facts, 4, 2, "gpt")
+    same bytes per group and the same pieces as without the checkpoint; with templated units and
+    with the per-parameter build."""
+    facts = run_as_rank(hpz_graph_facts, 4, 2, "gpt_checkpointed", templates)
+    plain = run_as_rank(hpz_graph_facts, 4, 2, "gpt", templates)
     assert facts["world_gathers_in_backward"] == 0
     assert all(same and size == 2 for same, size in facts["node_gathers_in_backward"])
     assert facts["node_gathers_of_saved_pieces"] == facts["pieces_saved"] == plain["pieces_saved"] > 0

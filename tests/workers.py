@@ -43,15 +43,16 @@ def train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_s
     }
 
 
-def train_runs(rank: int, world_size: int, runs: tuple[tuple[str, int], ...], steps: int, batch_size: int,
+def train_runs(rank: int, world_size: int, runs: tuple[tuple, ...], steps: int, batch_size: int,
                lr: float, config: zerograph.Config | None = None) -> dict:
-    """``train`` for each ``(name, stage)`` in turn in this process group, under ``config``:
-    ``{(name, stage): result}``. One spawn for several runs saves a process start and a first
-    compile per run."""
+    """``train`` for each run in turn in this process group: ``{run: result}``. A run is
+    ``(name, stage)``, trained under ``config``, or ``(name, stage, config)``. One spawn for
+    several runs saves a process start and a first compile per run."""
     out = {}
-    for name, stage in runs:
+    for run in runs:
+        name, stage, run_config = (*run, config) if len(run) == 2 else run
         torch._dynamo.reset()  # a fresh model per run: Dynamo keeps at most 8 graphs per code object
-        out[name, stage] = train(rank, world_size, name, stage, steps, batch_size, lr, config)
+        out[run] = train(rank, world_size, name, stage, steps, batch_size, lr, run_config)
     return out
 
 

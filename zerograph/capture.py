@@ -26,6 +26,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.graph import _BoxedCodeGen
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from zerograph.passes._fx import saved_opaque_objects_last
 from zerograph.passes.activation_partition import offloaded_outputs, saved_activation_outputs, wants_offload
 from zerograph.passes.context import PassContext
 from zerograph.passes.expand_unit_calls import expand_inference_unit_calls, expand_unit_calls, mark_recomputed_unit_calls
@@ -165,6 +166,7 @@ class _GraphCompile:
         joint = self.run_passes("joint", joint)
         with _offloading(joint):
             fwd, bwd = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        saved_opaque_objects_last(fwd, bwd, kwargs["num_fwd_outputs"])
         fwd, bwd = expand_unit_calls(fwd, bwd, kwargs["num_fwd_outputs"], _template_of)
         hand_over_secondary_pieces(fwd, bwd, kwargs["num_fwd_outputs"])
         check_no_gradient_reduction_in_forward(fwd)
