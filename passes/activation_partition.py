@@ -77,7 +77,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from zerograph.costmodel import CostModel, is_view, node_bytes, node_flops, tensor_bytes
 from zerograph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
 from zerograph.sharding import Unit
-from zerograph.vocab import TAG
+from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT
 
 from .context import PassContext, PassResult
 from .contract import contract
@@ -408,8 +408,11 @@ def partition_storage(graph: fx.Graph, root: fx.Node, backward: set[fx.Node], po
     names the pieces in their tags (``<role>_shard``, ``<role>_gather``): hpZ's
     ``secondary_partition`` partitions gathered parameters the same way."""
     val = root.meta["val"]
-    with graph.inserting_after(root):
-        piece = graph.call_function(SHARD_ACTIVATION, (root, group_name, group_size))
+    # a collective's output (hpZ's gathered buffer where no copy-out follows the all-gather: a
+    # bucket of one flat shard) holds the result only once its wait has run
+    written = next((u for u in root.users if u.target is WAIT), root) if root.target in COLLECTIVE_KINDS else root
+    with graph.inserting_after(written):
+        piece = graph.call_function(SHARD_ACTIVATION, (written, group_name, group_size))
     with detect_fake_mode([val]):
         piece.meta["val"] = SHARD_ACTIVATION(val, group_name, group_size)
     piece.meta["recompute"] = CheckpointPolicy.MUST_SAVE
@@ -453,6 +456,8 @@ def _backward_reads_from(graph: fx.Graph, source: fx.Node, root: fx.Node, reader
     before = _first_use(readers, backward, pos)
 
     def replay(node: fx.Node) -> fx.Node:
+        if node.target is WAIT:  # the collective's result itself, not a view of it
+            return replay(node.args[0])
         if node not in replayed:
             base = replay(node.args[0])
             with graph.inserting_before(before):

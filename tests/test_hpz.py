@@ -21,10 +21,11 @@ from .workers_hybrid import hpz_graph_facts
 def test_hpz_matches_single_process_on_two_nodes_of_two() -> None:
     """The tiny GPT, and the same GPT with every block under ``torch.utils.checkpoint`` (whose
     backward recomputes each block's forward from the node group's re-gather), with templated
-    units and with the per-parameter build."""
+    units and with the per-parameter build; and the GPT with a collective per unit (no bucketing)."""
     hpz = zerograph.Config(secondary_partition_size=2)
     per_parameter = zerograph.Config(secondary_partition_size=2, unit_templates=False)
-    runs = (("gpt", 3), ("gpt_checkpointed", 3), ("gpt_checkpointed", 3, per_parameter))
+    unbucketed = zerograph.Config(secondary_partition_size=2, disabled_passes=("bucketing",))
+    runs = (("gpt", 3), ("gpt_checkpointed", 3), ("gpt_checkpointed", 3, per_parameter), ("gpt", 3, unbucketed))
     results = spawn(train_runs, 4, runs, STEPS, 4, LR, hpz)
     for run in runs:
         reference = reference_training(run[0], STEPS, 4, LR)
@@ -45,6 +46,18 @@ def test_hpz_backward_gathers_inside_the_node() -> None:
     assert facts["comm_bytes_per_dim"] == {d: dict(c) for d, c in planned.comm_bytes_per_dim.items()}
     # the secondary partition held from forward to backward, measured, is the plan's
     assert facts["secondary_partition_bytes"] == planned.secondary_partition_bytes > 0
+
+
+def test_hpz_without_bucketing_cuts_each_piece_after_its_wait() -> None:
+    """Without ``bucketing`` each unit's flat shard is all-gathered alone, with no copy-out after
+    the collective: the forward cuts the unit's piece from the collective's result after its wait
+    (it read the collective's buffer before the wait, which the pass manager refused), and
+    backward re-gathers every unit over the node only."""
+    facts = run_as_rank(hpz_graph_facts, 4, 2, "gpt", True, False)
+    assert facts["world_gathers_in_backward"] == 0
+    assert all(same and size == 2 for same, size in facts["node_gathers_in_backward"])
+    assert facts["node_gathers_of_saved_pieces"] == facts["pieces_saved"] == len(facts["node_gathers_in_backward"]) > 0
+    assert facts["secondary_partition_bytes"] > 0
 
 
 @pytest.mark.parametrize("templates", [True, False], ids=["templates", "per-parameter"])

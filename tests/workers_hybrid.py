@@ -123,10 +123,12 @@ def hybrid_reload(rank: int, world_size: int, name: str, stage: int, ckpt_dir: s
 
 
 
-def hpz_graph_facts(rank: int, world_size: int, size: int, name: str = "gpt", templates: bool = True) -> dict:
+def hpz_graph_facts(rank: int, world_size: int, size: int, name: str = "gpt", templates: bool = True,
+                    bucketing: bool = True) -> dict:
     """One step of the tiny GPT ``name`` at stage 3 with hpZ over nodes of ``size`` ranks: what its
     backward graph all-gathers over which group, what its forward saves, and the step's bytes per dim."""
-    config = zerograph.Config(secondary_partition_size=size, unit_templates=templates)
+    config = zerograph.Config(secondary_partition_size=size, unit_templates=templates,
+                              disabled_passes=() if bucketing else ("bucketing",))
     model = zerograph.compile(build(name), 3, config=config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(*rank_slice(global_batch(name, 0, 4), rank, world_size)).backward()
