@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from zerograph.ops import REDUCE_GRAD
-from zerograph.vocab import COLLECTIVE_KINDS, TAG, full_buffer
+from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer
 
 
 def group_markers(markers: Sequence[fx.Node], ctx: Any) -> list[list[fx.Node]]:
@@ -443,3 +443,11 @@ def _is_opaque(value: Any) -> bool:
     from torch._functorch._aot_autograd.graph_compile import is_opaque_node
 
     return is_opaque_node(value)
+
+
+def readable_result(node: fx.Node) -> fx.Node:
+    """Where ``node``'s value can be read: ``node`` itself, or, for a collective (an all-gather
+    whose output buffer is the gathered storage, with no copy-out after it), its ``wait_tensor``."""
+    if node.target in COLLECTIVE_KINDS:
+        return next(u for u in node.users if u.target is WAIT)
+    return node

@@ -77,8 +77,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 from zerograph.costmodel import CostModel, is_view, node_bytes, node_flops, tensor_bytes
 from zerograph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
 from zerograph.sharding import Unit
-from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT
+from zerograph.vocab import TAG, WAIT
 
+from ._fx import readable_result
 from .context import PassContext, PassResult
 from .contract import contract
 from .liveness import storage_root
@@ -410,7 +411,7 @@ def partition_storage(graph: fx.Graph, root: fx.Node, backward: set[fx.Node], po
     val = root.meta["val"]
     # a collective's output (hpZ's gathered buffer where no copy-out follows the all-gather: a
     # bucket of one flat shard) holds the result only once its wait has run
-    written = next((u for u in root.users if u.target is WAIT), root) if root.target in COLLECTIVE_KINDS else root
+    written = readable_result(root)
     with graph.inserting_after(written):
         piece = graph.call_function(SHARD_ACTIVATION, (written, group_name, group_size))
     with detect_fake_mode([val]):

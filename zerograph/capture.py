@@ -168,7 +168,7 @@ class _GraphCompile:
             fwd, bwd = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         saved_opaque_objects_last(fwd, bwd, kwargs["num_fwd_outputs"])
         fwd, bwd = expand_unit_calls(fwd, bwd, kwargs["num_fwd_outputs"], _template_of)
-        hand_over_secondary_pieces(fwd, bwd, kwargs["num_fwd_outputs"])
+        hand_over_secondary_pieces(fwd, bwd, kwargs["num_fwd_outputs"], self.backend.pass_context("joint").secondary_group)
         check_no_gradient_reduction_in_forward(fwd)
         if self.backend.runtime.stage == 3:
             check_no_saved_gathers(fwd)
