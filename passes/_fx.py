@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._functorch._aot_autograd.graph_compile import is_opaque_node
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
@@ -394,7 +395,7 @@ def save_for_backward(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs:
     tensors (``saved_tensor_inputs``' convention): new forward outputs, and new backward inputs,
     returned in the order of ``values``. The pair must have a tangent or a saved tensor already
     (a backward input to insert before)."""
-    first_saved = (saved_tensor_inputs(fwd, bwd, num_fwd_outputs) or [None])[0]
+    first_saved = saved_tensor_inputs(fwd, bwd, num_fwd_outputs)[0]  # a saved tensor or a tangent
     fwd_out = fwd.graph.output_node()
     outputs = list(fwd_out.args[0])
     fwd_out.args = (outputs[:num_fwd_outputs] + list(values) + outputs[num_fwd_outputs:],)
@@ -405,7 +406,6 @@ def save_for_backward(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs:
             placeholder.meta["val"] = value.meta["val"]
             inputs.append(placeholder)
     return inputs
-
 
 
 def saved_opaque_objects_last(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) -> int:
@@ -420,7 +420,7 @@ def saved_opaque_objects_last(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_
     outputs = list(fwd_out.args[0])
     inputs = saved_tensor_inputs(fwd, bwd, num_fwd_outputs)  # the non-symbols saved, then the tangents
     saved = [v for v in outputs[num_fwd_outputs:] if not _is_symbol(v)]
-    opaque = [i for i, v in enumerate(saved) if _is_opaque(v)]
+    opaque = [i for i, v in enumerate(saved) if is_opaque_node(v)]
     order = [i for i in range(len(saved)) if i not in opaque] + opaque
     if order == list(range(len(saved))):
         return 0
@@ -437,12 +437,6 @@ def saved_opaque_objects_last(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_
 
 def _is_symbol(value: Any) -> bool:
     return isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.SymInt | torch.SymFloat | torch.SymBool)
-
-
-def _is_opaque(value: Any) -> bool:
-    from torch._functorch._aot_autograd.graph_compile import is_opaque_node
-
-    return is_opaque_node(value)
 
 
 def readable_result(node: fx.Node) -> fx.Node:

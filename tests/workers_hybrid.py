@@ -135,7 +135,8 @@ def hpz_graph_facts(rank: int, world_size: int, size: int, name: str = "gpt", te
     opt.step()
     stats = zerograph.stats(model, opt)
     runtime = runtime_of_model(model)
-    forward, backward = graphs_of(model)[0]["forward"].graph, graphs_of(model)[0]["backward"].graph
+    record = graphs_of(model)[0]
+    forward, backward = record["forward"].graph, record["backward"].graph
     return {
         "world_gathers_in_backward": sum(COLLECTIVE_KINDS.get(n.target) == "all_gather" for n in backward.nodes),
         "node_gathers_in_backward": [(n.args[2] == runtime.secondary_group_name, n.args[3])
