@@ -10,8 +10,10 @@ from .errors import (
     ProcessGroupError,
     ScheduleMismatchError,
     ShardingError,
+    UnitSizeWarning,
     UnshardedParameterError,
     ZeroGraphError,
+    ZeroGraphWarning,
 )
 from .fake import FakeWorldError, fake_world
 from .policies import ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, SchedulePolicy
@@ -19,7 +21,7 @@ from .policies import ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, Sche
 __all__ = ["Config", "ActivationPolicy", "MemoryPolicy", "MixedPrecisionPolicy", "SchedulePolicy", "compile",
            "CollectiveError", "ConfigError", "ModelChangedError", "PassError", "PoolCorruptionError",
            "ProcessGroupError", "ScheduleMismatchError", "ShardingError", "UnshardedParameterError",
-           "ZeroGraphError", "fake_world", "FakeWorldError"]
+           "ZeroGraphError", "fake_world", "FakeWorldError", "UnitSizeWarning", "ZeroGraphWarning"]
 from . import checkpoint  # noqa: E402  (zerograph.checkpoint.save / load / full_state_dict)
 from .checkpoint import CheckpointError  # noqa: E402
 

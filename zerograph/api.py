@@ -47,6 +47,7 @@ from .sharding import (
 )
 from .state import STATE_ATTR, ZeroGraphState, state_of
 from .templates import FlatPlan, every_unit_inline, install_unit_templates, refresh_unit_modes, unit_parameters
+from .units import warn_large_units
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,11 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
             (nothing to shard: use stage 0 over ``process_group``); a 2-D mesh at stage 0 (DDP
             replicates everything: pass ``process_group``, or a 1-D mesh, instead).
 
+    Warns ``UnitSizeWarning`` at stage 3 when one unit, the root included, holds more than a quarter
+    of the parameters and repeated blocks inside it could be units; the message names the
+    ``Config(unit_classes=...)`` that splits it (``zerograph.units``, where the default units are
+    found: the children of the model's stacks of repeated blocks).
+
     Collective: every rank of the group takes group rank 0's parameters and buffers (``replicas.py``).
 
     Calling the compiled model raises (each a ``ZeroGraphError``):
@@ -158,6 +164,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
         mesh = DeviceMesh.from_group(group, device.type)
     originals = {name: p for name, p in model.named_parameters()}
     units = find_units(model, config.unit_classes)
+    warn_large_units(model, units, stage)  # before sharding: the blocks' classes are still their own
     precision = config.mixed_precision
     layouts, unit_objs = shard_module_(model, mesh, stage, units, next_key,
                                        param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,

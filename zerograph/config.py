@@ -60,9 +60,10 @@ class Config:
 
     Attributes:
         unit_classes: module classes whose instances become sharding units (the outermost match
-            wins). ``None`` picks the children of the model's largest ``nn.ModuleList`` /
-            ``nn.Sequential`` (one unit per block, as FSDP2 users wrap ``fully_shard`` per block).
-            Parameters outside every unit form the root unit.
+            wins). ``None`` finds the model's stacks of repeated blocks (``nn.ModuleList``,
+            ``nn.ModuleDict``, ``nn.Sequential``; several stacks, as an encoder-decoder's or a
+            two-tower model's) and makes each block a unit, as FSDP2 users wrap ``fully_shard``
+            per block (the rule: ``zerograph.units``). Parameters outside every unit form the root unit.
         lowering: ``"eager"`` runs the transformed FX graphs op by op (fast to compile);
             ``"inductor"`` compiles them with Inductor (C++ on CPU, Triton on GPU). ``"auto"`` (the
             default) is Inductor on CUDA, where its fused Triton kernels are the point of a compiler

@@ -1,4 +1,4 @@
-"""Exceptions a user can cause. Internal invariants use ``assert`` instead."""
+"""Exceptions a user can cause, and the warnings zerograph issues. Internal invariants use ``assert`` instead."""
 
 
 class ZeroGraphError(Exception):
@@ -60,3 +60,14 @@ class TemplateUnavailable(ZeroGraphError):
 class DynamicShapeTrace(TemplateUnavailable):
     """A unit template met a dynamic shape: the compiled forward traces the model again with every
     templated unit inline, for this trace only (``templates.every_unit_inline``)."""
+
+
+class ZeroGraphWarning(UserWarning):
+    """Base class of every warning zerograph issues (``warnings.warn``); filter it as a whole with
+    ``warnings.filterwarnings("ignore", category=zerograph.ZeroGraphWarning)``."""
+
+
+class UnitSizeWarning(ZeroGraphWarning):
+    """At stage 3 one sharding unit (the root included) holds more than a quarter of the model's
+    parameters although it holds repeated blocks that could be units of their own; the message
+    names the ``Config(unit_classes=...)`` that splits it (``zerograph.units``)."""

@@ -202,8 +202,8 @@ def plan(
             for ``L`` equal blocks); the rest of ``psi`` is the root unit. Default: one root unit
             holding all Ψ (a model with no units, gathered whole at stage 3).
         unit_classes: with a model only: module classes whose outermost instances are the units,
-            as ``zerograph.Config.unit_classes``; default the children of the largest
-            ``nn.ModuleList`` / ``nn.Sequential``.
+            as ``zerograph.Config.unit_classes``; default the blocks of the model's stacks of
+            repeated blocks, as ``zerograph.compile`` finds them (``zerograph.units.find_units``).
         replicas: R, the replicate dim of hybrid sharding (``compile(mesh=2-D mesh)``), >= 1;
             ``world_size`` is then the shard dim S. Stages 1-3 only when R > 1.
         secondary_partition_size: hpZ's M (ZeRO++ section 3.2): stage 3 only, a divisor of

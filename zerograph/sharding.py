@@ -26,6 +26,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
 from .errors import ModelChangedError, ShardingError
 from .ops import unshard
+from .units import find_units  # noqa: F401  (re-exported: api, plan and the bench import it from here)
 from .vocab import GRAD_MODES, GRAD_SYNC
 
 _UNSHARD = unshard._opoverload  # the op itself: Dynamo inlines a CustomOpDef's __call__, one frame per call
@@ -120,31 +121,6 @@ def make_layout(key: int, fqn: str, unit: int, param: torch.Tensor, world_size: 
         chunk, rank_rows = rows, (rows,) * world_size
     return ParamLayout(key, fqn, unit, tuple(param.shape), param.dtype, world_size, sharded, rank_rows, chunk,
                        param_dtype, reduce_dtype)
-
-
-def find_units(model: nn.Module, unit_classes: tuple[type[nn.Module], ...] | None) -> list[tuple[str, nn.Module]]:
-    """Modules that become units, in module order (the root unit is implicit).
-
-    With ``unit_classes`` the outermost instances of those classes; otherwise the children of the
-    ``nn.ModuleList`` / ``nn.Sequential`` holding the most parameters (a transformer's blocks).
-    """
-    if unit_classes:
-        found: list[tuple[str, nn.Module]] = []
-        for name, mod in model.named_modules():
-            if isinstance(mod, unit_classes) and mod is not model:
-                if not any(name.startswith(f"{outer}.") for outer, _ in found):
-                    found.append((name, mod))
-        return found
-    best, best_size = None, 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) > 1:
-            size = sum(p.numel() for p in mod.parameters())
-            if size > best_size:
-                best, best_size = (name, mod), size
-    if best is None:
-        return []
-    prefix = f"{best[0]}." if best[0] else ""
-    return [(f"{prefix}{child_name}", child) for child_name, child in best[1].named_children()]
 
 
 def _unit_of_modules(model: nn.Module, units: list[tuple[str, nn.Module]]) -> dict[int, int]:

@@ -34,6 +34,9 @@ def build_report(runtime: Any, captured: Any, stats: Any | None) -> dict[str, An
                      "elements": sum(layout.numel for layout in layouts), "shard_elements": sum(shard),
                      "shard_bytes": sum(n * layout.dtype.itemsize for n, layout in zip(shard, layouts)),
                      "gathered": [], "released": [], "reduced": []})
+    total = sum(row["elements"] for row in rows)
+    for row in rows:  # each unit's share of Ψ: stage 3 gathers a unit whole while it is in use
+        row["share"] = row["elements"] / total if total else 0.0
     for g, record in enumerate(captured.graphs):
         for kind in ("forward", "backward", "inference"):
             if kind not in record:
@@ -127,13 +130,14 @@ def summary_markdown(report: Mapping[str, Any]) -> str:
         "for it (how far it is prefetched). *Released*: the last node reading the unit's gathered "
         "parameters (`kept` = saved for backward).",
         "",
-        "| unit | name | params | elements | shard elements | shard bytes | gathered at | wait after "
+        "| unit | name | params | elements | share of Ψ | shard elements | shard bytes | gathered at | wait after "
         "| released at | reduced at |",
-        "|---:|---|---:|---:|---:|---:|---|---|---|---|",
+        "|---:|---|---:|---:|---:|---:|---:|---|---|---|---|",
     ]
     for u in report["units"]:
         lines.append(
-            f"| {u['index']} | {u['name']} | {u['parameters']} | {u['elements']:,} | {u['shard_elements']:,} "
+            f"| {u['index']} | {u['name']} | {u['parameters']} | {u['elements']:,} | {u.get('share', 0.0):.1%} "
+            f"| {u['shard_elements']:,} "
             f"| {u['shard_bytes']:,} | {_where(u['gathered'], many, _gathered_at)} "
             f"| {_where(u['gathered'], many, _wait_after)} | {_where(u['released'], many, _released_at)} "
             f"| {_where(u['reduced'], many, _reduced_at)} |")
