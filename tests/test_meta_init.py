@@ -18,8 +18,18 @@ import zerograph
 from zerograph.models.gpt import GPT, GPTConfig
 from zerograph.state import state_of
 
-from .distributed import fake_rank, spawn
-from .workers_meta import UNEVEN_GPT, gpt_init_passes, meta_gpt, meta_parity, meta_parity_and_memory, run_script
+from .distributed import fake_rank, run_as_rank, spawn
+from .workers_meta import (
+    TITAN_LLAMA,
+    UNEVEN_GPT,
+    gpt_init_passes,
+    llama_meta_init,
+    meta_gpt,
+    meta_parity,
+    meta_parity_and_memory,
+    ordinary_llama,
+    run_script,
+)
 
 STAGES = [0, 1, 2, 3]
 # training after a meta init costs a torch.compile per spawn: once, sharded (stage 3) at world 4.
@@ -64,6 +74,13 @@ def test_training_after_meta_init_matches_the_ordinary_model(parity_runs) -> Non
         run = result[TRAIN_STAGE]
         assert run["losses"] == pytest.approx(run["reference_losses"], rel=1e-5, abs=1e-5)
         assert run["max_param_difference"] < 1e-5
+
+
+@pytest.mark.distributed
+def test_torchtitan_llama_meta_init_trains_as_the_ordinary_build_on_two_ranks() -> None:
+    for result in spawn(llama_meta_init, 2, 2, timeout_s=300):
+        assert result["left"] == [] and result["rows_differ"] == []
+        assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-5, abs=1e-5)
 
 
 @pytest.mark.distributed
@@ -175,6 +192,44 @@ def test_meta_model_with_buffers_initialises_to_the_ordinary_build_and_refuses_u
         assert torch.equal(full[name], value), name
     assert all(b.device.type == "cpu" and not b.is_meta for b in model.buffers())
     assert model(x).item() == pytest.approx(ordinary(x).item(), rel=1e-6)
+
+
+# -- torchtitan's recipe (issue 42 item 4): a buffer re-assigned by init_weights, not written into ---
+@pytest.mark.parametrize("rank", [0, 1])
+def test_torchtitan_llama_meta_init_reassigning_its_rope_buffer_equals_the_ordinary_build(rank) -> None:
+    """Layers in a ModuleDict (a unit each), ``freqs_cis`` a non-persistent complex buffer that the
+    root's init re-assigns: counted as written, copied into the buffer compile allocated, and each
+    rank's rows bitwise the ordinary build's. Rank ``rank`` of a fake world of 2 (rank 0 then runs
+    a forward, no longer refused)."""
+    result = run_as_rank(llama_meta_init, 2, 0, rank == 0, rank=rank)
+    assert result["left"] == []  # was ['freqs_cis']: the re-assigned buffer looked never written
+    assert result["rows_differ"] == []
+    assert result["buffer_kept"] and result["buffer_equal"]
+    assert result["units"] == ["<root>"] + [f"layers.{i}" for i in range(TITAN_LLAMA.n_layers)]
+
+
+def test_reassigned_buffers_of_another_shape_are_refused_and_others_stay_as_assigned() -> None:
+    from zerograph.models.llama import Llama
+
+    with fake_rank(2):
+        with torch.device("meta"):
+            model = zerograph.compile(Llama(TITAN_LLAMA), stage=3, device="cpu")
+
+        def wrong_length(module: nn.Module) -> None:
+            if module is model:
+                model.freqs_cis = model.freqs_cis[:3].clone()
+
+        with pytest.raises(zerograph.ShardingError, match=r"re-assigned buffer 'freqs_cis' with \(3, 2\)"):
+            zerograph.init_weights(model, wrong_length)
+    ordinary = zerograph.compile(ordinary_llama(TITAN_LLAMA, 0), stage=3)  # buffers with values: as on any model
+    fresh = torch.ones_like(ordinary.freqs_cis[:3])
+
+    def shorter(module: nn.Module) -> None:
+        if module is ordinary:
+            ordinary.freqs_cis = fresh
+
+    assert zerograph.init_weights(ordinary, shorter) == []
+    assert ordinary.freqs_cis is fresh
 
 
 def test_init_weights_refuses_an_fn_that_writes_another_units_shards() -> None:

@@ -16,7 +16,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 import zerograph
+from zerograph.loading import local_rows
 from zerograph.models.gpt import GPT, GPTConfig
+from zerograph.models.llama import Llama, LlamaConfig
 
 # shard sizes that do not divide evenly at world 2 or 4: vocab 251 rows, block 15 rows, qkv 30
 # rows (world 4: 8, 8, 8, 6), n_embd 10 rows (world 4: 3, 3, 3, 1)
@@ -146,6 +148,64 @@ def meta_parity(rank: int, world_size: int, stages: list[int], train_stages: lis
             out["diverged_rng"] = None
         except zerograph.ShardingError as exc:
             out["diverged_rng"] = str(exc)
+    return out
+
+
+# torchtitan's recipe at uneven sizes: vocab 61 rows, wk/wv 8 rows, the FFN's 96 rows at world 2 and 4
+TITAN_LLAMA = LlamaConfig(dim=16, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=61, multiple_of=32, max_seq_len=8)
+
+
+def ordinary_llama(cfg: LlamaConfig, seed: int) -> nn.Module:
+    """torchtitan's way on one CPU: build, then ``init_weights()`` (its constructor draws nothing on
+    meta, so the seed is set between the two)."""
+    model = Llama(cfg)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def llama_meta_init(rank: int, world_size: int, steps: int = 0, forward: bool = True) -> dict:
+    """torchtitan's recipe on a meta-built Llama compiled at stage 3: ``init_weights`` through
+    ``model.init_module`` (its root re-assigns ``freqs_cis``), then this rank's rows against the
+    ordinary build's (bitwise); with ``steps``, AdamW steps against eager on the global batch, else
+    one forward (no longer refused) when ``forward``."""
+    cfg = TITAN_LLAMA
+    with torch.device("meta"):
+        model = zerograph.compile(Llama(cfg), stage=3, device="cpu")
+    compiled_buffer = model.freqs_cis
+    torch.manual_seed(0)
+    out: dict = {"left": zerograph.init_weights(model, model.init_module)}
+    ordinary = ordinary_llama(cfg, 0)
+    rows = local_rows(model)
+    out["rows_differ"] = [name for name, p in model.named_parameters() for layout, start, stop in [rows[id(p)]]
+                          if not torch.equal(p.to_local(), ordinary.get_parameter(name)[start:stop])]
+    out["units"] = [u.name for u in zerograph.state.state_of(model).runtime.units]
+    out["buffer_kept"] = model.freqs_cis is compiled_buffer  # the values were copied into compile's buffer
+    out["buffer_equal"] = torch.equal(model.freqs_cis, ordinary.freqs_cis)
+    if steps:
+        def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), generator=torch.Generator().manual_seed(step))
+            return x, torch.roll(x, -1, dims=1)
+
+        per = 4 // world_size
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ordinary))
+        out["losses"], out["reference_losses"] = [], []
+        for step in range(steps):
+            x, y = batch(step)
+            loss = model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            out["losses"].append(mean.item() / world_size)
+            ref = ordinary(x, y)
+            ref.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            out["reference_losses"].append(ref.item())
+    elif forward:
+        model(*(torch.zeros(1, cfg.max_seq_len, dtype=torch.long),) * 2)  # no longer refused
     return out
 
 

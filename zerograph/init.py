@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import ShardingError
-from .loading import local_rows, versions
+from .loading import UninitialisedTracker, local_rows, versions
 from .sharding import ROOT_INDEX, ParamLayout
 from .state import state_of
 
@@ -41,7 +41,10 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
     after construction (as the GPT of ``zerograph.models.gpt`` does: ``self.apply(_init_weights)``,
     then a scaled init of the residual projections) is reproduced by giving those passes in
     order, ``fn=[reset_parameters, pass_2, pass_3]``: each is a full walk over the modules, as in
-    the constructor. Buffers are the real ones (``reset_parameters`` may write running statistics).
+    the constructor. Buffers are the real ones (``reset_parameters`` may write running statistics);
+    an ``fn`` may also re-assign a buffer of a meta-built model instead of writing into it, as
+    torchtitan's ``init_weights`` does (``self.freqs_cis = self._precompute_freqs_cis()``): the new
+    values are copied into the buffer ``compile`` allocated, which is put back and counts as written.
 
     How: per sharding unit, every rank materialises the unit's full parameters on ``device``
     (plain tensors swapped into the modules while ``fn`` runs), runs ``fn`` on the unit's modules
@@ -79,7 +82,8 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
     Raises:
         ShardingError: ``model`` was not compiled by zerograph; ``fn`` draws random numbers but the
             ranks' RNG states differ (seed every rank alike first: ``torch.manual_seed(seed)``;
-            raised before the first random value is written); ``fn`` wrote a shard directly.
+            raised before the first random value is written); ``fn`` wrote a shard directly; ``fn``
+            re-assigned an empty buffer with another shape or dtype (or deleted it).
 
     Source: FSDP2's meta-device initialisation (``to_empty`` + ``reset_parameters``) and
     torchtitan's per-module ``init_weights``; DeepSpeed's ``zero.Init`` gathers-then-slices the same way.
@@ -141,6 +145,7 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
             fulls[key] = param
         open_units[unit] = fulls
 
+    empty_buffers = _empty_buffer_slots(model, state.uninitialised)
     try:
         for init in passes:
             for mod in model.modules():
@@ -151,6 +156,8 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
                     for unit in sorted(needed - open_units.keys()):
                         materialise(unit)
                 init(mod)
+                if empty_buffers:
+                    empty_buffers = _adopt_reassigned_buffers(empty_buffers)
             for unit in list(open_units):
                 release(unit)
     finally:  # on an error in fn: put every shard back, write nothing more
@@ -166,6 +173,45 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
             "parameters of another sharding unit, outside the ones materialised for it), so they hold DTensor "
             "random values, not an ordinary build's: write fn to initialise the module it is given")
     return state.uninitialised.pending() if state.uninitialised is not None else []
+
+
+BufferSlot = tuple[str, nn.Module, str, torch.Tensor]  # (qualified name, module, attribute, the buffer compile made)
+
+
+def _empty_buffer_slots(model: nn.Module, tracker: UninitialisedTracker | None) -> list[BufferSlot]:
+    """Every place a buffer of a meta-built model that holds no values yet is registered."""
+    if tracker is None:
+        return []
+    return [(f"{mod_name}.{name}" if mod_name else name, mod, name, buf)
+            for mod_name, mod in model.named_modules(remove_duplicate=False)
+            for name, buf in mod._buffers.items() if buf is not None and tracker.unwritten(buf)]
+
+
+def _adopt_reassigned_buffers(slots: list[BufferSlot]) -> list[BufferSlot]:
+    """Treat an empty buffer that ``fn`` re-assigned (``self.freqs_cis = ...``, torchtitan's
+    ``init_weights``) instead of writing into as written: the new values are copied into the buffer
+    ``compile`` allocated, which goes back in its place, so it keeps its device and stays shared
+    with the other modules that hold it, and the uninitialised-tensor guard sees the write.
+    Returns the slots still waiting.
+
+    Raises ``ShardingError`` when the new tensor's shape or dtype differs from the buffer's: the
+    model was built (and compiled) with the other one."""
+    waiting = []
+    for fqn, mod, name, buf in slots:
+        new = mod._buffers.get(name)
+        if new is buf:
+            waiting.append((fqn, mod, name, buf))
+            continue
+        if new is None or new.shape != buf.shape or new.dtype != buf.dtype:
+            got = "None" if new is None else f"{tuple(new.shape)} {new.dtype}"
+            raise ShardingError(
+                f"init_weights: fn re-assigned buffer {fqn!r} with {got}, but the model was built and compiled with "
+                f"{tuple(buf.shape)} {buf.dtype}; build the model so that the buffer has its final shape and dtype "
+                "(a re-assigned buffer of the same shape and dtype is copied into the compiled model's)")
+        with torch.no_grad():
+            buf.copy_(new)
+        mod._buffers[name] = buf
+    return waiting
 
 
 def _local(shard: torch.Tensor) -> torch.Tensor:

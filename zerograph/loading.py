@@ -65,6 +65,10 @@ class UninitialisedTracker:
         local = _local(t)  # only the shared counter moved: a write to this shard, or to a neighbour
         return local.numel() > 0 and bool(torch.isnan(local).all())
 
+    def unwritten(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is one of the tracked tensors and holds no values yet."""
+        return any(t is tensor and self._unwritten(t, v) for _, t, v in self.entries)
+
     def pending(self) -> list[str]:
         """Names not written yet (a written tensor is dropped for good)."""
         self.entries = [(n, t, v) for n, t, v in self.entries if self._unwritten(t, v)]
