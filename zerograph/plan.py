@@ -106,6 +106,21 @@ class Plan:
         secondary_partition_bytes: hpZ: the secondary partition each rank holds from forward to
             backward, 1/M of every unit's padded parameters in ``param_dtype`` (rounded up);
             counted in ``total_with_overheads``. 0 without hpZ.
+        activation_bytes: saved activations of one step's forward, estimated from
+            ``example_inputs`` (``saved_activation_bytes``); ``None`` when none were given.
+        step_peak_bytes: the predicted peak of bytes alive on one rank during a training step, the
+            sum of ``step_peak_breakdown``.
+        step_peak_breakdown: ``"model_states"`` (``bytes_per_rank["total"] + padding_bytes``, plus
+            hpZ's secondary partition), ``"gathered_params"`` (stage 3: the root unit, always
+            gathered in forward and again at the start of backward, plus the ``prefetch_depth +
+            1`` largest other units, the one computing and those prefetched), ``"gradient_buckets"``
+            (stages 2-3: the full gradients of the two largest units, the one whose gradients are
+            being produced and the one being reduce-scattered, or twice the ``bucket_bytes``
+            argument; stages 0-1: 0, full gradients are in the model states) and
+            ``"activations"`` (``activation_bytes``, 0 when unknown). At stages 1-2 the gathered
+            compute copy is already in ``"model_states"``.
+        peak_notes: what the step peak leaves out, one sentence each (e.g. the activations when
+            no ``example_inputs`` were given; the gradients of activations in backward always).
     """
 
     stage: int
@@ -128,6 +143,10 @@ class Plan:
     comm_bytes_per_dim: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
     secondary_partition_size: int | None = None
     secondary_partition_bytes: int = 0
+    activation_bytes: int | None = None
+    step_peak_bytes: int = 0
+    step_peak_breakdown: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    peak_notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         psi = self.psi
@@ -154,6 +173,9 @@ class Plan:
         rows += [
             ("total with overheads [GB/rank]", _gb(self.total_with_overheads)),
         ]
+        for key, value in self.step_peak_breakdown.items():
+            rows.append((f"step peak: {key.replace('_', ' ')} [GB/rank]", _gb(value)))
+        rows.append(("step peak [GB/rank]", _gb(self.step_peak_bytes)))
         for key in ("all_gather", "reduce_scatter", "all_reduce", "total"):
             rows.append((f"comm {key} [elements]", _in_psi(self.comm_elements_per_step[key], psi)))
         for dim, counts in self.comm_bytes_per_dim.items():
@@ -161,6 +183,7 @@ class Plan:
         width = max(len(name) for name, _ in rows)
         lines = ["zerograph plan (ZeRO, arXiv 1910.02054; GB = 1e9 bytes)"]
         lines += [f"  {name:<{width}}  {value}" for name, value in rows]
+        lines += [f"  note: {note}" for note in self.peak_notes]
         return "\n".join(lines)
 
 
@@ -179,6 +202,7 @@ def plan(
     unit_classes: tuple[type[nn.Module], ...] | None = None,
     replicas: int = 1,
     secondary_partition_size: int | None = None,
+    example_inputs: Sequence[object] | None = None,
 ) -> Plan:
     """Plan the per-rank memory and per-step communication of ZeRO stage ``stage`` on ``world_size`` ranks.
 
@@ -215,8 +239,9 @@ def plan(
     Raises:
         ValueError (``zerograph.ConfigError``): stage not in 0-3, world_size < 1, an unknown
             optimizer, a non-floating dtype, prefetch_depth or bucket_bytes negative, both or
-            neither of ``model`` and ``psi``, ``psi`` < 1, or ``unit_numels`` / ``unit_classes``
-            given for the other mode or summing above ``psi``.
+            neither of ``model`` and ``psi``, ``psi`` < 1, ``unit_numels`` / ``unit_classes``
+            given for the other mode or summing above ``psi``, or ``example_inputs`` without a
+            model or not a sequence.
     """
     stage, world_size = _check_stage(stage), _check_count("world_size", world_size, minimum=1)
     replicas = _check_count("replicas", replicas, minimum=1)
@@ -250,6 +275,8 @@ def plan(
             raise ConfigError("give a model, or model=None with psi= (the parameter count)")
         if unit_classes is not None:
             raise ConfigError("unit_classes= needs a model; with psi= give unit_numels=")
+        if example_inputs is not None:
+            raise ConfigError("example_inputs= needs a model (the activations come from running its forward on meta)")
         psi = _check_count("psi", psi, minimum=1)
         unit_names, params = _psi_params(psi, unit_numels)
 
@@ -316,6 +343,27 @@ def plan(
                                                      // secondary_partition_size for u in unit_padded if u),
                                    "reduce_scatter": 0, "all_reduce": 0}
     total_with = memory["total"] + padding + bucket + (inflight if stage == 3 else 0) + secondary
+
+    notes = []
+    activations = None
+    if example_inputs is not None:
+        activations = saved_activation_bytes(model, example_inputs, param_dtype)
+    else:
+        notes.append("saved activations left out: give example_inputs= (one rank's model inputs, meta "
+                     "tensors will do) to estimate them")
+    others_first = sorted(unit_padded[1:], reverse=True)
+    if stage == 3:
+        gathered = (unit_padded[0] + sum(others_first[: prefetch_depth + 1])) * p_bytes
+    else:
+        gathered = 0  # stages 1-2: the compute copy is in the model states; stage 0 holds nothing else
+    if stage >= 2:
+        buckets = 2 * bucket_bytes if bucket_bytes is not None else sum(largest_first[:2]) * p_bytes
+    else:
+        buckets = 0
+    breakdown = {"model_states": memory["total"] + padding + secondary, "gathered_params": gathered,
+                 "gradient_buckets": buckets, "activations": activations or 0}
+    notes.append("left out: the gradients of activations and the temporaries of the op running in backward, "
+                 "the allocator's slack and the framework's own memory (compiled code, caches)")
     return Plan(
         stage=stage,
         world_size=world_size,
@@ -337,7 +385,57 @@ def plan(
         comm_bytes_per_dim=types.MappingProxyType({d: types.MappingProxyType(c) for d, c in comm_bytes.items()}),
         secondary_partition_size=secondary_partition_size,
         secondary_partition_bytes=secondary,
+        activation_bytes=activations,
+        step_peak_bytes=sum(breakdown.values()),
+        step_peak_breakdown=types.MappingProxyType(breakdown),
+        peak_notes=tuple(notes),
     )
+
+
+def saved_activation_bytes(model: nn.Module, example_inputs: Sequence[object],
+                           param_dtype: torch.dtype | None = None) -> int:
+    """Bytes of the tensors autograd saves for backward in one ``model(*example_inputs)``.
+
+    Runs the forward on the meta device (no storage allocated, no values read): each parameter
+    and buffer is replaced by a meta tensor of its shape (floating parameters in ``param_dtype``
+    when given, as mixed precision computes), tensor inputs by meta tensors of theirs (floating
+    ones in ``param_dtype``), through ``torch.func.functional_call``; a
+    ``saved_tensors_hooks`` pack hook records every saved tensor's storage, each counted once,
+    leaving out the parameters' and buffers' own storages (stage 3 saves only shards of them and
+    gathers again). This is eager autograd's saved set; a compiled step (AOTAutograd's min-cut
+    partition) may save less by recomputing cheap ops, so it is an upper estimate of what
+    ``zerograph.stats(...).saved_activation_bytes`` reports.
+
+    Raises:
+        ConfigError: ``example_inputs`` is not a sequence, or the forward fails on meta (a model
+            that reads tensor values, e.g. ``.item()``), with the error it raised.
+    """
+    if isinstance(example_inputs, (str, bytes, torch.Tensor)) or not isinstance(example_inputs, Sequence):
+        raise ConfigError(f"example_inputs must be a sequence of model arguments, got {type(example_inputs).__name__}")
+
+    def to_meta(t: torch.Tensor, cast: bool) -> torch.Tensor:
+        dtype = param_dtype if cast and param_dtype is not None and t.is_floating_point() else t.dtype
+        return torch.empty(t.shape, dtype=dtype, device="meta").requires_grad_(t.requires_grad and cast)
+
+    state = {name: to_meta(p, True) for name, p in model.named_parameters()}
+    state.update({name: to_meta(b, False) for name, b in model.named_buffers()})
+    args = [to_meta(a, True).requires_grad_(False) if isinstance(a, torch.Tensor) else a for a in example_inputs]
+    own = {t.untyped_storage()._cdata for t in state.values()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in own:
+            saved[storage._cdata] = storage.nbytes()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.func.functional_call(model, state, tuple(args), tie_weights=True, strict=False)
+    except Exception as exc:  # any failure of a user's forward on meta
+        raise ConfigError(f"example_inputs: the model's forward failed on the meta device, so its activations "
+                          f"cannot be estimated ({type(exc).__name__}: {exc}); leave example_inputs out") from exc
+    return sum(saved.values())
 
 
 def _comm_bytes_per_dim(stage: int, shards: int, replicas: int, unit_padded: list[int],

@@ -1,0 +1,89 @@
+"""zerograph.plan's predicted step peak: model states + gathered units + gradient buckets + saved activations."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zerograph.errors import ConfigError
+from zerograph.plan import plan, saved_activation_bytes
+
+
+class Stack(nn.Module):
+    """A root Linear(8, 8) and three blocks of unequal sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8, bias=False)                                  # root: 64
+        self.blocks = nn.ModuleList([nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False),
+                                     nn.Linear(8, 8, bias=False)])            # 64 each
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x.sum()
+
+
+def meta_stack() -> nn.Module:
+    with torch.device("meta"):
+        return Stack()
+
+
+def test_saved_activations_of_a_tiny_mlp_by_hand():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.empty(2, 8, device="meta")
+    # autograd saves: Linear 1's input (2x8) and ReLU's output (2x16), which Linear 2 saves too
+    # (one storage); the weights are not counted. fp32: (16 + 32) * 4 bytes.
+    assert saved_activation_bytes(model, (x,)) == (2 * 8 + 2 * 16) * 4
+    assert saved_activation_bytes(model, (x,), torch.bfloat16) == (2 * 8 + 2 * 16) * 2
+    assert all(p.device.type == "meta" for p in model.parameters())  # the model is left as it was
+
+
+def test_saved_activations_of_a_real_model_allocate_nothing():
+    model = nn.Linear(4, 4)
+    before = model.weight.detach().clone()
+    assert saved_activation_bytes(model, (torch.ones(3, 4),)) == 3 * 4 * 4
+    assert torch.equal(model.weight.detach(), before)
+
+
+def test_step_peak_breakdown_at_stage_3():
+    x = torch.empty(2, 8, device="meta")
+    p = plan(meta_stack(), 3, 4, param_dtype=torch.float32, master_dtype=torch.float32, prefetch_depth=1,
+             example_inputs=(x,))
+    unit = 64 * 4  # bytes of one unit's parameters (8 x 8 fp32, 8 rows shard evenly over 4 ranks)
+    assert p.step_peak_breakdown["model_states"] == p.bytes_per_rank["total"] + p.padding_bytes == 16 * 256 // 4
+    assert p.step_peak_breakdown["gathered_params"] == unit + 2 * unit  # the root + prefetch_depth + 1 blocks
+    assert p.step_peak_breakdown["gradient_buckets"] == 2 * unit
+    assert p.step_peak_breakdown["activations"] == p.activation_bytes > 0
+    assert p.step_peak_bytes == sum(p.step_peak_breakdown.values())
+    assert "step peak" in str(p)
+
+
+def test_step_peak_without_inputs_leaves_activations_out_and_says_so():
+    p = plan(meta_stack(), 3, 4)
+    assert p.activation_bytes is None and p.step_peak_breakdown["activations"] == 0
+    assert any("example_inputs" in note for note in p.peak_notes)
+    assert p.step_peak_bytes == sum(p.step_peak_breakdown.values())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_step_peak_below_stage_3_gathers_nothing_extra(stage):
+    p = plan(meta_stack(), stage, 4)
+    assert p.step_peak_breakdown["gathered_params"] == 0
+    assert p.step_peak_breakdown["gradient_buckets"] == (2 * 64 * 2 if stage == 2 else 0)  # bf16, two units
+
+
+def test_step_peak_grows_with_prefetch_depth():
+    shallow, deep = plan(meta_stack(), 3, 4, prefetch_depth=0), plan(meta_stack(), 3, 4, prefetch_depth=2)
+    assert deep.step_peak_breakdown["gathered_params"] - shallow.step_peak_breakdown["gathered_params"] == 2 * 64 * 2
+
+
+def test_example_inputs_errors():
+    with pytest.raises(ConfigError, match="needs a model"):
+        plan(None, 3, 4, psi=100, example_inputs=(torch.empty(1),))
+    with pytest.raises(ConfigError, match="sequence"):
+        plan(meta_stack(), 3, 4, example_inputs=torch.empty(2, 8))
+    with pytest.raises(ConfigError, match="failed on the meta device"):
+        plan(meta_stack(), 3, 4, example_inputs=(torch.empty(2, 5, device="meta"),))  # wrong width
