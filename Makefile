@@ -1,8 +1,9 @@
 # Two entry points, each doing all set-up from a bare Python:
 #   make demo        create .venv, install, train the GPT example at ZeRO-3 on 2 CPU ranks
-#   make test        create .venv, install (about 30 s), lint (ruff), run the whole test suite (about 5 min on 2 cores)
-#   make test-fast   the same without the tests that spawn gloo ranks or are slow (about 1 min)
-# Both run two pytest-xdist workers: one runs every test that spawns ranks, in order, while the
+#   make test        create .venv, install, lint (ruff), build the docs site (warnings as errors), run the whole test suite
+#   make test-fast   lint and the tests that neither spawn gloo ranks nor are marked slow
+# (and `make docs`: build the docs site, mkdocs.yml and docs/, into site/, warnings as errors).
+# test and test-fast run two pytest-xdist workers: one runs every test that spawns ranks, in order, while the
 # other runs the in-process tests (tests/conftest.py: _xdist_scope), so the 2 cores stay busy
 # without two spawns' ranks competing for them.
 PYTHON ?= python3
@@ -16,20 +17,17 @@ STEPS  ?= 300
 
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast lint bytecode install clean
+.PHONY: demo test test-fast lint bytecode docs install clean
 
-# uv installs (pip's interface; it resolves, downloads and unpacks in parallel): `make install` in a
-# fresh clone with an empty uv cache took 28-36 s against pip's 52-65 s (four and three runs, the
-# same packages and versions). uv reads no pip.conf, so it is handed pip's find-links, where this
+# uv installs (pip's interface; it resolves, downloads and unpacks in parallel, so a fresh install
+# takes less time than pip's, with the same packages and versions). uv reads no pip.conf, so it is handed pip's find-links, where this
 # project's machines keep the CPU wheel of torch (PIP_FIND_LINKS, else pip's configuration).
 # Where uv cannot be installed or fails (no index it can reach, no cache it can write), pip
 # installs everything, as before. uv keeps the wheels it unpacked in ~/.cache/uv (UV_CACHE_DIR), which
 # `make clean` leaves; `.venv/bin/uv cache clean` empties it.
-# Nothing is byte-compiled on install: pip does it one file at a time (about a third of its
-# install); compileall does it on every core. A file it cannot compile (torch ships one in Python
+# Nothing is byte-compiled on install: pip does it one file at a time; compileall does it on every core. A file it cannot compile (torch ships one in Python
 # 3.12 syntax) is skipped, as pip skips it. Skipped too, as nothing imports them: the packages' own
-# tests, pip and setuptools, and every transformers model but Llama (40% of the sources;
-# 10.7-15.1 s against 17.9 s on 2 cores)
+# tests, pip and setuptools, and every transformers model but Llama (a large share of the sources)
 NO_COMPILE := /tests?/|/site-packages/(pip|setuptools)/|/transformers/models/(?!llama/|auto/)[a-z_0-9]+/
 REQUIREMENTS = "$(TORCH)" "$(TRITON)" -e ".[test]"
 $(BIN)/.installed: pyproject.toml
@@ -37,7 +35,7 @@ $(BIN)/.installed: pyproject.toml
 	set --; for link in $${PIP_FIND_LINKS:-$$($(BIN)/pip config get global.find-links 2>/dev/null)}; do \
 	  set -- "$$@" --find-links "$$link"; done; \
 	{ $(BIN)/pip install --quiet uv && $(BIN)/uv pip install --quiet --python $(BIN)/python "$$@" $(REQUIREMENTS); } || \
-	{ echo "uv could not install: pip installs instead (about twice as long)"; \
+	{ echo "uv could not install: pip installs instead (slower)"; \
 	  $(BIN)/pip install --quiet --no-compile $(REQUIREMENTS); }
 	$(BIN)/python -m compileall -q -j 0 -x '$(NO_COMPILE)' "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
 	touch $@
@@ -51,18 +49,25 @@ lint: install
 	$(BIN)/python -m ruff check .
 
 # the project's own sources byte-compiled once: where PYTHONDONTWRITEBYTECODE is set (this
-# machine), every process that imports zerograph would compile it from source again (0.21 against
-# 0.15 CPU s for zerograph.api; tests/test_layers.py's 80 children, 16.7 against 13.1 s). A source
-# edited later is compiled in memory as before: Python checks each .pyc against its source.
+# machine), every process that imports zerograph would compile it from source again, and the tests
+# start many such processes. A source edited later is compiled in memory as before: Python checks
+# each .pyc against its source.
 bytecode: install
 	$(BIN)/python -m compileall -q -j 0 zerograph passes tests examples > /dev/null
 
-test: lint bytecode
+# the documentation site, warnings as errors (mkdocs.yml: mkdocstrings renders the API reference
+# from the docstrings, so a docstring that names a parameter its function lacks fails here);
+# NO_MKDOCS_2_WARNING quiets mkdocs-material's banner about MkDocs 2.0, which is not a build warning.
+# Not --quiet: it silences the warnings themselves, and --strict then passes whatever they say
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+test: lint bytecode docs
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-fast: lint bytecode
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not distributed and not slow"
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info site
 	find zerograph passes tests examples -name __pycache__ -prune -exec rm -rf {} +

@@ -4,7 +4,7 @@
 ``MixedPrecisionPolicy`` style): ``mixed_precision``, ``schedule``, ``memory``, ``activations``.
 The flat keywords of earlier releases (``Config(bucket_bytes=..., param_dtype=...)``) keep working
 as a shorthand that fills the policies, with no deprecation warning: they are what most scripts
-and the README use, one line shorter, and they cannot drift from the policies because they are
+and the docs use, one line shorter, and they cannot drift from the policies because they are
 not stored anywhere else (``FLAT_KEYWORDS`` maps each to its policy field).
 
 Config sits above the passes: it checks ``disabled_passes`` against the passes' contracts when
@@ -69,7 +69,7 @@ class Config:
             default) is Inductor on CUDA, where its fused Triton kernels are the point of a compiler
             (SimpleFSDP and DeepCompile report their gains from it), and eager on CPU, where
             Inductor's C++ code measured no faster on this project's GPT and its cold C++
-            compiles cost seconds (README, "Choices worth knowing").
+            compiles cost seconds (docs/stages.md, "Lowering").
         timeout_s: seconds a collective may wait for its peers before the process group raises
             (passed to ``init_process_group`` when zerograph creates the group).
         dump_dir: directory to write every graph before and after every pass; ``None`` reads the
@@ -110,7 +110,7 @@ class Config:
             unit's all-gather, reduce-scatter, prefetch and release. At every stage (without hpZ or
             quantized collectives) each such unit's shards also live in one flat buffer, one graph
             input and one all-gather marker per unit (``zerograph.flat``), so compile time grows
-            about 6x more slowly with depth (README, "Compile time"). Units called with keyword
+            about 6x more slowly with depth (docs/benchmarks.md, "Compile time"). Units called with keyword
             or non-tensor arguments run inline. ``False``: the per-parameter build, every unit's
             body traced into the graph (one input and marker per parameter). ``None`` (default):
             ``True``, unless ``activation_budget_bytes`` is set (the activation plan moves a
@@ -122,8 +122,8 @@ class Config:
             (``zerograph.islands``). ``False`` (default): Inductor lowers the templated bodies,
             what repeats, and the rest runs op by op as ATen, as FSDP2 + ``torch.compile`` per
             block (torchtitan) leaves the root uncompiled; each distinct island costs about 1 s
-            of cold C++ compile on CPU, seven on the GPT, about half of the first step (README,
-            "Compile time against depth"). Without templates Inductor lowers the whole graph
+            of cold C++ compile on CPU, seven on the GPT, about half of the first step (docs/benchmarks.md,
+            "Compile time"). Without templates Inductor lowers the whole graph
             either way. ``True`` with ``lowering="eager"`` raises ``ConfigError``; under
             ``"auto"`` it takes effect where the lowering resolves to Inductor (CUDA).
 

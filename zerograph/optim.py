@@ -41,10 +41,14 @@ class AdamW(torch.optim.Optimizer):
         eps: added to the bias-corrected root of the second moment.
         weight_decay: decoupled weight decay; each step first scales parameters by
             ``1 - lr * weight_decay``.
-        amsgrad, maximize, capturable, differentiable: must be False (``NotImplementedError``
-            otherwise); kept so the constructor and ``param_groups`` match torch's.
-        foreach, fused: accepted and stored for ``state_dict`` compatibility; ignored (the
+        amsgrad: must be False (``NotImplementedError`` otherwise); kept so the constructor and
+            ``param_groups`` match torch's.
+        maximize: as ``amsgrad``.
+        capturable: as ``amsgrad``.
+        differentiable: as ``amsgrad``.
+        foreach: accepted and stored for ``state_dict`` compatibility; ignored (the
             implementation is chosen per tensor as described in the module docstring).
+        fused: as ``foreach``.
         use_triton: passed to :func:`zerograph.kernels.adamw_step` (``None`` = automatic).
 
     State per parameter, as in torch.optim.AdamW: ``step`` (float32 scalar tensor on the CPU),

@@ -135,8 +135,8 @@ def prime_systems(specs: list[SystemSpec], device: torch.device, lr: float) -> l
     process keeps after its first model of a kind (modules imported on first use, process-wide
     caches of Dynamo, AOTAutograd and FSDP2) then sits in every system's baseline instead of in
     the first measured system's peak. On the 4 x 384 GPT at world size 2 over gloo the first
-    system measured 7-11 MiB more peak RSS than the same system measured second (README,
-    "Measured"). One spec per ``(kind, compiled, lowering)``; returns those primed. Collective:
+    system measured 7-11 MiB more peak RSS than the same system measured second (docs/bench.md,
+    "Definitions"). One spec per ``(kind, compiled, lowering)``; returns those primed. Collective:
     every rank calls it with the same ``specs``."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tiny = load_workload("tiny", world_size, None, 0)

@@ -98,10 +98,11 @@ def adamw_step(
         param: parameter shard, updated in place. The Triton kernel takes fp32, contiguous, any shape
             (treated as 1-D of ``n`` elements).
         grad: its gradient, same shape; fp32, bf16 or fp16 (upcast to fp32 in registers). Not modified.
-        exp_avg, exp_avg_sq: AdamW's first and second moments, same shape as ``param`` (fp32 for the
-            kernel), updated in place.
+        exp_avg: AdamW's first moment, same shape as ``param`` (fp32 for the kernel), updated in place.
+        exp_avg_sq: AdamW's second moment, likewise.
         lr: learning rate (step size in parameter units per unit of normalized gradient).
-        beta1, beta2: moment decay rates in [0, 1).
+        beta1: the first moment's decay rate, in [0, 1).
+        beta2: the second moment's decay rate, in [0, 1).
         eps: added to the bias-corrected ``sqrt(exp_avg_sq)``.
         weight_decay: decoupled decay coefficient; the parameter is scaled by ``1 - lr*weight_decay``
             before the Adam update, as in torch.optim.AdamW.
