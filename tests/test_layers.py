@@ -1,6 +1,6 @@
 """The package's import structure: one-way layers, no cycles, every module importable first.
 
-``LAYERS`` is the architecture in code (the README's layout section says the same in words): a
+``LAYERS`` is the architecture in code (the layout in docs/design.md says the same in words): a
 module may import, at module level, only from its own layer or the layers before it; imports
 inside functions (kept for optional, heavy parts such as the dump) may point anywhere but must
 not close a cycle. ``test_every_module_imports_first`` imports each module as the first zerograph
@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # bottom to top; a pattern ending in * covers a package and its modules
 LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["zerograph.errors", "zerograph.vocab", "zerograph.registry", "zerograph.policies", "zerograph.fake",
-              "zerograph.state", "zerograph.models*"]),
+              "zerograph.state", "zerograph.units", "zerograph.models*"]),
     ("tensors", ["zerograph.kernels*", "zerograph.ops", "zerograph.buffer_pool", "zerograph.sharding",
                  "zerograph.flat", "zerograph.loading"]),
     ("passes", ["zerograph.costmodel", "zerograph.passes*"]),
@@ -59,7 +59,7 @@ def layer_of(module: str) -> int:
         if any(fnmatch.fnmatch(module, p) or module == p.rstrip("*").rstrip(".") for p in patterns):
             return index
     raise AssertionError(f"module {module} is in no layer: add it to LAYERS in tests/test_layers.py "
-                         f"(and to the README's layout section)")
+                         f"(and to the layout in docs/design.md)")
 
 
 def imports_of(module: str, path: pathlib.Path, known: set[str]) -> list[tuple[str, bool]]:

@@ -41,6 +41,7 @@ from .sharding import (
     forget_shape_history,
     set_gathering,
     set_grad_mode,
+    set_substituted,
     shard_module_,
     sharded_parameter,
     traceable_forward,
@@ -246,21 +247,27 @@ def _flat_plan(runtime: Runtime, config: Config, units: list[tuple[str, nn.Modul
     def make(index: int, name: str, module: nn.Module) -> FlatShard:
         return flatten_unit_(index, name, *layouts(module), runtime.rank, next_key())
 
-    return FlatPlan(can, make)
+    def retire(flat: FlatShard) -> None:
+        runtime.flat_shards.pop(flat.layout.key, None)
+
+    return FlatPlan(can, make, retire)
 
 
 def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: ZeroGraphState = getattr(self, STATE_ATTR)
     state.watch.check_unchanged()
+    substituted = False
     for flat in state.runtime.flat_shards.values():
         if not flat.check_views():  # a flattened parameter was frozen: Dynamo guards on the flat leaf only
             state.watch.check_trainable()
+        substituted = flat.substituted() or substituted  # every unit's, each marks its modules
     if state.uninitialised is not None:  # a meta-built model until every shard got values
         state.uninitialised.check()
         state.uninitialised = None
     refresh_unit_modes(state.unit_kinds)
     state.runtime.start_forward()
     previous = set_gathering(True)
+    previous_substituted = set_substituted(substituted)
     mode = state.runtime.grad_mode()
     previous_mode = set_grad_mode(mode)  # read (and guarded on) by the trace
     try:
@@ -278,6 +285,7 @@ def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise
     finally:
         set_gathering(previous)
+        set_substituted(previous_substituted)
         set_grad_mode(previous_mode)
 
 
@@ -289,7 +297,12 @@ def _run_falling_back(state: ZeroGraphState, model: nn.Module, args: tuple, kwar
     inline_trace = contextlib.nullcontext()
     if not state.captured.graphs:  # this model's first trace: static, whatever other models of its class saw
         forget_shape_history(state.compiled_forward.__wrapped__)
-    for _ in range(len(state.unit_kinds) + 2):
+    # a retry runs again the graphs that ran before the failed trace (those before a graph break):
+    # their writes to buffers (a counter, running statistics) and their random numbers are undone
+    # first, so the retried forward is the one eager runs once
+    before = _ForwardSideEffects(model) if state.unit_kinds else None
+    # a kind falls back at most three times (in a training-flag mode, off its flat shards, to islands)
+    for _ in range(3 * len(state.unit_kinds) + 2):
         try:
             with inline_trace:
                 return state.compiled_forward(model, *args, **kwargs)
@@ -297,9 +310,31 @@ def _run_falling_back(state: ZeroGraphState, model: nn.Module, args: tuple, kwar
             error = _own_error(exc)
             if not isinstance(error, TemplateUnavailable):
                 raise
+            if before is not None:
+                before.undo()
             if isinstance(error, DynamicShapeTrace):  # this trace again, every unit inline (no template is asked)
                 inline_trace = every_unit_inline()
-    raise AssertionError("unreachable: each retry makes one more kind of unit, or the whole trace, inline")
+    raise AssertionError("unreachable: each retry makes one more kind of unit, or the whole trace, more inline")
+
+
+class _ForwardSideEffects:
+    """What a forward may change besides its outputs, kept before it runs: every buffer's value
+    and version, and the random number generators' states (CPU, and the accelerator's)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.buffers = [(b, b._version, b.detach().clone()) for b in model.buffers() if not b.is_meta]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def undo(self) -> None:
+        """Put back every buffer written since (its version moved) and the generators' states."""
+        with torch.no_grad():
+            for buffer, version, value in self.buffers:
+                if buffer._version != version:
+                    buffer.copy_(value)
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
 
 
 def _own_error(exc: BaseException) -> ZeroGraphError | None:

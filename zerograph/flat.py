@@ -29,14 +29,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .errors import ModelChangedError
-from .sharding import FLAT_READS_ATTR, ParamLayout, full_parameter
+from .sharding import FLAT_READS_ATTR, SUBSTITUTED_ATTR, ParamLayout, full_parameter
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,6 +66,12 @@ class FlatShard:
     offsets: tuple[int, ...]
     rank: int
     no_grad: frozenset[int] = frozenset()
+    # called when a parameter of ``no_grad`` is read through the flat shard (full_parameter): its
+    # kind's template did not see that read (its parent reads it, or an inline body's own trace
+    # does), so whether autograd reaches it is unknown; templates.py makes the units leave the flat shard
+    unreached_read: Callable[[], None] = lambda: None
+    # each module that holds some of the shards, with (attribute, shard) of each (install_reads)
+    slots: tuple[tuple[nn.Module, tuple[tuple[str, nn.Parameter], ...]], ...] = ()
 
     def unflatten(self, full: torch.Tensor) -> list[torch.Tensor]:
         """The full parameters from the all-gathered flat shards. ``full``: ``(N * T,)`` ->
@@ -81,6 +87,8 @@ class FlatShard:
         inline (a kind that fell back from its template): the unit's one ``unshard`` marker (one
         all-gather however many parameters read it), then the cut. Reading the ``DTensor`` shards
         themselves would hand Dynamo several tensors on one storage, which it cannot fake."""
+        if index in self.no_grad:  # read, yet unreached by the body as its template saw it
+            self.unreached_read()
         n, total = self.layout.padded_numel // self.layout.chunk_rows, self.layout.chunk_rows
         layout, offset = self.layouts[index], self.offsets[index]
         full = full_parameter(self.param, self.layout.key).view(n, total)
@@ -90,11 +98,40 @@ class FlatShard:
         """Make every parameter attribute of ``unit``'s modules that names one of its shards read
         it through ``full_parameter`` inside forward (``sharding``'s parameter properties)."""
         index_of = {id(shard): i for i, shard in enumerate(self.shards)}
+        slots = []
         for module in unit.modules():
             reads = {name: functools.partial(self.full_parameter, index_of[id(p)])
                      for name, p in module._parameters.items() if p is not None and id(p) in index_of}
             if reads:
                 object.__setattr__(module, FLAT_READS_ATTR, reads)
+                object.__setattr__(module, SUBSTITUTED_ATTR, frozenset())
+                slots.append((module, tuple((name, module._parameters[name]) for name in reads)))
+        self.slots = tuple(slots)
+
+    def restore_(self) -> None:
+        """Undo ``flatten_unit_`` and ``install_reads``: each parameter's local tensor gets a
+        storage of its own again, with its values (the ``DTensor`` keeps its identity), and its
+        module's attributes read it through its own marker. The flat buffer is no longer read."""
+        # called from inside a trace (a template that failed): the copies are real tensors
+        with torch.no_grad(), torch.utils._python_dispatch._disable_current_modes():
+            for shard in self.shards:
+                shard._local_tensor = shard._local_tensor.clone()
+        for module, _ in self.slots:
+            object.__delattr__(module, FLAT_READS_ATTR)
+            object.__delattr__(module, SUBSTITUTED_ATTR)
+        self.slots = ()
+
+    def substituted(self) -> bool:
+        """Whether some module slot of the unit's parameters holds another tensor than its shard
+        now (``torch.func.functional_call`` and ``nn.utils.stateless`` swap them for one call);
+        each module's ``SUBSTITUTED_ATTR`` is set to the names of its slots that do."""
+        any_substituted = False
+        for module, shards in self.slots:
+            names = frozenset(name for name, shard in shards if module._parameters.get(name) is not shard)
+            if names or getattr(module, SUBSTITUTED_ATTR):
+                object.__setattr__(module, SUBSTITUTED_ATTR, names)
+            any_substituted = any_substituted or bool(names)
+        return any_substituted
 
     def add_grad(self, flat_grad: torch.Tensor) -> None:
         """Hand this rank's reduced flat gradient, ``(T,)``, to the parameters' ``.grad``: a
@@ -105,12 +142,7 @@ class FlatShard:
                 if index in self.no_grad:
                     continue
                 shape = layout.local_shape(self.rank)
-                local = flat_grad[offset : offset + math.prod(shape)].view(shape)
-                if shard.grad is None:
-                    shard.grad = DTensor.from_local(local, shard.device_mesh, shard.placements, run_check=False,
-                                                    shape=shard.shape, stride=shard.stride())
-                else:
-                    shard.grad.to_local().add_(local)
+                accumulate_grad(shard, flat_grad[offset : offset + math.prod(shape)].view(shape))
 
     def check_views(self) -> bool:
         """Raise ``ModelChangedError`` when a parameter's local tensor no longer lives in the flat
@@ -128,6 +160,31 @@ class FlatShard:
                     "stores a unit's shards in one buffer): its data was replaced after zerograph.compile "
                     "(.data =, .to(), set_). Change parameters in place (copy_ under torch.no_grad()) instead")
         return trainable
+
+
+def accumulate_grad(shard: nn.Parameter, local: torch.Tensor) -> None:
+    """What autograd's ``AccumulateGrad`` does for a leaf, for a ``DTensor`` shard whose reduced
+    gradient reaches it outside autograd (from its unit's flat shard, or the gradients a
+    ``no_sync`` backward held back): the shard's ``register_hook`` hooks run on the gradient, as a
+    ``DTensor`` like the shard, each replacing it when it returns a tensor; the result becomes
+    ``.grad`` (a view of ``local``: no copy) or is added to the ``.grad`` held; then its
+    ``register_post_accumulate_grad_hook`` hooks run (an optimizer stepped in backward). ``local``:
+    this rank's rows of the gradient, the shard's local shape and dtype."""
+    grad = DTensor.from_local(local, shard.device_mesh, shard.placements, run_check=False,
+                              shape=shard.shape, stride=shard.stride())
+    for hook in tuple((shard._backward_hooks or {}).values()):
+        replaced = hook(grad)
+        if replaced is not None:
+            grad = replaced
+    with torch.no_grad():
+        if shard.grad is None:
+            shard.grad = grad
+        elif isinstance(grad, DTensor):  # local to local: DTensor's dispatch of add_ costs more
+            shard.grad.to_local().add_(grad.to_local())
+        else:
+            shard.grad.add_(grad)
+    for hook in tuple((shard._post_accumulate_grad_hooks or {}).values()):
+        hook(shard)
 
 
 def flatten_unit_(unit: int, name: str, shards: Sequence[nn.Parameter], layouts: Sequence[ParamLayout],

@@ -53,6 +53,13 @@ def register_unit_kind(kind: int, unit_kind: Any) -> None:
     _UNIT_KINDS[kind] = weakref.ref(unit_kind)
 
 
+def unit_kind(kind: int) -> Any:
+    """The ``templates.UnitKind`` recorded under ``kind``."""
+    unit_kind = _UNIT_KINDS[kind]()
+    assert unit_kind is not None, f"unit kind {kind} outlived its model"
+    return unit_kind
+
+
 def unit_template(kind: int, mode: int, arg_grads: int, primals: Any) -> Any:
     """The ``UnitTemplate`` of unit kind ``kind`` in training-flag ``mode``, differentiating the
     arguments of ``arg_grads``'s bits, for inputs like ``primals`` (traced on first use)."""

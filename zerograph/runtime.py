@@ -23,13 +23,12 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.distributed.tensor import DTensor
 
 from . import registry
 from .buffer_pool import BufferPool
 from .errors import CollectiveError, ProcessGroupError, ScheduleMismatchError
 from .fake import is_fake_world
-from .flat import FlatShard
+from .flat import FlatShard, accumulate_grad
 from .kernels.ops import to_wire
 from .kernels.quantize import BLOCK, DEQUANTIZE_SUM, PACK_QUANTIZED, QUANTIZABLE_DTYPES, UNPACK_DEQUANTIZED, quantizes
 from .sharding import ParamLayout, Unit
@@ -297,7 +296,10 @@ class Runtime:
                 "run the same collectives in each step: the same model (parameter shapes and dtypes) and "
                 "the same layers used in the same order; only activation shapes, such as sequence "
                 "lengths, may differ between ranks. Look for rank- or data-dependent control flow that "
-                f"skips or repeats a layer on some ranks{self._early_end_hint(a, other, b)}")
+                "skips or repeats a layer on some ranks, or that Dynamo splits into graphs at data-dependent "
+                "points inside a unit (a loop over the experts that got tokens): with Config(unit_templates=True), "
+                "the default, such a unit runs eagerly, gathered once on entry, and the ranks stay in step"
+                f"{self._early_end_hint(a, other, b)}")
 
     @staticmethod
     def _early_end_hint(a: tuple, other: int, b: tuple) -> str:
@@ -406,13 +408,7 @@ class Runtime:
             if key in self.flat_shards:
                 self.flat_shards[key].add_grad(local)
                 continue
-            shard = self.shards[key]
-            with torch.no_grad():
-                if shard.grad is None:
-                    shard.grad = DTensor.from_local(local, shard.device_mesh, shard.placements, run_check=False,
-                                                    shape=shard.shape, stride=shard.stride())
-                else:
-                    shard.grad.to_local().add_(local)
+            accumulate_grad(self.shards[key], local)
 
     def take_unsynced(self, grad: torch.Tensor, key: int) -> torch.Tensor:
         """``grad`` plus ``key``'s unsynced buffer, in ``reduce_dtype`` (a new tensor); forgets the buffer."""
@@ -481,6 +477,18 @@ class Runtime:
         self.current.add("reduce_scatter", padded.numel(), padded.element_size(), self.world_size)
         self._all_reduce_replicas(out, key)
         return out[: layout.rank_rows[self.rank]].div_(self.dp_size).to(layout.dtype, copy=True)
+
+    def reached_on_any_rank(self, reached: list[bool], key: int) -> list[bool]:
+        """For each of a unit's parameters, whether its gradient reached the loss on any rank
+        (``reached`` is this rank's answer): one small all-reduce (max) over every data-parallel
+        rank, so that ranks whose data took other paths through a unit still reduce the same
+        gradients, and a parameter no rank reached keeps ``.grad`` ``None`` as in eager. ``key``
+        names the collective in errors."""
+        flags = torch.tensor(reached, dtype=torch.uint8, device=self.device)  # on the device NCCL needs
+        if self.dp_size > 1:
+            self._eager("all_reduce", key, lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.world_group))
+            self.current.add("all_reduce", flags.numel(), flags.element_size(), self.dp_size)
+        return [bool(flag) for flag in flags.tolist()]
 
     def _all_reduce_replicas(self, out: torch.Tensor, key: int) -> None:
         """Hybrid sharding: sum ``out`` (a reduced shard, in place) over the replicate group."""

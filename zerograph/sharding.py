@@ -200,6 +200,23 @@ def full_parameter(shard: torch.Tensor, key: int) -> torch.Tensor:
 
 
 FLAT_READS_ATTR = "_zerograph_flat_reads"  # parameter name -> what reads it from its unit's flat shard (flat.py)
+# the names of a module's parameters whose slots hold another tensor than their shard in this forward
+# (flat.FlatShard.substituted sets it before each forward; read only when _substituted)
+SUBSTITUTED_ATTR = "_zerograph_substituted"
+
+# True for a forward in which some parameter of a flat shard's unit is not the shard ``compile`` made
+# (``torch.func.functional_call``, ``nn.utils.stateless``: another tensor in the module's slot).
+# Set by the compiled model's forward (``api``), read by the parameter properties and the templated
+# units, so Dynamo guards on it: such a forward traces graphs of its own, in which the substituted
+# parameters are read from their slots and their units run inline.
+_substituted = False
+
+
+def set_substituted(active: bool) -> bool:
+    """Say whether this forward reads substituted parameters (``_substituted``); returns the previous."""
+    global _substituted
+    previous, _substituted = _substituted, active
+    return previous
 
 
 def _param_property(name: str, key: int) -> property:
@@ -208,11 +225,22 @@ def _param_property(name: str, key: int) -> property:
         if not _gathering or _tracing_unit:
             return shard
         flat_read = getattr(self, FLAT_READS_ATTR, {}).get(name)
-        if flat_read is not None:  # its unit's shards live in one flat buffer: read it through that
+        # its unit's shards live in one flat buffer: read it through that, unless another tensor
+        # stands in the slot for this forward (functional_call), which is then read itself
+        if flat_read is not None and (not _substituted or name not in getattr(self, SUBSTITUTED_ATTR)):
             return flat_read()
         return full_parameter(shard, key)
 
     return property(get, doc=f"parameter {name!r}: the full tensor inside forward, this rank's DTensor shard outside")
+
+
+# A parameter read that Dynamo meets as a frame of its own (called from eager code after a graph
+# break inside a module, e.g. nn.GRU's refresh of its _flat_weights) is one op: it runs as it is,
+# the op's eager all-gather. Traced as a frame, the marker key, a closure int that differs from
+# parameter to parameter, became a symbolic int on the frame's recompile (automatic dynamic
+# shapes), which no marker can carry. Traced inline from another frame, as usual, both are unchanged.
+torch._dynamo.eval_frame.skip_code(full_parameter.__code__)
+torch._dynamo.eval_frame.skip_code(_param_property("_", 0).fget.__code__)
 
 
 def _forward_inside_model_only(cls: type[nn.Module], fqn: str) -> Callable[..., object]:
@@ -325,7 +353,21 @@ def _make_shard(param: nn.Parameter, layout: ParamLayout, mesh: DeviceMesh, rank
     else:
         local = data.clone()
     dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=data.shape, stride=data.stride())
-    return nn.Parameter(dt, requires_grad=param.requires_grad)
+    shard = nn.Parameter(dt, requires_grad=param.requires_grad)
+    carry_hooks(param, shard)
+    return shard
+
+
+def carry_hooks(param: torch.Tensor, shard: torch.Tensor) -> None:
+    """Give ``shard`` the tensor hooks registered on ``param`` before ``compile`` replaced it:
+    ``register_hook`` (run on the shard's reduced gradient, a ``DTensor``, before it is
+    accumulated into ``.grad``) and ``register_post_accumulate_grad_hook`` (run after). The hook
+    tables are shared, not copied, so a handle returned before ``compile`` still removes its hook.
+    FSDP2's ``fully_shard`` drops them; eager keeps them, and so does this."""
+    if param._backward_hooks:
+        shard._backward_hooks = param._backward_hooks
+    if param._post_accumulate_grad_hooks:
+        shard._post_accumulate_grad_hooks = param._post_accumulate_grad_hooks
 
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import types
@@ -60,6 +61,9 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.distributed.tensor import DTensor
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from . import registry
 from . import sharding as _sharding
@@ -70,7 +74,11 @@ from .ops import unit_forward
 from .passes._fx import layout_template
 from .sharding import full_parameter, original_class, own_code
 from .unit_trace import UNIT_ATTR, TensorMeta, UnitTemplate, trace_unit
+from .vocab import GRAD_SYNC
 
+# True once the unit's kind met data-dependent control flow in its body: the unit runs as an eager
+# island (``run_island``), its parameters gathered once on entry, whatever its body does inside
+ISLAND_ATTR = "_zerograph_unit_island"
 INLINE_ATTR = "_zerograph_unit_inline"  # True once the unit's kind fell back to running inline in every mode
 # + str(mode): True once the kind fell back in that training-flag mode only (one attribute per mode,
 # so Dynamo's guard on one mode's flag is not broken when another mode falls back)
@@ -81,6 +89,9 @@ _unit_forward = unit_forward._opoverload
 
 
 log = logging.getLogger(__name__)
+
+# what a fake-tensor trace raises at a body's data-dependent control flow or output shape
+DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
 
 
 class UnitKind:
@@ -98,6 +109,10 @@ class UnitKind:
         self.inline_modes: dict[int, str] = {}  # training-flag mode -> why the kind runs inline in it
         self.flat_reason: str | None = "not asked"  # why its units have no flat shards (None: they have)
         self.flat_shards: list[FlatShard] = []  # its units' flat shards, in unit order
+        # the parameters (slot order) its output does not reach, as every trace so far agrees
+        # (``None``: no trace told); what ``FlatShard.no_grad`` holds while the units are flat
+        self.no_grad: frozenset[int] | None = None
+        self.retire: Callable[[FlatShard], None] = lambda flat: None  # forgets a flat shard (FlatPlan.retire)
         self._record = record
 
     def template(self, mode: int, arg_grads: int, primals: Sequence[torch.Tensor]) -> UnitTemplate:
@@ -116,42 +131,71 @@ class UnitKind:
         template = self.templates.get((metas, mode, arg_grads))
         if template is None:
             template = shared_template(self, metas, mode, arg_grads, primals[0].device)
-            if self.flat_shards:
-                self._agree_on_no_grad(template)
+            if self.flat_shards and any(template.grad_mask):  # one for no_grad() input has no say
+                self.note_reach(template.no_grad_params)
             self.templates[metas, mode, arg_grads] = template
             self._record.append(template)
         return template
 
-    def _agree_on_no_grad(self, template: UnitTemplate) -> None:
-        """Tell the kind's flat shards which parameters get no gradient (``FlatShard.no_grad``);
-        the first template that trains decides, and one that disagrees (a parameter used in one
-        training-flag mode or input shape only) makes the kind run inline: one flat shard hands
-        its gradient over one way. A template for input that needs no gradient at all
-        (``torch.no_grad()`` around an eval forward) has no say. Once the kind runs inline in
-        any mode, every parameter gets the flat gradient's part, zeros where unused (inline, the
-        graph cannot tell), so no gradient is ever dropped."""
-        if not any(template.grad_mask) or self.inline_reason is not None:
-            return
-        decided = [t for t in self.templates.values() if any(t.grad_mask)]
-        if decided and decided[0].no_grad_params != template.no_grad_params:
-            self.fall_back("its templates leave different parameters without a gradient "
-                           f"({sorted(decided[0].no_grad_params)} against {sorted(template.no_grad_params)}); "
-                           "one flat shard's gradient cannot follow both")
+    def note_reach(self, no_grad: frozenset[int]) -> None:
+        """Record which parameters one trace of the body (a template's, or one that failed after
+        autograd's pass: a partition or a write check) leaves without a gradient. The kind's flat
+        shards follow it (``FlatShard.no_grad``) while every trace agrees; traces that disagree (a
+        parameter used in one training-flag mode or input shape only) make the kind's units run
+        inline on shards of their own (``fall_back``): one flat gradient cannot say which of its
+        parameters autograd reached."""
+        if self.no_grad is not None and self.no_grad != no_grad and self.flat_shards:
+            self.fall_back("its traces leave different parameters without a gradient "
+                           f"({sorted(self.no_grad)} against {sorted(no_grad)}); one flat shard's gradient "
+                           "cannot follow both")
+        self.no_grad = no_grad
         for flat in self.flat_shards:
-            flat.no_grad = template.no_grad_params
+            flat.no_grad = no_grad
 
     def _runs_inline(self, reason: str) -> None:
-        """Record why some trace runs the kind inline; inline, a flat shard's unused parameters get
-        the flat gradient's zeros from then on (``_agree_on_no_grad``)."""
+        """Record why some trace runs the kind inline. Inline, a unit that reads its flat shard
+        hands every parameter a part of the flat gradient, zeros where autograd never reached:
+        right only for the parameters ``no_grad`` leaves out, so without that knowledge the
+        units leave their flat shards first (``_unflatten``)."""
         self.inline_reason = reason
+        if self.flat_shards and self.no_grad is None:
+            self._unflatten(reason)
+
+    def _unflatten(self, reason: str) -> None:
+        """Give every unit of the kind per-parameter shards again (each a storage of its own,
+        with the same values; the ``DTensor`` parameters keep their identity, so optimizers and
+        their state stay valid) and make the units run inline in every mode: every graph traced
+        with the flat shards guarded on ``INLINE_ATTR`` and is traced again, reading the
+        parameters one marker each, whose gradients autograd hands to each parameter itself
+        (``None`` where it never reached, as in eager). A kind whose trace failed before autograd
+        ran (data-dependent control flow) cannot say which parameters its output reaches."""
         for flat in self.flat_shards:
-            flat.no_grad = frozenset()
+            flat.restore_()
+            self.retire(flat)
+        self.flat_shards = []
+        self.flat_reason = f"its units run inline ({reason}): a flat gradient cannot tell unused parameters"
+        for module in self.modules:
+            kind, param_slots, buffer_slots, keys, modules, _ = getattr(module, UNIT_ATTR)
+            object.__setattr__(module, UNIT_ATTR, (kind, param_slots, buffer_slots, keys, modules, None))
+            object.__setattr__(module, INLINE_ATTR, True)
+
+    def run_as_islands(self, reason: str) -> NoReturn:
+        """Make every unit of the kind an eager island from now on (``run_island``): its body has
+        data-dependent control flow (a loop over the experts that got tokens, a branch on a
+        value), which Dynamo would split into graphs at points that differ from rank to rank,
+        each gathering the unit's parameters again; ranks would then run different collectives.
+        An island gathers the unit once on entry and releases it on exit, as FSDP2 does, so every
+        rank runs the same collectives whatever the body does. Raises ``TemplateUnavailable``."""
+        for module in self.modules:
+            object.__setattr__(module, ISLAND_ATTR, True)
+        self.fall_back(f"{reason}; its units run eagerly, gathered once on entry")
 
     def fall_back(self, reason: str, mode: int | None = None) -> NoReturn:
         """Make every unit of the kind run inline from now on, in training-flag mode ``mode`` only
         (a body that cannot be a template in training: dropout, a batch norm's statistics) or in
         every mode (``None``), and raise ``TemplateUnavailable`` (the compiled forward catches it
-        and traces the model again)."""
+        and traces the model again). Units with flat shards whose kind cannot tell which
+        parameters its output reaches leave them first (``_runs_inline``), in every mode."""
         self._runs_inline(reason)
         if mode is not None:
             self.inline_modes[mode] = reason
@@ -198,6 +242,7 @@ def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[
         for kind in kinds.values():
             reasons = [flat.flattenable(index, module) for k, index, _, module in members if k is kind]
             kind.flat_reason = next((r for r in reasons if r is not None), None)
+            kind.retire = flat.retire
     # a code object per model, as for the model's forward (sharding.own_code): a graph break in a
     # unit makes Dynamo compile this function as a frame of its own, at most 8 times per code object
     forward = own_code(_templated_forward)
@@ -208,10 +253,12 @@ def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[
         if flat is not None and kind.flat_reason is None:
             flat_shard = flat.flatten(index, name, module)
             flat_shard.install_reads(module)
+            flat_shard.unreached_read = functools.partial(_read_unreached, kind.kind)
             kind.flat_shards.append(flat_shard)
         object.__setattr__(module, UNIT_ATTR,
                            (kind.kind, param_slots, buffer_slots, keys, tuple(module.modules()), flat_shard))
         object.__setattr__(module, INLINE_ATTR, False)
+        object.__setattr__(module, ISLAND_ATTR, False)
         object.__setattr__(module, "forward", types.MethodType(forward, module))
     refresh_unit_modes(list(kinds.values()))
     return list(kinds.values())
@@ -240,6 +287,7 @@ class FlatPlan:
 
     flattenable: Callable[[int, nn.Module], str | None]
     flatten: Callable[[int, str, nn.Module], FlatShard]
+    retire: Callable[[FlatShard], None] = lambda flat: None  # forget a flat shard whose unit left it
 
 
 def unit_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -316,8 +364,12 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             arg_grads |= bit
         bit <<= 1
     if inline or torch.is_autocast_enabled(args[0].device.type):
+        if getattr(self, ISLAND_ATTR) and _sharding._gathering and not _sharding._tracing_unit:
+            return run_island(self, args, kwargs)
         return body(self, *args, **kwargs)
     kind, param_slots, buffer_slots, keys, _, flat = getattr(self, UNIT_ATTR)
+    if flat is not None and _sharding._substituted:  # functional_call: the slots' tensors, read inline
+        return body(self, *args, **kwargs)
     # the shards straight from their slots, not through the parameter properties: the same
     # markers, for less of Dynamo's time per parameter
     if flat is not None:  # one marker for the unit: the template cuts the parameters out of its output
@@ -329,6 +381,77 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if torch.compiler.is_compiling():  # the traces see one node per unit, its output and a token (ops.unit_call)
         return _unit_call(kind, mode, arg_grads, primals)[0]
     return _unit_forward(kind, mode, arg_grads, primals)[0]
+
+
+class _GatheredOnEntry(torch.autograd.Function):
+    """An island's parameters (``run_island``): each all-gathered in forward; in backward every
+    one reduced, in slot order, on every rank alike, whichever of them this rank's data reached
+    (zeros for the others), unless no rank reached it (``None``, as eager leaves it): the
+    collectives of a unit do not depend on its data. Inputs: the marker keys, the gradient mode,
+    then each parameter's local shard ``(local_rows, *rest)``; outputs: the full parameters."""
+
+    @staticmethod
+    def forward(ctx: Any, keys: tuple[int, ...], mode: str, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.keys, ctx.mode = keys, mode
+        ctx.set_materialize_grads(False)
+        runtime = registry.runtime_of(keys[0])
+        return tuple(runtime.unshard_eager(shard, key) for shard, key in zip(shards, keys))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        runtime = registry.runtime_of(ctx.keys[0])
+        reached = runtime.reached_on_any_rank([grad is not None for grad in grads], ctx.keys[0])
+        out: list[torch.Tensor | None] = [None, None]
+        for grad, key, hit in zip(grads, ctx.keys, reached):
+            if not hit:
+                out.append(None)
+                continue
+            if grad is None:
+                layout = registry.layout_of(key)
+                grad = torch.zeros(layout.shape, dtype=layout.param_dtype, device=runtime.device)
+            out.append(runtime.reduce_grad_eager(grad.contiguous(), key, ctx.mode))
+        return tuple(out)
+
+
+@torch._dynamo.assume_constant_result
+def _read_unreached(kind: int) -> bool:
+    """A parameter that ``kind``'s template found its output does not reach (``FlatShard.no_grad``,
+    whose gradient part is dropped) is read through its flat shard: by the unit's parent, outside
+    the unit's forward, or by its body run inline, where the template's answer may not hold.
+    Without knowing whether autograd reaches it, the kind's units leave their flat shards and run
+    inline (``UnitKind.fall_back``), and the forward is traced again. Dynamo runs this while it
+    traces (its result a constant of the graph); eager code calls it as it is."""
+    unit_kind = registry.unit_kind(kind)
+    unit_kind.no_grad = None  # so _runs_inline takes the flat shards away
+    unit_kind.fall_back("a parameter its template leaves without a gradient is read where the template does not "
+                        "see it (by the unit's parent, or in an inline body)")
+
+
+@torch._dynamo.disable
+def run_island(unit: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Run ``unit``'s body eagerly, outside every graph (Dynamo breaks the model's graph at the
+    call, on every rank alike), on its parameters gathered once on entry: each parameter's
+    ``unshard`` marker runs as the op itself (its all-gather now, its reduce in backward, through
+    autograd), the full tensors stand in the parameter slots for the body's reads, and the slots
+    get their shards back on exit. Source: FSDP2's unshard in a unit's pre-forward hook and
+    reshard in its post-forward hook."""
+    _, param_slots, _, keys, _, flat = getattr(unit, UNIT_ATTR)
+    shards = [mod._parameters[name] for mod, name in param_slots]
+    mode = _sharding._grad_mode if torch.is_grad_enabled() else GRAD_SYNC
+    if flat is not None:
+        fulls = flat.unflatten(_GatheredOnEntry.apply((flat.layout.key,), mode, flat.param)[0])
+    else:
+        locals_ = [shard.to_local() if isinstance(shard, DTensor) else shard for shard in shards]
+        fulls = list(_GatheredOnEntry.apply(keys, mode, *locals_))
+    previous = _sharding.set_tracing_unit(True)  # the parameter attributes read their slots
+    try:
+        for (mod, name), full in zip(param_slots, fulls):
+            mod._parameters[name] = full
+        return type(unit).forward(unit, *args, **kwargs)
+    finally:
+        for (mod, name), shard in zip(param_slots, shards):
+            mod._parameters[name] = shard
+        _sharding.set_tracing_unit(previous)
 
 
 def unit_signature(module: nn.Module) -> tuple:
@@ -477,7 +600,7 @@ def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg
 
     def run() -> None:
         try:
-            outcome["template"] = trace_unit(kind, metas, mode, arg_grads, device)
+            outcome["template"] = trace_unit(kind, metas, mode, arg_grads, device, outcome)
         except BaseException as exc:  # handed to the calling thread
             outcome["error"] = exc
 
@@ -488,5 +611,10 @@ def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg
         error = outcome["error"]
         if isinstance(error, ShardingError):  # refused inline too (an in-place parameter write)
             raise error
-        kind.fall_back(f"{type(error).__name__}: {error}".splitlines()[0][:300], mode)
+        reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        if isinstance(error, DATA_DEPENDENT):
+            kind.run_as_islands(reason)
+        if kind.flat_shards and "no_grad" in outcome:  # autograd's pass ran before the failure: inline
+            kind.note_reach(outcome["no_grad"])       # on the flat shards keeps its answer
+        kind.fall_back(reason, mode)
     return outcome["template"]

@@ -98,7 +98,7 @@ class UnitTemplate:
 
 
 def trace_unit(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
-               device: torch.device) -> UnitTemplate:
+               device: torch.device, reach: dict[str, Any] | None = None) -> UnitTemplate:
     """``kind``'s body for primals of ``metas`` (``(shape, stride, dtype)`` each: the unit's tensor
     arguments, then its parameters, or its one flat shard, then its buffers), with its submodules'
     training flags from ``mode``'s bits and gradients for the arguments of ``arg_grads``'s bits
@@ -106,7 +106,10 @@ def trace_unit(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_gra
     with autograd on and no fake mode active (``templates.trace_template``).
 
     Raises whatever the trace meets (the caller makes the kind run inline), or ``ShardingError``
-    for a body that writes a parameter in place."""
+    for a body that writes a parameter in place. Once autograd's pass has run, ``reach["no_grad"]``
+    holds the parameters of a flat shard the output does not reach (``UnitTemplate.no_grad_params``),
+    where some gradient is asked for: a later failure (the partition, a write check) leaves the kind
+    that answer for its inline units."""
     start = time.perf_counter()
     module = kind.module
     _, param_slots, buffer_slots, _, modules, flat = getattr(module, UNIT_ATTR)
@@ -177,6 +180,8 @@ def trace_unit(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_gra
     grad_mask = [wanted and next(used) for wanted in wants_grad]
     # a flat shard's parameters the output never reaches: one flat gradient cannot say so itself
     no_grad_params = frozenset(i for i, hit in enumerate(reached["cut_out"]) if not hit)
+    if reach is not None and flat is not None and any(grad_mask):
+        reach["no_grad"] = no_grad_params
     if flat is not None:
         parameters = {n_args: "<flat shard>"}
     else:
