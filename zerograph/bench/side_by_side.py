@@ -267,7 +267,8 @@ def side_by_side(specs: dict[str, ModelSpec], world_size: int, systems=SYSTEMS, 
     """Every system on every model; returns ``{"machine", "command", "rows": [...]}``, one row per
     model with the plan's prediction and each system's measurement. ``in_process=True`` measures
     in this process instead (no fresh interpreter, no allocator setting: for tests)."""
-    rows = []
+    source = {"commit": _commit(), "uncommitted": _git("status", "--porcelain", "--untracked-files=no").splitlines()}
+    rows = []  # the commit is read before the run: code committed during it is not what ran
     for name, spec in specs.items():
         row = {"model": name, "spec": dataclasses.asdict(spec), "label": spec.label,
                "plan": predicted(spec, world_size), "systems": {}}
@@ -281,8 +282,7 @@ def side_by_side(specs: dict[str, ModelSpec], world_size: int, systems=SYSTEMS, 
             row["systems"][system] = result
         rows.append(row)
     return {"world_size": world_size, "steps": steps, "systems": list(systems), "rows": rows,
-            "machine": machine(), "date": datetime.date.today().isoformat(), "commit": _commit(),
-            "uncommitted": _git("status", "--porcelain", "--untracked-files=no").splitlines()}
+            "machine": machine(), "date": datetime.date.today().isoformat(), **source}
 
 
 def machine() -> str:
