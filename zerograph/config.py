@@ -42,6 +42,7 @@ FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
     "max_inflight_bytes": ("schedule", "max_inflight_bytes"),
     "unshard_budget_bytes": ("memory", "unshard_budget_bytes"),
     "reshard_root_after_forward": ("memory", "reshard_root_after_forward"),
+    "memory_budget_bytes": ("memory", "budget_bytes"),
     "activation_budget_bytes": ("activations", "budget_bytes"),
     "activation_offload": ("activations", "offload"),
     "activation_group": ("activations", "group"),

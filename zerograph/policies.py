@@ -136,15 +136,23 @@ class MemoryPolicy:
             norm, which need them at once. The root is kept only when its collective moves it
             alone: a ``bucket_bytes`` that fuses it with blocks makes ``False`` do nothing
             (``selective_unshard`` logs a warning).
+        budget_bytes: bytes per rank the step's predicted peak must fit in (``zerograph.plan``'s
+            ``step_peak_bytes``: model states, gathered units in flight, gradients being reduced;
+            saved activations are not known at ``compile``). ``compile`` keeps the largest
+            ``prefetch_depth`` up to the schedule's whose plan fits, and raises ``ConfigError``
+            with the plan's parts when even ``prefetch_depth=0`` does not. ``None``: no budget.
 
     Source: DeepCompile's selective unsharding (arXiv 2504.09983); FSDP2's ``reshard_after_forward``.
     """
 
     unshard_budget_bytes: int = 0
     reshard_root_after_forward: bool = True
+    budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_count("MemoryPolicy", "unshard_budget_bytes", self.unshard_budget_bytes, "bytes", minimum=0)
+        if self.budget_bytes is not None:
+            check_count("MemoryPolicy", "budget_bytes", self.budget_bytes, "bytes", minimum=1)
         if not isinstance(self.reshard_root_after_forward, bool):
             raise ConfigError(f"MemoryPolicy.reshard_root_after_forward must be a bool, "
                               f"got {self.reshard_root_after_forward!r}")
