@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from zerograph.bench.side_by_side import ModelSpec, format_table, side_by_side
 
@@ -13,6 +15,11 @@ TINY = ModelSpec("gpt", dim=32, layers=2, heads=2, batch=1, seq=8)
 
 @pytest.fixture(scope="module")
 def result() -> dict:
+    # measure() makes its own fake world: drop the world-1 group an earlier in-process test's
+    # zerograph.compile leaves behind, as tests.distributed.fake_rank does
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch._dynamo.reset()
     return side_by_side({"gpt": TINY}, 4, ("zerograph-s3", "fsdp2"), steps=1, in_process=True)
 
 
