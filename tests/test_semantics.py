@@ -2,8 +2,8 @@
 on, with unit templates on (flat shards, islands) and off, at stages 0-3, world size 2, exact
 against single-process eager training on the same global batch (1e-5), or refused by name.
 
-The cases and their models are in ``tests.workers_semantics``; one spawned run per stage trains
-every case both ways. docs/semantics.md shows the matrix as a table.
+The cases and their models are in ``tests.workers_semantics``; one spawned run trains
+every case both ways, at every stage. docs/semantics.md shows the matrix as a table.
 """
 from __future__ import annotations
 
@@ -19,13 +19,9 @@ TOLERANCE = 1e-5
 # what each (case, templates) may answer instead of eager's numbers: the error class and words of it
 REFUSALS = {("rank-divergent routing", False): ("ScheduleMismatchError", "unit_templates=True")}
 
-_runs: dict[int, dict] = {}
-
-
-def _stage_runs(stage: int) -> dict:
-    if stage not in _runs:
-        _runs[stage] = spawn(semantics_runs, 2, stage, timeout_s=900)[0]
-    return _runs[stage]
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    return spawn(semantics_runs, 2, STAGES, timeout_s=1800)[0]
 
 
 def _compare(ours: object, theirs: object, path: str) -> list[str]:
@@ -51,11 +47,11 @@ def _compare(ours: object, theirs: object, path: str) -> list[str]:
 @pytest.mark.parametrize("templates", [True, False], ids=["unit_templates", "per_parameter"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("stage", STAGES)
-def test_feature_matches_eager_or_is_refused_by_name(stage, case, templates):
+def test_feature_matches_eager_or_is_refused_by_name(runs, stage, case, templates):
     if (case, templates, stage) in NOT_RUN:
         pytest.skip("per-parameter build, stage 0: data-dependent graph breaks in a unit are caught only by "
                     "the collective timeout (docs/semantics.md); the default build runs such a unit as an island")
-    result = _stage_runs(stage)[case, templates]
+    result = runs[stage, case, templates]
     assert not isinstance(result, str), result  # a traceback: neither eager's numbers nor a refusal
     refusal = REFUSALS.get((case, templates))
     if "refused" in result:

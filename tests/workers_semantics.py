@@ -7,7 +7,7 @@ returns plain data: the losses, every parameter's gradient after each backward (
 as ``None``), the parameters and buffers after each step, and whatever else the case records; or
 the refusal it raised, by class name and message. The test compares them with 1e-5.
 
-One spawned phase runs every case of one stage with and without unit templates
+One spawned phase runs every case at every stage with and without unit templates
 (``semantics_runs``); a case that raises anything other than a zerograph refusal returns its
 traceback, so it fails only its own test.
 """
@@ -427,17 +427,20 @@ def run_case(rank: int, world: int, name: str, stage: int, templates: bool) -> d
     return {"ours": ours, "reference": _train(case, reference, batch, False)}
 
 
-def semantics_runs(rank: int, world: int, stage: int, names: tuple[str, ...] | None = None) -> dict:
-    """Every case of ``names`` (default all) at ``stage``, with and without unit templates:
-    ``{(name, templates): result or traceback}``."""
+def semantics_runs(rank: int, world: int, stages: tuple[int, ...] = (0, 1, 2, 3),
+                   names: tuple[str, ...] | None = None) -> dict:
+    """Every case of ``names`` (default all) at each of ``stages``, with and without unit
+    templates: ``{(stage, name, templates): result or traceback}``. One process pair for every
+    stage: the templates traced for one stage serve the others with the same shard layout."""
     out: dict = {}
-    for name in names or tuple(CASES):
-        for templates in (True, False):
-            if (name, templates, stage) in NOT_RUN:
-                continue
-            try:
-                out[name, templates] = run_case(rank, world, name, stage, templates)
-            except Exception:
-                out[name, templates] = traceback.format_exc()
+    for stage in stages:
+        for name in names or tuple(CASES):
+            for templates in (True, False):
+                if (name, templates, stage) in NOT_RUN:
+                    continue
+                try:
+                    out[stage, name, templates] = run_case(rank, world, name, stage, templates)
+                except Exception:
+                    out[stage, name, templates] = traceback.format_exc()
     dist.barrier()
     return out
