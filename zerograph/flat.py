@@ -23,6 +23,13 @@ shard's storage, so in-place updates (``opt.step()``, ``load_state_dict``, ``ini
 reach the buffer the graph reads. The gradient the graph produces for the flat shard is handed to
 the parameters' ``.grad`` after each backward (``add_grad``: views of it, or added in place
 where a ``.grad`` is already held, so accumulation over micro-batches works as without it).
+
+What autograd would do per parameter is done here instead, so the layout changes no number and
+drops no semantic (docs/semantics.md): each parameter's tensor hooks and post-accumulate-grad
+hooks run on its part (``accumulate_grad``); the parameters its unit's output does not reach keep
+``.grad`` ``None`` (``no_grad``); another tensor in a parameter's slot (``functional_call``) is
+read instead of the shard (``substituted``); and a unit whose kind cannot tell which parameters
+get a gradient goes back to per-parameter shards (``restore_``).
 """
 from __future__ import annotations
 
@@ -134,9 +141,9 @@ class FlatShard:
         return any_substituted
 
     def add_grad(self, flat_grad: torch.Tensor) -> None:
-        """Hand this rank's reduced flat gradient, ``(T,)``, to the parameters' ``.grad``: a
-        ``DTensor`` view of it where ``.grad`` is ``None``, added in place otherwise; nothing
-        for the parameters of ``no_grad`` (their part is zeros)."""
+        """Hand this rank's reduced flat gradient, ``(T,)``, to the parameters as autograd would
+        (``accumulate_grad``: their hooks, then ``.grad``, a ``DTensor`` view of it where ``None``);
+        nothing for the parameters of ``no_grad`` (their part is zeros, their ``.grad`` stays)."""
         with torch.no_grad():
             for index, (shard, layout, offset) in enumerate(zip(self.shards, self.layouts, self.offsets)):
                 if index in self.no_grad:

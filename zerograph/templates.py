@@ -23,17 +23,21 @@ So the model graph the passes see holds every unit's all-gathers, reduce-scatter
 releases, as before, around one node per unit; its size, and the time of the Dynamo and
 AOTAutograd traces, no longer grow with the size of a block. Source of the idea: compiling a
 repeated block once, as FSDP2 + ``torch.compile`` per block does, and Dynamo's
-``nested_compile_region`` (``invoke_subgraph``); README "Compile time" says why not those.
+``nested_compile_region`` (``invoke_subgraph``); docs/bench.md, "Compile time", says why not those.
 
 Where a template cannot stand for the body, the unit runs inline, traced with the model as without
 templates: a call with keyword or non-tensor arguments, or under autocast (per call); for the
 whole kind from then on, in the training-flag mode it was traced for (logged as a warning, named
 in ``UnitKind.inline_modes``; a batch norm or dropout fails in training only, so in eval the kind
 keeps its template and its eval graphs), a body that returns something other than one tensor,
-cannot be traced on fake tensors (data-dependent control flow, dropout's random ops in the
-partitioner), or writes an input or buffer in place (a batch norm's running statistics); and in
-every mode, a kind with a complex input, parameter or buffer (its template's gradients were found
-to differ from eager's). A body that writes a parameter in place is refused (``ShardingError``),
+cannot be traced on fake tensors (dropout's random ops in the partitioner), or writes an input
+or buffer in place (a batch norm's running statistics); and in every mode, a kind with a complex
+input, parameter or buffer (its template's gradients were found to differ from eager's). A body
+with data-dependent control flow makes the kind's units *islands* (``run_island``): eager, between
+graphs, gathered once on entry, so that ranks whose data takes other paths run the same
+collectives. A kind that runs inline without knowing which of its parameters its output reaches
+leaves its flat shards first (``UnitKind._unflatten``): see flat.py for what a flat shard must
+do per parameter. A body that writes a parameter in place is refused (``ShardingError``),
 as it is inline. The kind's first failed trace raises ``TemplateUnavailable``, and the compiled
 forward traces the model again. A trace with dynamic shapes (Dynamo's automatic dynamic shapes,
 after a length changed) runs every unit inline, that trace only (``DynamicShapeTrace``,
