@@ -1,0 +1,162 @@
+"""Tiny hand-built FX graphs, shaped as capture leaves them, and a minimal ``PassContext``.
+
+A graph here holds what a captured forward or backward holds around zerograph's markers: shard
+placeholders, a view of each, ``zerograph::unshard(view, key)`` in a forward, compute ops
+(``aten.mm`` and friends) and ``zerograph::reduce_grad(full_grad, key)`` in a backward, every node
+with a fake ``meta["val"]`` (what the passes trace their replacements on). No Dynamo, no process
+group: passes never touch one, and ``group_name`` is just a string on the collectives.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from passes._fx import find_collectives
+from passes.context import PassContext
+from zerograph.ops import REDUCE_GRAD, UNSHARD
+from zerograph.sharding import ROOT_INDEX, ParamLayout, Unit, make_layout
+from zerograph.vocab import COLLECTIVE_KINDS, WAIT
+
+aten = torch.ops.aten
+GROUP = "0"  # the process group's name as the collectives carry it; no such group exists
+
+
+class GraphBuilder:
+    """An ``fx.Graph`` built node by node, each node with a fake ``meta["val"]``.
+
+    ``units``: parameter shapes per unit, e.g. ``[[(4, 4), (4,)], [(4, 4)]]``; unit ``i`` of the
+    list is unit ``i + 1`` (unit 0 is the root, without parameters unless ``root`` is given).
+    Parameter keys are assigned in order, 0, 1, ...
+    """
+
+    def __init__(self, units: Sequence[Sequence[tuple[int, ...]]], *, world_size: int = 2, stage: int = 3,
+                 root: Sequence[tuple[int, ...]] = (), dtype: torch.dtype = torch.float32,
+                 param_dtype: torch.dtype | None = None) -> None:
+        self.graph = fx.Graph()
+        self.mode = FakeTensorMode()
+        self.world_size = world_size
+        self.layouts: dict[int, ParamLayout] = {}
+        unit_keys: list[tuple[int, ...]] = []
+        for index, shapes in enumerate([root, *units]):
+            keys = []
+            for shape in shapes:
+                key = len(self.layouts)
+                param = torch.empty(shape, dtype=dtype, device="meta")
+                self.layouts[key] = make_layout(key, f"u{index}.p{key}", index, param, world_size, stage > 0,
+                                                param_dtype=param_dtype)
+                keys.append(key)
+            unit_keys.append(tuple(keys))
+        self.units = tuple(Unit(i, "<root>" if i == ROOT_INDEX else f"u{i}", keys) for i, keys in enumerate(unit_keys))
+
+    def keys_of(self, unit: int) -> tuple[int, ...]:
+        return self.units[unit].keys
+
+    def input(self, name: str, *shape: int, dtype: torch.dtype = torch.float32) -> fx.Node:
+        node = self.graph.placeholder(name)
+        with self.mode:
+            node.meta["val"] = torch.empty(shape, dtype=dtype)
+        return node
+
+    def shard(self, key: int, rank: int = 0) -> fx.Node:
+        """This rank's shard of parameter ``key`` as a placeholder, and its view (as the graph
+        holds ``DTensor.to_local()``)."""
+        layout = self.layouts[key]
+        placeholder = self.input(f"shard_{key}", *layout.local_shape(rank), dtype=layout.dtype)
+        return self.op(aten.view.default, placeholder, list(layout.local_shape(rank)))
+
+    def unshard(self, shard: fx.Node, key: int) -> fx.Node:
+        """``zerograph::unshard(shard, key)``: the full parameter, in ``param_dtype``."""
+        layout = self.layouts[key]
+        node = self.graph.call_function(UNSHARD, (shard, key))
+        with self.mode:
+            node.meta["val"] = torch.empty(layout.shape, dtype=layout.param_dtype)
+        return node
+
+    def reduce_grad(self, grad: fx.Node, key: int, grad_mode: str | None = None, rank: int = 0) -> fx.Node:
+        """``zerograph::reduce_grad(grad, key)``: this rank's shard of the gradient."""
+        layout = self.layouts[key]
+        args = (grad, key) if grad_mode is None else (grad, key, grad_mode)
+        node = self.graph.call_function(REDUCE_GRAD, args)
+        with self.mode:
+            node.meta["val"] = torch.empty(layout.local_shape(rank), dtype=layout.dtype)
+        return node
+
+    def op(self, target, *args) -> fx.Node:
+        node = self.graph.call_function(target, args)
+        with self.mode:
+            node.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]))
+        return node
+
+    def output(self, *values: fx.Node) -> fx.GraphModule:
+        self.graph.output(tuple(values))
+        self.graph.lint()
+        return fx.GraphModule(torch.nn.Module(), self.graph)
+
+    def ctx(self, graph_kind: str = "forward", stage: int = 3, **fields) -> PassContext:
+        return PassContext(graph_kind=graph_kind, stage=stage, world_size=self.world_size, group_name=GROUP,
+                           layouts=self.layouts, units=self.units, **fields)
+
+
+def linear_chain(units: int = 3, *, rows: int = 4, world_size: int = 2, stage: int = 3, root: bool = False,
+                 param_dtype: torch.dtype | None = None) -> tuple[GraphBuilder, fx.GraphModule]:
+    """A forward graph of ``units`` linear layers, each unit a weight ``(rows, rows)`` and a bias
+    ``(rows,)``: ``x = x @ unshard(w).t() + unshard(b)`` per unit, in order; returns the sum.
+    With ``root``, the root unit holds one more weight, applied last (a language model's head)."""
+    b = GraphBuilder([[(rows, rows), (rows,)]] * units, world_size=world_size, stage=stage,
+                     root=[(rows, rows)] if root else (), param_dtype=param_dtype)
+    x = b.input("x", 2, rows)
+    shards = {key: b.shard(key) for key in b.layouts}  # placeholders first, as AOTAutograd orders them
+    for unit in range(1, units + 1):
+        w_key, b_key = b.keys_of(unit)
+        w, bias = b.unshard(shards[w_key], w_key), b.unshard(shards[b_key], b_key)
+        x = b.op(aten.addmm.default, bias, x, b.op(aten.t.default, w))
+        x = b.op(aten.relu.default, x)
+    if root:
+        (head,) = b.keys_of(ROOT_INDEX)
+        x = b.op(aten.mm.default, x, b.op(aten.t.default, b.unshard(shards[head], head)))
+    return b, b.output(b.op(aten.sum.default, x))
+
+
+def backward_chain(units: int = 3, *, rows: int = 4, world_size: int = 2, stage: int = 3,
+                   grad_mode: str | None = None) -> tuple[GraphBuilder, fx.GraphModule]:
+    """A backward graph: per unit, last unit first, a full weight gradient ``(rows, rows)`` and a
+    bias gradient ``(rows,)`` computed from the tangent, each handed to ``reduce_grad``; returns
+    the reduced shards (as AOTAutograd's backward returns the parameters' gradients). ``stage``
+0 lays the parameters out unsharded (every rank holds the whole tensor)."""
+    b = GraphBuilder([[(rows, rows), (rows,)]] * units, world_size=world_size, stage=stage)
+    act = b.input("act", 2, rows)
+    g = b.input("tangent", 2, rows)
+    outs: dict[int, fx.Node] = {}
+    for unit in range(units, 0, -1):
+        w_key, b_key = b.keys_of(unit)
+        g = b.op(aten.mul.Tensor, g, act)  # the unit's backward compute
+        w_grad = b.op(aten.mm.default, b.op(aten.t.default, g), act)  # (rows, rows)
+        b_grad = b.op(aten.sum.dim_IntList, g, [0])  # (rows,)
+        outs[w_key] = b.reduce_grad(w_grad, w_key, grad_mode)
+        outs[b_key] = b.reduce_grad(b_grad, b_key, grad_mode)
+    return b, b.output(*(outs[k] for k in sorted(outs)))
+
+
+def count(gm: fx.GraphModule, target) -> int:
+    return len(gm.graph.find_nodes(op="call_function", target=target))
+
+
+def collectives(gm: fx.GraphModule, kind: str | None = None) -> list[fx.Node]:
+    """The graph's collective nodes in graph order (of ``kind``: all_gather, reduce_scatter, ...)."""
+    return [n for n in gm.graph.nodes if n.target in COLLECTIVE_KINDS and (kind is None or COLLECTIVE_KINDS[n.target] == kind)]
+
+
+def waits(gm: fx.GraphModule) -> list[fx.Node]:
+    return list(gm.graph.find_nodes(op="call_function", target=WAIT))
+
+
+def positions(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    return {node: i for i, node in enumerate(gm.graph.nodes)}
+
+
+def gathers(gm: fx.GraphModule):
+    """``find_collectives``' all-gathers, in graph order of their start."""
+    return [c for c in find_collectives(gm.graph) if c.role == "gather"]

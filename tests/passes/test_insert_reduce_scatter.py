@@ -1,0 +1,125 @@
+"""``insert_reduce_scatter`` on hand-built backward graphs: every trainable gradient reduced
+exactly once, where the stage says, averaged over the ranks."""
+import torch
+
+from passes.bucketing import bucketing
+from passes.insert_reduce_scatter import insert_reduce_scatter
+from passes.manager import check_collectives_waited
+from tests.passes.graphs import GraphBuilder, aten, backward_chain, collectives, count, positions
+from zerograph.kernels.ops import PACK_SHARDS
+from zerograph.ops import REDUCE_GRAD
+from zerograph.vocab import WAIT
+
+
+def _reduced_grads(gm) -> dict[str, int]:
+    """Full gradient name -> number of collectives whose copy-in reads it."""
+    seen: dict[str, int] = {}
+    for collective in collectives(gm):
+        frontier, chain = [collective.args[0]], set()
+        while frontier:  # walk the copy-in back to the full gradients (mm / sum nodes)
+            node = frontier.pop()
+            if node in chain:
+                continue
+            chain.add(node)
+            if node.target in (aten.mm.default, aten.t.default, aten.sum.dim_IntList):
+                name = node.name if node.target is not aten.t.default else node.args[0].name
+                seen[name] = seen.get(name, 0) + 1
+                continue
+            frontier.extend(node.all_input_nodes)
+    return seen
+
+
+def _full_grads(b, gm):
+    return [n.args[0] for n in gm.graph.find_nodes(op="call_function", target=REDUCE_GRAD)]
+
+
+def test_every_gradient_reduced_exactly_once():
+    b, gm = backward_chain(3)
+    grads = {n.name for n in _full_grads(b, gm)}
+    ctx = b.ctx("backward")
+    bucketing(gm, ctx)
+    result = insert_reduce_scatter(gm, ctx)
+    assert result.counts == {"reduce_scatter": 3}
+    assert count(gm, REDUCE_GRAD) == 0
+    check_collectives_waited(gm.graph)
+    assert _reduced_grads(gm) == dict.fromkeys(grads, 1)
+    assert all(c.args[0].target is PACK_SHARDS for c in collectives(gm))
+
+
+def test_without_bucketing_one_reduction_per_parameter():
+    b, gm = backward_chain(2)
+    insert_reduce_scatter(gm, b.ctx("backward"))
+    assert len(collectives(gm, "reduce_scatter")) == 4 and count(gm, PACK_SHARDS) == 0
+
+
+def test_outputs_are_shards_averaged_over_ranks():
+    b, gm = backward_chain(2)
+    ctx = b.ctx("backward")
+    bucketing(gm, ctx)
+    insert_reduce_scatter(gm, ctx)
+    outputs = gm.graph.output_node().args[0]
+    assert [tuple(o.meta["val"].shape) for o in outputs] == [b.layouts[k].local_shape(0) for k in sorted(b.layouts)]
+    for wait in gm.graph.find_nodes(op="call_function", target=WAIT):
+        (div,) = wait.users
+        assert div.target is aten.div.Tensor and div.args[1] == 2  # the mean over N = 2 ranks
+
+
+def test_stage0_all_reduces_whole_gradients():
+    b, gm = backward_chain(2, stage=0)
+    ctx = b.ctx("backward", stage=0)
+    bucketing(gm, ctx)
+    assert insert_reduce_scatter(gm, ctx).counts == {"all_reduce": 2}
+    assert len(collectives(gm, "all_reduce")) == 2 and not collectives(gm, "reduce_scatter")
+
+
+def test_stage2_reduces_right_after_the_units_last_gradient():
+    b, gm = backward_chain(3)
+    ctx = b.ctx("backward", stage=2)
+    bucketing(gm, ctx)
+    insert_reduce_scatter(gm, ctx)
+    pos = positions(gm)
+    compute = [pos[n] for n in gm.graph.find_nodes(op="call_function", target=aten.mul.Tensor)]  # one per unit
+    starts = [pos[c] for c in collectives(gm)]
+    assert len(starts) == 3
+    for unit in range(2):  # the unit's reduction is issued before the next unit's backward compute
+        assert compute[unit] < starts[unit] < compute[unit + 1]
+
+
+def test_stage1_reduces_at_the_end_of_backward():
+    b, gm = backward_chain(3)
+    ctx = b.ctx("backward", stage=1)
+    bucketing(gm, ctx)
+    insert_reduce_scatter(gm, ctx)
+    pos = positions(gm)
+    last_compute = max(pos[n] for n in gm.graph.nodes if n.target in (aten.mm.default, aten.sum.dim_IntList))
+    assert len(collectives(gm)) == 3 and all(pos[c] > last_compute for c in collectives(gm))
+
+
+def test_tied_gradients_are_summed_then_reduced_once():
+    b = GraphBuilder([[(4, 4)]])
+    g1, g2 = b.input("g1", 4, 4), b.input("g2", 4, 4)
+    first, second = b.reduce_grad(g1, 0), b.reduce_grad(g2, 0)  # one parameter read twice in forward
+    gm = b.output(first, second)
+    insert_reduce_scatter(gm, b.ctx("backward"))
+    (collective,) = collectives(gm)
+    assert count(gm, aten.add.Tensor) == 1  # the two full gradients summed before the reduction
+    assert count(gm, aten.zeros_like.default) == 1  # the second marker's share is already in the first
+
+
+def test_world_size_one_marker_becomes_its_gradient():
+    b, gm = backward_chain(2, world_size=1)
+    grads = _full_grads(b, gm)
+    insert_reduce_scatter(gm, b.ctx("backward"))
+    assert not collectives(gm) and count(gm, REDUCE_GRAD) == 0
+    assert list(gm.graph.output_node().args[0]) == [grads[i] for i in (2, 3, 0, 1)]  # keys 0..3, unit 2 first
+
+
+def test_mixed_precision_reduces_in_reduce_dtype():
+    b = GraphBuilder([[(4, 4)]], param_dtype=torch.bfloat16)
+    grad = b.input("g", 4, 4, dtype=torch.bfloat16)
+    gm = b.output(b.reduce_grad(grad, 0))
+    insert_reduce_scatter(gm, b.ctx("backward"))
+    (collective,) = collectives(gm)
+    assert collective.args[0].meta["val"].dtype == torch.bfloat16  # reduce_dtype defaults to param_dtype
+    (out,) = gm.graph.output_node().args[0]
+    assert out.meta["val"].dtype == torch.float32  # .grad in the master shard's dtype
