@@ -63,9 +63,15 @@ class GraphBuilder:
     def shard(self, key: int, rank: int = 0) -> fx.Node:
         """This rank's shard of parameter ``key`` as a placeholder, and its view (as the graph
         holds ``DTensor.to_local()``)."""
-        layout = self.layouts[key]
-        placeholder = self.input(f"shard_{key}", *layout.local_shape(rank), dtype=layout.dtype)
-        return self.op(aten.view.default, placeholder, list(layout.local_shape(rank)))
+        return self.shards([key], rank)[key]
+
+    def shards(self, keys: Sequence[int], rank: int = 0) -> dict[int, fx.Node]:
+        """``shard`` of each key: the placeholders first, then their views (AOTAutograd's order)."""
+        layouts = [self.layouts[key] for key in keys]
+        placeholders = [self.input(f"shard_{layout.key}", *layout.local_shape(rank), dtype=layout.dtype)
+                        for layout in layouts]
+        return {layout.key: self.op(aten.view.default, p, list(layout.local_shape(rank)))
+                for layout, p in zip(layouts, placeholders)}
 
     def unshard(self, shard: fx.Node, key: int) -> fx.Node:
         """``zerograph::unshard(shard, key)``: the full parameter, in ``param_dtype``."""
@@ -108,7 +114,7 @@ def linear_chain(units: int = 3, *, rows: int = 4, world_size: int = 2, stage: i
     b = GraphBuilder([[(rows, rows), (rows,)]] * units, world_size=world_size, stage=stage,
                      root=[(rows, rows)] if root else (), param_dtype=param_dtype)
     x = b.input("x", 2, rows)
-    shards = {key: b.shard(key) for key in b.layouts}  # placeholders first, as AOTAutograd orders them
+    shards = b.shards(list(b.layouts))
     for unit in range(1, units + 1):
         w_key, b_key = b.keys_of(unit)
         w, bias = b.unshard(shards[w_key], w_key), b.unshard(shards[b_key], b_key)
@@ -160,3 +166,29 @@ def positions(gm: fx.GraphModule) -> dict[fx.Node, int]:
 def gathers(gm: fx.GraphModule):
     """``find_collectives``' all-gathers, in graph order of their start."""
     return [c for c in find_collectives(gm.graph) if c.role == "gather"]
+
+
+def gathered_forward(units: int = 4, **knobs) -> tuple[GraphBuilder, fx.GraphModule, PassContext]:
+    """``linear_chain(units)`` after ``bucketing`` and ``insert_allgather`` (a forward graph as the
+    schedule passes receive it: each unit's gather right before its first use). ``knobs``:
+    ``PassContext`` fields (``schedule=SchedulePolicy(...)``, ``buffer_pool=0``, ...)."""
+    from passes.bucketing import bucketing
+    from passes.insert_allgather import insert_allgather
+
+    b, gm = linear_chain(units)
+    ctx = b.ctx("forward", **knobs)
+    bucketing(gm, ctx)
+    insert_allgather(gm, ctx)
+    return b, gm, ctx
+
+
+def reduced_backward(units: int = 3, stage: int = 3, **knobs) -> tuple[GraphBuilder, fx.GraphModule, PassContext]:
+    """``backward_chain(units)`` after ``bucketing`` and ``insert_reduce_scatter``."""
+    from passes.bucketing import bucketing
+    from passes.insert_reduce_scatter import insert_reduce_scatter
+
+    b, gm = backward_chain(units, stage=stage)
+    ctx = b.ctx("backward", stage=stage, **knobs)
+    bucketing(gm, ctx)
+    insert_reduce_scatter(gm, ctx)
+    return b, gm, ctx

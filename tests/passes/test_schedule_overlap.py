@@ -1,0 +1,80 @@
+"""``schedule_overlap`` on hand-built graphs: gather waits sink to their first use, reduction
+waits sink as far as the in-flight bound allows; starts stay put, every wait precedes its uses."""
+from passes.manager import check_collectives_waited
+from passes.prefetch import prefetch
+from passes.schedule_overlap import schedule_overlap
+from tests.passes.graphs import aten, collectives, gathered_forward, gathers, linear_chain, positions, reduced_backward
+from zerograph.policies import SchedulePolicy
+from zerograph.vocab import COLLECTIVE_KINDS, WAIT
+
+REDUCE_BYTES = 2 * (2 * 4 + 2) * 4  # one unit's reduce-scatter send buffer: N x (weight + bias chunk) fp32
+
+
+def _starts(gm) -> list[str]:
+    return [c.name for c in collectives(gm)]
+
+
+def test_gather_wait_sinks_to_first_use():
+    b, gm, ctx = gathered_forward(3)
+    prefetch(gm, ctx)
+    starts = _starts(gm)
+    schedule_overlap(gm, ctx)
+    check_collectives_waited(gm.graph)
+    assert _starts(gm) == starts
+    pos = positions(gm)
+    for i, gather in enumerate(gathers(gm)):
+        finish = set(gather.finish)
+        after = max(gather.finish, key=pos.__getitem__).next  # the first node after the copy-out
+        assert any(inp in finish for inp in after.all_input_nodes), (gather.wait.name, after.name)
+        between = [n for n in gm.graph.nodes if pos[gather.start] < pos[n] < pos[gather.wait]]
+        if i:  # prefetched: compute runs while it is in flight
+            assert any(n.target is aten.addmm.default for n in between)
+
+
+def test_reduction_waits_keep_one_in_flight_at_depth_one():
+    b, gm, ctx = reduced_backward(3, schedule=SchedulePolicy(prefetch_depth=1))
+    assert schedule_overlap(gm, ctx).modified
+    check_collectives_waited(gm.graph)
+    inflight, most = 0, 0
+    for node in gm.graph.nodes:
+        if node.target in COLLECTIVE_KINDS:
+            inflight += 1
+            most = max(most, inflight)
+        elif node.target is WAIT:
+            inflight -= 1
+    assert most == 1  # reduction j runs during the next unit's compute, waited before j + 1 is issued
+    pos = positions(gm)
+    reductions = collectives(gm)
+    for j in range(len(reductions) - 1):
+        (wait,) = reductions[j].users
+        assert pos[wait] < pos[reductions[j + 1]]
+        assert any(n.target is aten.mul.Tensor for n in gm.graph.nodes if pos[reductions[j]] < pos[n] < pos[wait])
+
+
+def test_last_reduction_waits_at_the_end():
+    b, gm, ctx = reduced_backward(3)
+    schedule_overlap(gm, ctx)
+    (wait,) = collectives(gm)[-1].users
+    later = [n for n in gm.graph.nodes if positions(gm)[n] > positions(gm)[wait]]
+    assert not any(n.target in (aten.mm.default, aten.mul.Tensor) for n in later)  # no compute left to hide behind
+
+
+def test_byte_bound_waits_each_reduction_before_the_next():
+    b, gm, ctx = reduced_backward(3, schedule=SchedulePolicy(prefetch_depth=2, max_inflight_bytes=REDUCE_BYTES))
+    schedule_overlap(gm, ctx)
+    pos = positions(gm)
+    reductions = collectives(gm)
+    assert all(pos[next(iter(reductions[j].users))] < pos[reductions[j + 1]] for j in range(len(reductions) - 1))
+
+
+def test_deeper_bound_leaves_two_reductions_running():
+    b, gm, ctx = reduced_backward(3, schedule=SchedulePolicy(prefetch_depth=2))
+    schedule_overlap(gm, ctx)
+    pos = positions(gm)
+    first, second, third = collectives(gm)
+    assert pos[second] < pos[next(iter(first.users))] < pos[third]
+
+
+def test_no_collectives_is_unchanged():
+    b, gm = linear_chain(2)  # markers not expanded: nothing to schedule
+    assert not schedule_overlap(gm, b.ctx()).modified
