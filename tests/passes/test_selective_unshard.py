@@ -1,0 +1,81 @@
+"""``selective_unshard`` on a hand-built stage-3 joint graph: the chosen gathers lose their
+recompute tags (saved for backward, not gathered again), smallest first within the budget."""
+from torch.utils.checkpoint import CheckpointPolicy
+
+from passes.bucketing import bucketing
+from passes.insert_allgather import insert_allgather
+from passes.selective_unshard import choose_kept, selective_unshard
+from tests.passes.graphs import aten, gathers, linear_chain
+from zerograph.policies import MemoryPolicy
+from zerograph.vocab import TAG
+
+UNIT_BYTES = 2 * (2 * 4 + 2) * 4  # one block's gathered bytes
+
+
+def _joint(units: int = 3, root: bool = False, **memory):
+    b, gm = linear_chain(units, root=root)
+    ctx = b.ctx("joint", memory=MemoryPolicy(**memory))
+    bucketing(gm, ctx)
+    insert_allgather(gm, ctx)
+    return b, gm, ctx
+
+
+def _kept(gm) -> list[list[int]]:
+    """Units of each gather whose chain is kept (tagged ``kept``, no ``MUST_RECOMPUTE``)."""
+    kept = []
+    for gather in gathers(gm):
+        flags = {n.meta[TAG].get("kept", False) for n in gather.issue + gather.finish if TAG in n.meta}
+        recompute = {n.meta.get("recompute") for n in gather.issue + gather.finish if TAG in n.meta}
+        assert len(flags) == 1, "a chain is kept whole or not at all"
+        if flags.pop():
+            assert CheckpointPolicy.MUST_RECOMPUTE not in recompute
+            kept.append(gather.units)
+        else:
+            assert recompute == {CheckpointPolicy.MUST_RECOMPUTE}
+    return kept
+
+
+def test_no_budget_keeps_nothing():
+    b, gm, ctx = _joint()
+    assert not selective_unshard(gm, ctx).modified
+    assert _kept(gm) == []
+
+
+def test_budget_keeps_units_in_order_of_size_then_position():
+    b, gm, ctx = _joint(3, unshard_budget_bytes=2 * UNIT_BYTES)
+    result = selective_unshard(gm, ctx)
+    assert result.counts == {"kept": 2, "gathers": 3}
+    assert _kept(gm) == [[1], [2]]  # equal sizes: the first two
+
+
+def test_kept_parameter_read_by_compute_is_must_save():
+    b, gm, ctx = _joint(2, unshard_budget_bytes=UNIT_BYTES)
+    selective_unshard(gm, ctx)
+    first_matmul = gm.graph.find_nodes(op="call_function", target=aten.addmm.default)[0]
+    bias = first_matmul.args[0]  # the first unit's gathered bias, read by the matmul
+    assert bias.meta.get("recompute") == CheckpointPolicy.MUST_SAVE
+    transposes = gm.graph.find_nodes(op="call_function", target=aten.t.default)
+    assert transposes[0].meta["recompute"] == CheckpointPolicy.MUST_SAVE  # the kept weight's view, read by compute
+    assert transposes[1].meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE  # the other unit's is not kept
+
+
+def test_root_kept_when_not_resharded_after_forward():
+    b, gm, ctx = _joint(2, root=True, reshard_root_after_forward=False)
+    selective_unshard(gm, ctx)
+    assert _kept(gm) == [[0]]
+
+
+def test_only_the_stage3_joint_graph():
+    b, gm = linear_chain(2)
+    ctx = b.ctx("forward", memory=MemoryPolicy(unshard_budget_bytes=10 * UNIT_BYTES))
+    bucketing(gm, ctx)
+    insert_allgather(gm, ctx)
+    assert not selective_unshard(gm, ctx).modified
+    b, gm, ctx = _joint(2, unshard_budget_bytes=10 * UNIT_BYTES)
+    assert not selective_unshard(gm, b.ctx("joint", stage=2, memory=ctx.memory)).modified
+
+
+def test_choose_kept_smallest_first_within_budget():
+    assert choose_kept([30, 10, 20], budget=30) == [1, 2]
+    assert choose_kept([30, 10, 20], budget=9) == []
+    assert choose_kept([10, 10, 10], budget=25) == [0, 1]
