@@ -4,7 +4,12 @@ Pre: a forward, backward or inference graph with tagged collectives (``find_coll
 Post: the same nodes, reordered; every start still precedes its wait, every wait its uses.
 - All-gathers: the wait and copy-out sink to just before the first op that reads a gathered
   parameter, so whatever compute sits between the (prefetched) start and that op runs while the
-  gather is in flight.
+  gather is in flight. A copy-out that allocates (``unpack_gathered``: the parameters in a new
+  buffer, the gathered one dying after it) sinks no further than the copy-in of the next gather
+  ``prefetch`` placed after it: during a copy-out the unit is held twice (the gathered buffer and
+  its unpacked copy), and a gather started before it would add a third unit at that point,
+  ``prefetch_depth + 2`` units instead of the ``prefetch_depth + 1`` the schedule plans (issue 42).
+  A copy-out of views only allocates nothing and sinks to the first use.
 - Reductions (reduce-scatter / all-reduce): issued where ``insert_reduce_scatter`` put them (as
   soon as the bucket's last gradient exists); the wait, the division by N and the copy-out sink
   toward the end of backward, where the sharded gradients are returned. A reduction's send
@@ -32,6 +37,20 @@ import torch.fx as fx
 from ._fx import Collective, NodeOrder, find_collectives, sink_to_first_use
 from .context import PassContext, PassResult
 from .contract import contract
+from .prefetch import copy_out_end
+
+
+def gather_limits(gathers: list[Collective], order: NodeOrder) -> list[fx.Node | None]:
+    """For each gather, the node its wait and copy-out must precede (``None``: no bound): the
+    first copy-in node of the gathers that start after its wait, when its copy-out allocates."""
+    limits: list[fx.Node | None] = []
+    for gather in gathers:
+        if copy_out_end(gather) is gather.wait:  # views only: the gathered buffer is the parameters
+            limits.append(None)
+            continue
+        later = [node for c in gathers if order[c.start] > order[gather.wait] for node in c.issue]
+        limits.append(min(later, key=order.__getitem__, default=None))
+    return limits
 
 
 def reduction_limits(reductions: list[Collective], ctx: PassContext) -> list[fx.Node | None]:
@@ -59,8 +78,9 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False)
     before = [n.name for n in graph.nodes]
     order = NodeOrder(graph)  # one numbering, kept current through every sink
-    for gather in (c for c in collectives if c.role == "gather"):
-        sink_to_first_use(gather.finish, order=order)
+    gathers = [c for c in collectives if c.role == "gather"]
+    for gather, limit in zip(gathers, gather_limits(gathers, order)):  # limits read before any sink
+        sink_to_first_use(gather.finish, limit, order=order)
     reductions = sorted((c for c in collectives if c.role == "reduce"), key=lambda c: order[c.start])
     # a reduction whose copy-in holds another's start is that one's second level (hybrid sharding)
     starts = {c.start: c for c in reductions}

@@ -70,7 +70,11 @@ def test_gathered_outputs_take_depth_plus_one_slots(config_index: int, depth: in
         # stage 3: every unit gathered in both graphs; all but the root's pooled (buffer_reuse's doc)
         assert len(gathered) == len(unit_bytes) - 1, (graph, kind)
         assert all(b["tag"] == "gather" for b in gathered)
-        assert len({b["slot"] for b in gathered}) == depth + 1, (graph, kind)  # the unit in use + d in flight
+        # flat: the gathered buffer is the unit in use, plus d in flight; per parameter it dies at its
+        # copy-out (unpack_gathered), which precedes the next gather's start (schedule_overlap), so
+        # only the d in flight hold a slot at once
+        slots = depth + 1 if flat else max(1, depth)
+        assert len({b["slot"] for b in gathered}) == slots, (graph, kind)
         # a flat shard is its all-gather's send buffer and its gradient the reduce-scatter's: nothing
         # to pool; per parameter, each block bucket's copy-in is pooled
         sends = {b["tag"] for b in pooled if b["role"] == "send"}

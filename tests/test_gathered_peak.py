@@ -1,0 +1,81 @@
+"""Gathered parameters alive at once (issue 42, item 2), counted in bytes, not timed.
+
+Rank 0 of a fake world of ``WORLD`` in this process; one stage-3 step; the peak of the gathered
+parameters alive at once is read from the liveness of the graphs that ran
+(``zerograph.stats(...).transient_bytes["params"]``, per graph ``Timeline.peak``). With the default
+``prefetch_depth=1`` the schedule holds the unit in use and the one in flight: no graph may hold more
+than its two largest units gathered plus the root (the parameters used outside blocks), plus the
+copy-in send buffers of the gathers in flight (each a unit's 1/N, this rank's shards). Before the
+fix, a unit's copy-out (``unpack_gathered``: rank-major buffer and unpacked copy both alive) ran
+after the next unit's gather had started, so three units were alive there.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerograph
+from zerograph.models.gpt import GPT
+from zerograph.models.gpt import SIZES as GPT_SIZES
+from zerograph.models.llama import SIZES as LLAMA_SIZES
+from zerograph.models.llama import Llama
+from zerograph.passes.liveness import PARAM_ROLES
+from zerograph.sharding import ROOT_INDEX
+from zerograph.state import state_of
+
+from .distributed import fake_rank
+
+WORLD = 8
+
+
+def _step(model: torch.nn.Module, vocab: int, seq: int) -> zerograph.Stats:
+    x = torch.randint(0, vocab, (1, seq + 1), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(x[:, :-1], x[:, 1:]).backward()
+    return zerograph.stats(model, opt)
+
+
+def _bound(model: torch.nn.Module) -> tuple[int, dict]:
+    """Two largest non-root units gathered + the root + two units' send buffers (shards), bytes."""
+    rt = state_of(model).runtime
+    gathered = [sum(rt.marker_layouts[k].padded_numel * rt.marker_layouts[k].param_dtype.itemsize
+                    for k in unit.keys) for unit in rt.units]
+    blocks = sorted((b for i, b in enumerate(gathered) if i != ROOT_INDEX), reverse=True)
+    sends = 2 * -(-blocks[0] // WORLD)
+    return sum(blocks[:2]) + gathered[ROOT_INDEX] + sends, {"units": gathered, "sends": sends}
+
+
+def _check(model: torch.nn.Module, stats: zerograph.Stats) -> None:
+    bound, parts = _bound(model)
+    assert len(parts["units"]) >= 4  # a root and three blocks at least: a third unit would show
+    peaks = {kind: t.peak(PARAM_ROLES) for mem in state_of(model).runtime.graph_memory for kind, t in mem.items()}
+    assert peaks and all(peak <= bound for peak in peaks.values()), (peaks, bound, parts)
+    assert stats.transient_bytes["params"] <= bound, (stats.transient_bytes, bound, parts)
+
+
+def test_llama_inline_blocks_hold_at_most_two_units_and_the_root() -> None:
+    """torchtitan's Llama (layers in a ModuleDict; its complex RoPE input keeps templates off): each
+    block bucket is unpacked (``unpack_gathered``), the path that held three units."""
+    cfg = LLAMA_SIZES["small"]
+    with fake_rank(WORLD):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = Llama(cfg)
+        model = zerograph.compile(model, stage=3, device="cpu")
+        zerograph.init_weights(model, model.init_module)
+        stats = _step(model, cfg.vocab_size, 32)
+        assert not state_of(model).runtime.flat_shards  # inline: per-parameter buckets, unpacked
+        _check(model, stats)
+
+
+@pytest.mark.parametrize("templates", [True, False], ids=["templates", "per-parameter"])
+def test_gpt_holds_at_most_two_units_and_the_root(templates: bool) -> None:
+    """The GPT (blocks in a ModuleList) with unit templates (flat shards: the gathered buffer is
+    viewed, not unpacked) and without (per-parameter buckets, unpacked)."""
+    cfg = GPT_SIZES["small"]
+    with fake_rank(WORLD):
+        torch.manual_seed(0)
+        model = zerograph.compile(GPT(cfg), stage=3, config=zerograph.Config(unit_templates=templates))
+        stats = _step(model, cfg.vocab_size, cfg.block_size)
+        assert bool(state_of(model).runtime.flat_shards) == templates
+        _check(model, stats)
