@@ -1,7 +1,7 @@
 """Shared fixtures and the markers of the fast lane.
 
-Markers (registered in pyproject.toml): ``distributed`` (spawns gloo ranks), ``gpu`` (needs CUDA;
-skipped without it), ``slow`` (long in one process). ``make test-fast`` runs
+Markers (registered in pyproject.toml): ``distributed`` (spawns gloo ranks), ``slow`` (long in
+one process), ``own_scope`` (spawns outside the spawn lane's order). ``make test-fast`` runs
 ``-m "not distributed and not slow"``. A test that uses the ``training_run`` fixture is marked
 ``distributed`` here; any other test that spawns ranks carries the marker itself, and
 ``tests.distributed.spawn`` raises ``SpawnNotMarked`` in a test without it, so a new multi-rank
@@ -75,12 +75,8 @@ def one_rank():
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    import torch
-
     misread = []
     for item in items:
-        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if SPAWNING_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.distributed)
         marked = item.get_closest_marker("distributed") is not None

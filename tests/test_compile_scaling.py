@@ -169,7 +169,6 @@ def test_summary_shows_each_pass_time_per_graph() -> None:
         for kind in ("joint", "forward", "backward"):
             times = record[kind].meta[PASS_TIMES]
             assert list(times["seconds"]) == [p.__name__ for p in pipeline(kind)]
-            assert all(s >= 0 for s in times["seconds"].values())
             assert times["nodes_out"] == len(record[kind].graph.nodes)
         report = build_report(runtime_of_model(model), state_of(model).captured, None)
         text = summary_markdown(report)

@@ -196,9 +196,19 @@ def check_cpu_without_interpreter() -> None:
     import zerograph.kernels.packing as pack_mod
 
     adamw_mod.triton_kernels = pack_mod.triton_kernels = common.triton_kernels
+    # ... and give the reference's results (it printed "ok" here without comparing anything)
+    before, want = p.clone(), [t.clone() for t in (p, m, v)]
     adamw_step(p, g, m, v, weight_decay=0.1, step=1, **HYPER)
-    packed = pack([torch.randn(5)], [8], torch.bfloat16)
-    unpack(packed, [(7,)], 2)
+    adamw_step_reference(want[0], g, want[1], want[2], weight_decay=0.1, step=1, **HYPER)
+    assert not torch.equal(p, before), "CPU dispatch left the parameter unchanged"
+    for name, got, ref in zip(("param", "exp_avg", "exp_avg_sq"), (p, m, v), want):
+        assert torch.equal(got, ref), f"CPU dispatch {name} differs from adamw_step_reference"
+    shard = torch.randn(5)
+    packed = pack([shard], [8], torch.bfloat16)
+    assert torch.equal(packed, pack_reference([shard], [8], torch.bfloat16))
+    assert torch.equal(packed[:5], shard.to(torch.bfloat16)) and not packed[5:].any()  # cast, then zero padding
+    for a, b in zip(unpack(packed, [(7,)], 2), unpack_reference(packed, [(7,)], 2)):
+        assert torch.equal(a, b)
     print("ok cpu_without_interpreter")
 
 

@@ -55,7 +55,8 @@ def test_last_reduction_waits_at_the_end():
     b, gm, ctx = reduced_backward(3)
     schedule_overlap(gm, ctx)
     (wait,) = collectives(gm)[-1].users
-    later = [n for n in gm.graph.nodes if positions(gm)[n] > positions(gm)[wait]]
+    pos = positions(gm)
+    later = [n for n in gm.graph.nodes if pos[n] > pos[wait]]
     assert not any(n.target in (aten.mm.default, aten.mul.Tensor) for n in later)  # no compute left to hide behind
 
 
