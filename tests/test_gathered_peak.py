@@ -19,7 +19,7 @@ from zerograph.models.gpt import GPT
 from zerograph.models.gpt import SIZES as GPT_SIZES
 from zerograph.models.llama import SIZES as LLAMA_SIZES
 from zerograph.models.llama import Llama
-from zerograph.passes.liveness import PARAM_ROLES
+from zerograph.passes.liveness import PARAM_ROLES, storage_root
 from zerograph.sharding import ROOT_INDEX
 from zerograph.state import state_of
 
@@ -79,3 +79,39 @@ def test_gpt_holds_at_most_two_units_and_the_root(templates: bool) -> None:
         stats = _step(model, cfg.vocab_size, cfg.block_size)
         assert bool(state_of(model).runtime.flat_shards) == templates
         _check(model, stats)
+
+
+def test_template_cuts_parameters_out_of_the_flat_shard_at_their_uses() -> None:
+    """A templated unit's body cuts each parameter out of its gathered flat shard (a copy where
+    ranks' rows interleave); cut at their uses, not all at the top, the copies alive at once in
+    the forward body stay well below the unit's bytes (before: every parameter copied at once)."""
+    from zerograph import registry
+    from zerograph.unit_trace import _CUTTING_OPS
+
+    cfg = GPT_SIZES["small"]
+    with fake_rank(WORLD):
+        torch.manual_seed(0)
+        model = zerograph.compile(GPT(cfg), stage=3)
+        _step(model, cfg.vocab_size, cfg.block_size)
+        templates = list(registry._TEMPLATES.values())
+        assert templates
+        for template in templates:
+            graph = template.forward_graph.graph
+            nodes = list(graph.nodes)
+            flat = max((n for n in nodes if n.op == "placeholder"), key=lambda n: n.meta["val"].numel())
+            cuts, stack = [], [flat]
+            while stack:
+                for user in stack.pop().users:
+                    if user.target in _CUTTING_OPS and user not in cuts:
+                        cuts.append(user)
+                        stack.append(user)
+            copies = [n for n in cuts if n.target is torch.ops.aten.clone.default]
+            pos = {n: i for i, n in enumerate(nodes)}
+            last = {c: pos[c] for c in copies}
+            for node in nodes:  # a copy lives to the last read of it or of a view of it
+                for inp in node.all_input_nodes:
+                    root = storage_root(inp)
+                    if root in last:
+                        last[root] = max(last[root], pos[node])
+            alive = max(sum(c.meta["val"].numel() for c in copies if pos[c] <= i <= last[c]) for i in range(len(nodes)))
+            assert len(copies) > 2 and alive <= flat.meta["val"].numel() // 2, (alive, flat.meta["val"].numel())

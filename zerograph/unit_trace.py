@@ -28,6 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import registry
 from .capture import parameter_write_error
+from .passes._fx import sink_to_first_use
 from .sharding import set_tracing_unit
 
 if TYPE_CHECKING:
@@ -193,6 +194,8 @@ def trace_unit(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_gra
     # op cannot return a view of its input, and the primal itself is saved by autograd anyway
     with torch._functorch.config.patch(recompute_views=True):
         fwd, bwd = min_cut_rematerialization_partition(joint_graph, (primals, tangents), num_fwd_outputs=len(tangents))
+    if flat is not None:
+        _sink_cut_out(fwd, n_args)
     n_outputs = len(tangents)
     backward_sources, saved_primals = _own_outputs(fwd, n_outputs)
     _own_gradients(bwd)
@@ -312,6 +315,24 @@ def _recompute_cut_out(joint: fx.GraphModule, flat_index: int) -> None:
             if user.target in _CUTTING_OPS and user.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
                 user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 stack.append(user)
+
+
+def _sink_cut_out(fwd: fx.GraphModule, flat_index: int) -> None:
+    """Move each cut of the gathered flat shard (primal ``flat_index``) down to just before its
+    first use in the partitioned forward. The trace cuts every parameter out at the top of the
+    body (``FlatShard.unflatten``), and a cut where ranks' rows interleave is a copy, so the
+    unit was held twice through its forward (the flat buffer and every copy, issue 42); cut at
+    their uses, the copies live one parameter at a time. Same ops, same values."""
+    flat = [n for n in fwd.graph.nodes if n.op == "placeholder"][flat_index]
+    cuts, stack = set(), [flat]
+    while stack:
+        for user in stack.pop().users:
+            if user.target in _CUTTING_OPS and user not in cuts:
+                cuts.add(user)
+                stack.append(user)
+    if cuts:
+        sink_to_first_use([n for n in fwd.graph.nodes if n in cuts])
+        fwd.recompile()
 
 
 def _slot_name(module: nn.Module, slot: tuple[nn.Module, str]) -> str:
