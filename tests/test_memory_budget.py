@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import zerograph
+from zerograph.budget import plan_for_config
 from zerograph.models.gpt import GPT, GPTConfig
-from zerograph.plan import plan_for_config
 from zerograph.state import state_of
 
 from .distributed import fake_rank

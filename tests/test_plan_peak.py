@@ -90,7 +90,7 @@ def test_example_inputs_errors():
 
 
 def test_budget_refuses_a_peak_above_it_with_the_numbers():
-    from zerograph.plan import check_memory_budget
+    from zerograph.budget import check_memory_budget
 
     p = plan(meta_stack(), 3, 4, example_inputs=(torch.empty(2, 8, device="meta"),))
     check_memory_budget(p, None)
@@ -104,7 +104,7 @@ def test_budget_refuses_a_peak_above_it_with_the_numbers():
 
 def test_plan_for_config_reads_the_schedule_and_dtypes():
     import zerograph
-    from zerograph.plan import plan_for_config
+    from zerograph.budget import plan_for_config
 
     p = plan_for_config(meta_stack(), 3, 4, zerograph.Config(prefetch_depth=2))
     assert p.prefetch_depth == 2 and p.param_dtype == p.master_dtype == torch.float32

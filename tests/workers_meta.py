@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import zerograph
+from zerograph.bench.side_by_side import _reset_peak
 from zerograph.loading import local_rows
 from zerograph.models.gpt import GPT, GPTConfig
 from zerograph.models.llama import Llama, LlamaConfig
@@ -232,16 +233,6 @@ def _memory_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise KeyError(field)
-
-
-def _reset_peak() -> bool:
-    """Reset this process's peak resident set (Linux ``clear_refs`` 5); False where not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def big_meta_memory(rank: int, world_size: int, measure_ordinary: bool = False) -> dict:

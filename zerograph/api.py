@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import logging
 import os
@@ -19,6 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map_only
 
 from . import loading
+from .budget import fit_memory_budget
 from .capture import CapturedGraphs, ZeroGraphBackend
 from .config import Config, check_stage
 from .errors import (
@@ -32,7 +32,6 @@ from .errors import (
 )
 from .flat import FlatShard, flatten_unit_, flattenable
 from .hybrid import hybrid_groups, secondary_group
-from .plan import check_memory_budget, plan_for_config
 from .policies import MixedPrecisionPolicy
 from .registry import next_key
 from .replicas import sync_replicas
@@ -168,7 +167,8 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     originals = {name: p for name, p in model.named_parameters()}
     units = find_units(model, config.unit_classes)
     warn_large_units(model, units, stage)  # before sharding: the blocks' classes are still their own
-    config = _fit_memory_budget(model, stage, group, replicate_group, config)
+    config = fit_memory_budget(model, stage, dist.get_world_size(group),
+                               1 if replicate_group is None else dist.get_world_size(replicate_group), config)
     precision = config.mixed_precision
     layouts, unit_objs = shard_module_(model, mesh, stage, units, next_key,
                                        param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
@@ -254,28 +254,6 @@ def _flat_plan(runtime: Runtime, config: Config, units: list[tuple[str, nn.Modul
         runtime.flat_shards.pop(flat.layout.key, None)
 
     return FlatPlan(can, make, retire)
-
-
-def _fit_memory_budget(model: nn.Module, stage: int, group: dist.ProcessGroup,
-                       replicate_group: dist.ProcessGroup | None, config: Config) -> Config:
-    """``config`` with the largest ``prefetch_depth``, up to its own, whose planned step peak
-    (``zerograph.plan``) fits ``MemoryPolicy.budget_bytes``; ``config`` itself without a budget.
-    Raises ``ConfigError`` with the plan's parts when ``prefetch_depth=0`` does not fit either."""
-    budget = config.memory.budget_bytes
-    if budget is None:
-        return config
-    world_size = dist.get_world_size(group)
-    replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
-    for depth in range(config.prefetch_depth, -1, -1):
-        candidate = dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, prefetch_depth=depth))
-        planned = plan_for_config(model, stage, world_size, candidate, replicas=replicas)
-        if planned.step_peak_bytes <= budget:
-            if depth < config.prefetch_depth:
-                log.warning("zerograph: prefetch_depth %d -> %d to fit memory_budget_bytes %d (planned peak %d bytes)",
-                            config.prefetch_depth, depth, budget, planned.step_peak_bytes)
-            return candidate
-    check_memory_budget(planned, budget)  # prefetch_depth=0 does not fit: raises with the plan's numbers
-    return config
 
 
 def _compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

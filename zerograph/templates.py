@@ -66,7 +66,6 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from . import registry
@@ -77,8 +76,8 @@ from .ops import UNIT_CALL as _unit_call
 from .ops import unit_forward
 from .passes._fx import layout_template
 from .sharding import full_parameter, original_class, own_code
+from .unit_islands import run_island
 from .unit_trace import UNIT_ATTR, TensorMeta, UnitTemplate, trace_unit
-from .vocab import GRAD_SYNC
 
 # True once the unit's kind met data-dependent control flow in its body: the unit runs as an eager
 # island (``run_island``), its parameters gathered once on entry, whatever its body does inside
@@ -387,36 +386,6 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _unit_forward(kind, mode, arg_grads, primals)[0]
 
 
-class _GatheredOnEntry(torch.autograd.Function):
-    """An island's parameters (``run_island``): each all-gathered in forward; in backward every
-    one reduced, in slot order, on every rank alike, whichever of them this rank's data reached
-    (zeros for the others), unless no rank reached it (``None``, as eager leaves it): the
-    collectives of a unit do not depend on its data. Inputs: the marker keys, the gradient mode,
-    then each parameter's local shard ``(local_rows, *rest)``; outputs: the full parameters."""
-
-    @staticmethod
-    def forward(ctx: Any, keys: tuple[int, ...], mode: str, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.keys, ctx.mode = keys, mode
-        ctx.set_materialize_grads(False)
-        runtime = registry.runtime_of(keys[0])
-        return tuple(runtime.unshard_eager(shard, key) for shard, key in zip(shards, keys))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        runtime = registry.runtime_of(ctx.keys[0])
-        reached = runtime.reached_on_any_rank([grad is not None for grad in grads], ctx.keys[0])
-        out: list[torch.Tensor | None] = [None, None]
-        for grad, key, hit in zip(grads, ctx.keys, reached):
-            if not hit:
-                out.append(None)
-                continue
-            if grad is None:
-                layout = registry.layout_of(key)
-                grad = torch.zeros(layout.shape, dtype=layout.param_dtype, device=runtime.device)
-            out.append(runtime.reduce_grad_eager(grad.contiguous(), key, ctx.mode))
-        return tuple(out)
-
-
 @torch._dynamo.assume_constant_result
 def _read_unreached(kind: int) -> bool:
     """A parameter that ``kind``'s template found its output does not reach (``FlatShard.no_grad``,
@@ -429,33 +398,6 @@ def _read_unreached(kind: int) -> bool:
     unit_kind.no_grad = None  # so _runs_inline takes the flat shards away
     unit_kind.fall_back("a parameter its template leaves without a gradient is read where the template does not "
                         "see it (by the unit's parent, or in an inline body)")
-
-
-@torch._dynamo.disable
-def run_island(unit: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """Run ``unit``'s body eagerly, outside every graph (Dynamo breaks the model's graph at the
-    call, on every rank alike), on its parameters gathered once on entry: each parameter's
-    ``unshard`` marker runs as the op itself (its all-gather now, its reduce in backward, through
-    autograd), the full tensors stand in the parameter slots for the body's reads, and the slots
-    get their shards back on exit. Source: FSDP2's unshard in a unit's pre-forward hook and
-    reshard in its post-forward hook."""
-    _, param_slots, _, keys, _, flat = getattr(unit, UNIT_ATTR)
-    shards = [mod._parameters[name] for mod, name in param_slots]
-    mode = _sharding._grad_mode if torch.is_grad_enabled() else GRAD_SYNC
-    if flat is not None:
-        fulls = flat.unflatten(_GatheredOnEntry.apply((flat.layout.key,), mode, flat.param)[0])
-    else:
-        locals_ = [shard.to_local() if isinstance(shard, DTensor) else shard for shard in shards]
-        fulls = list(_GatheredOnEntry.apply(keys, mode, *locals_))
-    previous = _sharding.set_tracing_unit(True)  # the parameter attributes read their slots
-    try:
-        for (mod, name), full in zip(param_slots, fulls):
-            mod._parameters[name] = full
-        return type(unit).forward(unit, *args, **kwargs)
-    finally:
-        for (mod, name), shard in zip(param_slots, shards):
-            mod._parameters[name] = shard
-        _sharding.set_tracing_unit(previous)
 
 
 def unit_signature(module: nn.Module) -> tuple:
