@@ -10,7 +10,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._functorch._aot_autograd.graph_compile import is_opaque_node
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
@@ -385,7 +384,7 @@ def saved_tensor_inputs(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_output
     the saved tensors, then the saved symbols; the backward takes the saved symbols, then the saved
     tensors, then the tangents."""
     outputs = fwd.graph.output_node().args[0]
-    n_saved_symbols = sum(1 for v in outputs[num_fwd_outputs:] if _is_symbol(v))
+    n_saved_symbols = sum(1 for v in outputs[num_fwd_outputs:] if is_symbol(v))
     return [n for n in bwd.graph.nodes if n.op == "placeholder"][n_saved_symbols:]
 
 
@@ -408,34 +407,7 @@ def save_for_backward(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs:
     return inputs
 
 
-def saved_opaque_objects_last(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) -> int:
-    """Reorder the saved values of a partitioned pair so that opaque objects (the per-parameter
-    build's ``DeviceMesh``) follow every saved tensor, as AOTAutograd's runtime reads them
-    (tensors, then opaque objects, then symbols). In torch 2.13 the partitioner appends the RNG
-    states it saves for a recomputed random op (``functionalize_rng_ops``: under
-    ``torch.utils.checkpoint``, SDPA counts as one) after the opaque objects, and the runtime then
-    refuses the mesh as a tensor. Both graphs move alike: the forward's outputs and the backward's
-    inputs. Returns the number of opaque objects moved."""
-    fwd_out = fwd.graph.output_node()
-    outputs = list(fwd_out.args[0])
-    inputs = saved_tensor_inputs(fwd, bwd, num_fwd_outputs)  # the non-symbols saved, then the tangents
-    saved = [v for v in outputs[num_fwd_outputs:] if not _is_symbol(v)]
-    opaque = [i for i, v in enumerate(saved) if is_opaque_node(v)]
-    order = [i for i in range(len(saved)) if i not in opaque] + opaque
-    if order == list(range(len(saved))):
-        return 0
-    fwd_out.args = (outputs[:num_fwd_outputs] + [saved[i] for i in order] + outputs[num_fwd_outputs + len(saved):],)
-    anchor = inputs[0].prev
-    for i in order:
-        anchor.append(inputs[i])
-        anchor = inputs[i]
-    for gm in (fwd, bwd):
-        gm.graph.lint()
-        gm.recompile()
-    return len(opaque)
-
-
-def _is_symbol(value: Any) -> bool:
+def is_symbol(value: Any) -> bool:
     return isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.SymInt | torch.SymFloat | torch.SymBool)
 
 

@@ -10,7 +10,7 @@ import torch.fx as fx
 from zerograph.policies import ActivationPolicy, MemoryPolicy, SchedulePolicy
 from zerograph.sharding import ParamLayout, Unit
 
-GraphKind = Literal["joint", "forward", "backward", "inference"]
+GraphKind = Literal["joint", "partitioned", "forward", "backward", "inference"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,8 +18,9 @@ class PassContext:
     """Inputs of a pass besides the graph: plain data about the run, never a tensor or a process group.
 
     Attributes:
-        graph_kind: which graph the pass sees (the AOTAutograd joint graph, the partitioned
-            forward / backward, or a no-grad inference graph).
+        graph_kind: which graph the pass sees (the AOTAutograd joint graph; "partitioned": the
+            forward / backward pair the partitioner returns, as ``PartitionedGraphs``; the
+            partitioned forward / backward, each on its own; or a no-grad inference graph).
         stage: ZeRO stage 0-3.
         world_size: N, ranks in ``group_name``.
         group_name: the process group's registered name, as functional collectives take it.
@@ -69,8 +70,31 @@ class PassContext:
 
 @dataclasses.dataclass
 class PassResult:
-    """``torch.fx.passes.infra.pass_base.PassResult`` plus counts for the log."""
+    """``torch.fx.passes.infra.pass_base.PassResult`` plus counts for the log; a pass of the
+    "partitioned" pipeline returns its ``PartitionedGraphs`` as ``graph_module``."""
 
-    graph_module: fx.GraphModule
+    graph_module: fx.GraphModule | PartitionedGraphs
     modified: bool
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class PartitionedGraphs:
+    """The forward / backward pair AOTAutograd's partitioner returns: what a pass of the
+    "partitioned" pipeline receives and returns (as ``PassResult.graph_module``).
+
+    AOTAutograd's convention binds the two graphs: the forward returns its ``num_fwd_outputs``
+    outputs, then the saved tensors, then saved opaque objects and symbols; the backward takes the
+    saved symbols, the saved tensors in the same order, then the tangents. A pass that hands a value
+    over from one graph to the other changes both sides alike (``passes._fx.save_for_backward``).
+    """
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    num_fwd_outputs: int
+    meta: dict = dataclasses.field(default_factory=dict)  # as ``GraphModule.meta``: the manager's record
+
+
+def graph_modules(graphs: fx.GraphModule | PartitionedGraphs) -> tuple[fx.GraphModule, ...]:
+    """The graph modules a pass's input holds: one, or the partitioned pair (forward first)."""
+    return (graphs.forward, graphs.backward) if isinstance(graphs, PartitionedGraphs) else (graphs,)

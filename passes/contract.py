@@ -22,15 +22,21 @@ CAPABILITIES = {
     "buckets": "markers carry the bucket they are gathered or reduced in (bucketing)",
     "gathers": "every unshard marker is expanded into copy-in, all-gather, wait, copy-out (insert_allgather)",
     "reductions": "every reduce_grad marker is expanded into its reduction (insert_reduce_scatter)",
+    "units_expanded": "no zerograph::unit_call is left: each templated unit's ops are in the graph (expand_unit_calls)",
+    "saved_tensors_first": "the pair's saved tensors come before its saved opaque objects, as AOTAutograd's runtime "
+                           "reads them (saved_opaque_objects_last)",
 }
 
-# what a graph of each kind holds when its pipeline starts: the forward and backward graphs come
-# out of the partitioner, after the joint pipeline expanded the gathers; an inference graph
-# (no_grad) never was joint
-START = {"joint": {"markers"}, "forward": {"markers", "gathers"}, "backward": {"markers", "gathers"},
+# what a graph of each kind holds when its pipeline starts: the partitioned pair comes out of the
+# partitioner, after the joint pipeline expanded the gathers, and its pipeline expands the unit
+# calls before the forward and backward graphs go on alone; an inference graph (no_grad) never was
+# joint
+START = {"joint": {"markers"}, "partitioned": {"markers", "gathers"},
+         "forward": {"markers", "gathers", "units_expanded"}, "backward": {"markers", "gathers", "units_expanded"},
          "inference": {"markers"}}
 # what the graph of each kind must hold when its pipeline ends (capture's checks need it)
-END = {"joint": {"gathers"}, "forward": {"gathers"}, "backward": {"reductions"}, "inference": {"gathers"}}
+END = {"joint": {"gathers"}, "partitioned": {"gathers", "units_expanded", "saved_tensors_first"},
+       "forward": {"gathers"}, "backward": {"reductions"}, "inference": {"gathers", "units_expanded"}}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,11 +8,8 @@ reads (16 values for a GPT block, each a ``getitem`` node in every trace). Measu
 custom ops standing for units (``aot_autograd`` with the min-cut partitioner, 4 -> 64 units, CPU
 ms per unit): 48-49 with 16 outputs per op, 12-17 with one.
 
-``mark_recomputed_unit_calls`` (on the joint, before its passes): a unit inside an activation
-checkpoint gets every primal of its call in its backward, so that its activations can be
-recomputed there.
-
-``expand_unit_calls`` (on the partitioned pair, inside AOTAutograd's ``partition_fn``):
+``expand_unit_calls`` runs on the partitioned pair (the manager's "partitioned" pipeline, inside
+AOTAutograd's ``partition_fn``).
 
 Pre: ``fwd`` / ``bwd`` as the min-cut partitioner returns them: ``fwd``'s outputs are its
 ``num_fwd_outputs`` own, then the saved tensors, then saved opaque objects and symbolic ints;
@@ -33,28 +30,29 @@ from the primals the partitioner made available there, as the checkpoint asks (w
 block whose output backward has anyway, the next block's input, kept its activations from forward:
 the partitioner cannot see them inside ``unit_call``).
 
-``expand_inference_unit_calls``: an inference graph's ``unit_call``s become ``unit_forward``'s
-first output.
+The same expansion for a no-grad graph is ``expand_inference_unit_calls``; the marking of
+checkpointed units, on the joint, is ``mark_recomputed_unit_calls``.
 """
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from zerograph import registry
 from zerograph.ops import UNIT_BACKWARD, UNIT_CALL, UNIT_CALL_BACKWARD, UNIT_FORWARD, _empty_like_meta
 
 from ._fx import save_for_backward, saved_tensor_inputs
+from .context import PartitionedGraphs, PassContext, PassResult
+from .contract import contract
 
 RECOMPUTED = "zerograph_unit_recomputed"  # on a unit_call_backward whose unit's activations backward recomputes
 
 _ALIASES = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
-_RECOMPUTE = frozenset({CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE})
-TemplateOf = Callable[[fx.Node], Any]  # a unit_call node -> its unit_trace.UnitTemplate
+RECOMPUTE_POLICIES = frozenset({CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE})
 
 
 def _through_aliases(node: fx.Node) -> fx.Node:
@@ -64,29 +62,12 @@ def _through_aliases(node: fx.Node) -> fx.Node:
     return node
 
 
-def _call_of(token: fx.Node) -> fx.Node:
+def call_of_token(token: fx.Node) -> fx.Node:
     """The ``unit_call`` node whose token ``token`` is (through aliases and the ``getitem``)."""
     token = _through_aliases(token)
     assert token.target is operator.getitem and token.args[0].target is UNIT_CALL and token.args[1] == 1, \
         f"{token.name} is not a unit_call's token"
     return token.args[0]
-
-
-def mark_recomputed_unit_calls(joint: fx.GraphModule) -> int:
-    """A ``unit_call`` of ``joint`` inside an activation checkpoint (``torch.utils.checkpoint``:
-    its recompute tag) has its activations recomputed in backward, not saved: its
-    ``unit_call_backward`` is given every primal of the call, so that the partitioner makes them
-    all available there, and marked ``meta[RECOMPUTED]``. Returns the number marked."""
-    marked = 0
-    for node in joint.graph.nodes:
-        if node.target is UNIT_CALL_BACKWARD:
-            call = _call_of(node.args[2])
-            if call.meta.get("recompute") in _RECOMPUTE:
-                template_id, _, token, tangent = node.args
-                node.args = (template_id, list(call.args[3]), token, tangent)
-                node.meta[RECOMPUTED] = True
-                marked += 1
-    return marked
 
 
 def _unit_forward(graph: fx.Graph, call: fx.Node, template: Any, args: tuple | None = None) -> list[fx.Node]:
@@ -130,7 +111,14 @@ def _unit_backward(graph: fx.Graph, call: fx.Node, template: Any, saved: list[fx
     graph.erase_node(call)
 
 
-def _expand_forwards(graph: fx.Graph, template_of: TemplateOf) -> dict[fx.Node, tuple[tuple, Any, list[fx.Node]]]:
+def template_of(call: fx.Node) -> Any:
+    """The ``unit_trace.UnitTemplate`` a ``unit_call`` node calls (traced already: the node's fake
+    implementation looked it up in the registry)."""
+    kind, mode, arg_grads, primals = call.args[:4]
+    return registry.unit_template(kind, mode, arg_grads, [p.meta["val"] for p in primals])
+
+
+def expand_forwards(graph: fx.Graph) -> dict[fx.Node, tuple[tuple, Any, list[fx.Node]]]:
     """Expand every ``unit_call`` of ``graph``: the call (erased) -> (its arguments' scalars, its
     template, its saved activations there)."""
     expanded = {}
@@ -140,9 +128,10 @@ def _expand_forwards(graph: fx.Graph, template_of: TemplateOf) -> dict[fx.Node, 
     return expanded
 
 
-def expand_unit_calls(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int,
-                      template_of: TemplateOf) -> tuple[fx.GraphModule, fx.GraphModule]:
+@contract(provides=("units_expanded",))
+def expand_unit_calls(pair: PartitionedGraphs, ctx: PassContext) -> PassResult:
     """Expand the unit calls of a partitioned pair (module docstring: pre and post)."""
+    fwd, bwd, num_fwd_outputs = pair.forward, pair.backward, pair.num_fwd_outputs
     outputs = list(fwd.graph.output_node().args[0])
     saved_inputs = saved_tensor_inputs(fwd, bwd, num_fwd_outputs)
     saved_index = {n: i for i, n in enumerate(saved_inputs)}
@@ -155,9 +144,9 @@ def expand_unit_calls(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs:
         token = _through_aliases(call.args[2])
         if token in saved_index:
             token = outputs[num_fwd_outputs + saved_index[token]]
-        call_of[call] = _call_of(token)
-    in_forward = _expand_forwards(fwd.graph, template_of)
-    in_backward = _expand_forwards(bwd.graph, template_of)
+        call_of[call] = call_of_token(token)
+    in_forward = expand_forwards(fwd.graph)
+    in_backward = expand_forwards(bwd.graph)
     saved_of = {forward: saved for forward, (_, _, saved) in in_backward.items()}
     for call in backward_calls:  # a checkpointed unit: its forward again, from the primals it was given
         if call.meta.get(RECOMPUTED) and call_of[call] not in saved_of:
@@ -172,12 +161,15 @@ def expand_unit_calls(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs:
         forward = call_of[call]
         template = (in_forward.get(forward) or in_backward[forward])[1]
         _unit_backward(bwd.graph, call, template, saved_of[call] if call in saved_of else saved_of[forward])
+    if not (in_forward or in_backward):
+        return PassResult(pair, False)
     _drop_unread_saved(fwd, bwd, num_fwd_outputs)
     for gm in (fwd, bwd):
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
         gm.recompile()
-    return fwd, bwd
+    return PassResult(pair, True, {"unit_forwards": len(in_forward) + len(in_backward),
+                                   "unit_backwards": len(backward_calls)})
 
 
 def _drop_unread_saved(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) -> None:
@@ -194,15 +186,3 @@ def _drop_unread_saved(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs
         bwd.graph.erase_node(saved_inputs[i])
         del outputs[num_fwd_outputs + i]
     fwd_out.args = (outputs,)
-
-
-def expand_inference_unit_calls(gm: fx.GraphModule, template_of: TemplateOf) -> fx.GraphModule:
-    """Each ``unit_call`` of an inference graph becomes ``unit_forward``'s first output."""
-    expanded = _expand_forwards(gm.graph, template_of)
-    for _, _, saved in expanded.values():
-        for item in saved:
-            gm.graph.erase_node(item)
-    if expanded:
-        gm.graph.lint()
-        gm.recompile()
-    return gm

@@ -8,6 +8,7 @@ Modelled on ``torch.fx.passes.infra.pass_manager.PassManager`` and torchtitan's 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -19,22 +20,28 @@ from zerograph.errors import ConfigError, PassError
 from zerograph.ops import GATHER_ACTIVATION, REDUCE_GRAD, UNSHARD
 from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer, group_name_of
 
-from ._fx import count_targets, is_alias_of_input
+from ._fx import is_alias_of_input
 from .activation_partition import activation_partition
 from .bucketing import bucketing
 from .buffer_reuse import buffer_reuse
-from .context import PassContext, PassResult
+from .context import PartitionedGraphs, PassContext, PassResult, graph_modules
 from .contract import pipeline_problem
+from .expand_inference_unit_calls import expand_inference_unit_calls
+from .expand_unit_calls import expand_unit_calls
+from .hand_over_secondary_pieces import hand_over_secondary_pieces
 from .insert_allgather import insert_allgather
 from .insert_reduce_scatter import insert_reduce_scatter
+from .mark_recomputed_unit_calls import mark_recomputed_unit_calls
 from .prefetch import prefetch
+from .saved_opaque_objects_last import saved_opaque_objects_last
 from .schedule_overlap import schedule_overlap
 from .secondary_partition import secondary_partition
 from .selective_unshard import selective_unshard
 
 log = logging.getLogger(__name__)
 
-Pass = Callable[[fx.GraphModule, PassContext], PassResult]
+Pass = Callable[[fx.GraphModule, PassContext], PassResult]  # the "partitioned" pipeline's take PartitionedGraphs
+Graphs = fx.GraphModule | PartitionedGraphs
 
 
 def pipeline(kind: str) -> list[Pass]:
@@ -42,10 +49,17 @@ def pipeline(kind: str) -> list[Pass]:
 
     - joint: sharding decisions, made before the partitioner so that its min-cut sees them
       (stage 3's recompute-tagged gathers decide what backward re-gathers, less the units
-      ``selective_unshard`` keeps); ``activation_partition`` last, since it leaves the recompute
-      tags of those passes alone and tags whole units so that saved activations fit the budget.
-    - forward / inference: the same gathers, for graphs that never were joint (``no_grad``);
-      then the schedule (prefetch the gathers, sink their waits to first use).
+      ``selective_unshard`` keeps); ``mark_recomputed_unit_calls`` first, before the others
+      rewrite the unit calls' arguments; ``activation_partition`` last, since it leaves the
+      recompute tags of those passes alone and tags whole units so that saved activations fit
+      the budget.
+    - partitioned: the forward / backward pair the min-cut partitioner returns, rewritten where
+      a change binds both graphs (what one saves, the other reads): saved tensors before opaque
+      objects first, since the other two hand tensors over by that convention; then the unit
+      templates' ops put back; then hpZ's pieces for checkpointed units.
+    - forward / inference: the same gathers, for graphs that never were joint (``no_grad``; an
+      inference graph's unit calls are expanded first); then the schedule (prefetch the
+      gathers, sink their waits to first use).
     - backward: gradient reductions, placed where the stage says full gradients die; then the
       schedule (prefetch backward's re-gathers, sink every wait as far as memory allows).
     ``buffer_reuse`` comes last in each: it needs every buffer's final lifetime.
@@ -54,14 +68,15 @@ def pipeline(kind: str) -> list[Pass]:
     gathers = [bucketing, insert_allgather]
     schedule = [prefetch, schedule_overlap]
     return {
-        "joint": gathers + [selective_unshard, secondary_partition, activation_partition],
+        "joint": [mark_recomputed_unit_calls] + gathers + [selective_unshard, secondary_partition, activation_partition],
+        "partitioned": [saved_opaque_objects_last, expand_unit_calls, hand_over_secondary_pieces],
         "forward": gathers + schedule + [buffer_reuse],
-        "inference": gathers + schedule + [buffer_reuse],
+        "inference": [expand_inference_unit_calls] + gathers + schedule + [buffer_reuse],
         "backward": [bucketing, insert_reduce_scatter] + schedule + [buffer_reuse],
     }[kind]
 
 
-GRAPH_KINDS = ("joint", "forward", "inference", "backward")
+GRAPH_KINDS = ("joint", "partitioned", "forward", "inference", "backward")
 # the key of ``GraphModule.meta`` where ``run_pipeline`` leaves its record: nodes in and out and
 # each pass's wall-clock seconds (what the dump's summary shows under "Compile time")
 PASS_TIMES = "zerograph_passes"
@@ -88,21 +103,22 @@ def check_disabled_passes(disabled: Sequence[str]) -> None:
             raise ConfigError(f"Config.disabled_passes={tuple(disabled)} cannot run: {problem}")
 
 
-def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *,
-                 disabled: Sequence[str] = (), dump_dir: str | None = None) -> fx.GraphModule:
-    """Run ``passes`` (less ``disabled``) on ``gm`` in order; return the final graph module.
+def run_pipeline(graphs: Graphs, ctx: PassContext, passes: Sequence[Pass], *,
+                 disabled: Sequence[str] = (), dump_dir: str | None = None) -> Graphs:
+    """Run ``passes`` (less ``disabled``) on ``graphs`` in order; return the final graph module
+    (or, for the "partitioned" pipeline, the final ``PartitionedGraphs``).
 
     Raises:
         PassError: the pipeline breaks a pass contract (checked before any pass runs), a pass
-            raised, or the graph fails a check after a pass (naming the pass and those before it).
+            raised, or a graph fails a check after a pass (naming the pass and those before it).
     """
     problem = pipeline_problem(ctx.graph_kind, passes, disabled)
     if problem is not None:
         raise PassError(problem)
-    gm = lazily_recompiled(gm)
-    nodes_in = len(gm.graph.nodes)
+    graphs = lazily_recompiled(graphs)
+    nodes_in = _node_count(graphs)
     seconds: dict[str, float] = {}
-    dump = _open_dump(dump_dir, ctx, gm)
+    dump = _open_dump(dump_dir, ctx, graphs)
     logged = log.isEnabledFor(logging.INFO)
     done: list[str] = []
     for number, pass_fn in enumerate(passes, start=1):
@@ -112,43 +128,66 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[Pass], *
             if dump is not None:
                 dump.disabled(number, name)
             continue
-        before = count_targets(gm.graph) if logged else {}
+        before = _node_count(graphs) if logged else 0
         start = time.perf_counter()
         try:
-            result = pass_fn(gm, ctx)
-            gm = result.graph_module
-            gm.graph.lint()
-            check_collectives_waited(gm.graph)
+            result = pass_fn(graphs, ctx)
+            graphs = result.graph_module
+            for gm in graph_modules(graphs):
+                gm.graph.lint()
+                check_collectives_waited(gm.graph)
         except PassError:
             raise
         except Exception as exc:
             raise PassError(f"pass {name!r} failed on the {ctx.graph_kind} graph (after {done or 'no passes'}): {exc}") from exc
         done.append(name)
         seconds[name] = time.perf_counter() - start
-        gm = lazily_recompiled(gm)  # a pass may hand back a new module
-        after = count_targets(gm.graph) if logged else {}
+        graphs = lazily_recompiled(graphs)  # a pass may hand back a new module
         log.info("%s graph: pass %d %s %s in %.1f ms, nodes %d -> %d", ctx.graph_kind, number, name,
-                 result.counts, 1e3 * (time.perf_counter() - start), sum(before.values()), sum(after.values()))
+                 result.counts, 1e3 * (time.perf_counter() - start), before, _node_count(graphs) if logged else 0)
         if dump is not None:
-            dump.after_pass(number, name, gm, result.modified, seconds=time.perf_counter() - start)
-    check_markers_expanded(gm.graph, ctx, done)
-    gm.meta[PASS_TIMES] = {"nodes_in": nodes_in, "nodes_out": len(gm.graph.nodes), "seconds": seconds}
-    return gm  # its code is generated when first read or run; the eager lowering generates its own
+            dump.after_pass(number, name, graphs, result.modified, seconds=time.perf_counter() - start)
+    check_pipeline_end(graphs, ctx, done)
+    graphs.meta[PASS_TIMES] = {"nodes_in": nodes_in, "nodes_out": _node_count(graphs), "seconds": seconds}
+    return graphs  # code is generated when first read or run; the eager lowering generates its own
 
 
-def lazily_recompiled(gm: fx.GraphModule) -> _LazyGraphModule:
-    """``gm`` as a ``torch.fx`` lazy graph module: a pass's ``gm.recompile()`` then only marks its
+def _node_count(graphs: Graphs) -> int:
+    return sum(len(gm.graph.nodes) for gm in graph_modules(graphs))
+
+
+def check_pipeline_end(graphs: Graphs, ctx: PassContext, done: list[str]) -> None:
+    """What capture needs of a graph of ``ctx.graph_kind`` when its pipeline is done: every marker
+    of its kind expanded; for the partitioned pair, a forward that reduces no gradient and, at
+    stage 3, saves no gathered parameter.
+
+    Raises:
+        PassError: naming the check and the passes that ran.
+    """
+    if isinstance(graphs, PartitionedGraphs):
+        check_no_gradient_reduction_in_forward(graphs.forward)
+        if ctx.stage == 3:
+            check_no_saved_gathers(graphs.forward)
+        return
+    check_markers_expanded(graphs.graph, ctx, done)
+
+
+def lazily_recompiled(graphs: Graphs) -> Graphs:
+    """``graphs`` as ``torch.fx`` lazy graph modules: a pass's ``gm.recompile()`` then only marks its
     Python code stale, and the code is generated once, when something reads or runs it (a dump, a
     test), instead of after every pass: on a deep model that codegen is most of a pass's time, and
     the joint graph's code is never needed (the partitioner reads its graph)."""
-    if isinstance(gm, _LazyGraphModule):
-        return gm
-    lazy = _LazyGraphModule(gm, gm.graph, class_name=type(gm).__name__)
-    lazy.meta.update(gm.meta)
+    if isinstance(graphs, PartitionedGraphs):
+        return dataclasses.replace(graphs, forward=lazily_recompiled(graphs.forward),
+                                   backward=lazily_recompiled(graphs.backward))
+    if isinstance(graphs, _LazyGraphModule):
+        return graphs
+    lazy = _LazyGraphModule(graphs, graphs.graph, class_name=type(graphs).__name__)
+    lazy.meta.update(graphs.meta)
     return lazy
 
 
-def _open_dump(dump_dir: str | None, ctx: PassContext, gm: fx.GraphModule):
+def _open_dump(dump_dir: str | None, ctx: PassContext, gm: Graphs):
     """The per-pass log (``zerograph.dump.GraphDump`` writing into ``dump_dir``, and / or the
     structured trace's ``PassTrace``) with the input graph recorded, or ``None`` when dumping and
     the trace are off. Imported here, not at the top, so that both off cost nothing."""

@@ -115,7 +115,7 @@ def test_every_file_is_written_and_parses(dumped):
         assert _load(os.path.join(root, f"rank{rank}"), "manifest.json")["run"] == manifest["run"]
     for rank in range(len(results)):
         graphs = _graph_dirs(root, rank)
-        assert {"graph0_joint", "graph0_forward", "graph0_backward"} <= set(graphs)
+        assert {"graph0_joint", "graph0_partitioned", "graph0_forward", "graph0_backward"} <= set(graphs)
         for name in ("summary.md", "summary.json", "schedule.json"):
             assert os.path.isfile(os.path.join(root, f"rank{rank}", name)), name
         for kind, graph in graphs.items():
@@ -125,6 +125,10 @@ def test_every_file_is_written_and_parses(dumped):
                 if entry.get("modified"):
                     assert os.path.isfile(os.path.join(graph, entry["file"]))
                     assert os.path.isfile(os.path.join(graph, entry["diff"]))
+            if kind.endswith("partitioned"):  # a pass log only: the pair goes on into the forward and backward
+                assert set(os.listdir(graph)) - {"passes.json"} == {e["file"] for e in entries if e.get("file")} | {
+                    e["diff"] for e in entries if e.get("diff")}
+                continue
             wanted = ["graph.dot", "memory.json", "memory.png"] + ([] if kind.endswith("joint") else ["schedule.json"])
             for name in wanted:
                 assert os.path.isfile(os.path.join(graph, name)), f"{kind}/{name}"

@@ -20,7 +20,7 @@ from zerograph.errors import DumpError
 
 from .models import build, global_batch
 
-GRAPHS = ("graph0_joint", "graph0_forward", "graph0_backward")
+GRAPHS = ("graph0_joint", "graph0_partitioned", "graph0_forward", "graph0_backward")
 
 
 @pytest.fixture(scope="module")

@@ -26,20 +26,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.graph import _BoxedCodeGen
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from zerograph.passes._fx import saved_opaque_objects_last
 from zerograph.passes.activation_partition import offloaded_outputs, saved_activation_outputs, wants_offload
-from zerograph.passes.context import PassContext
-from zerograph.passes.expand_unit_calls import expand_inference_unit_calls, expand_unit_calls, mark_recomputed_unit_calls
+from zerograph.passes.context import PartitionedGraphs, PassContext
 from zerograph.passes.liveness import Timeline, timeline
-from zerograph.passes.manager import (
-    check_no_gradient_reduction_in_forward,
-    check_no_saved_gathers,
-    collective_volume,
-    pipeline,
-    run_pipeline,
-    structured_trace_on,
-)
-from zerograph.passes.secondary_partition import hand_over_secondary_pieces, secondary_partition_outputs
+from zerograph.passes.manager import Graphs, collective_volume, pipeline, run_pipeline, structured_trace_on
+from zerograph.passes.secondary_partition import secondary_partition_outputs
 
 from . import registry
 from .config import Config
@@ -142,7 +133,7 @@ class _GraphCompile:
             calibrate_once(runtime.group)
             begin_dump(self.dump_root, runtime)  # the run's manifest; clears a previous dump there, refuses a non-dump
 
-    def run_passes(self, kind: str, g: fx.GraphModule) -> fx.GraphModule:
+    def run_passes(self, kind: str, g: Graphs) -> Graphs:
         """Run the pipeline of ``kind`` on ``g`` (dumped when asked) and record the result."""
         backend = self.backend
         dump_dir = (os.path.join(self.dump_root, f"rank{backend.runtime.mesh_rank}", f"graph{self.graph_id}_{kind}")
@@ -160,25 +151,18 @@ class _GraphCompile:
         return g
 
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-        """AOTAutograd's ``partition_fn``: the joint pipeline, then the min-cut partitioner."""
+        """AOTAutograd's ``partition_fn``: the joint pipeline, the min-cut partitioner, then the
+        partitioned pair's pipeline (the rewrites that bind forward and backward)."""
         self.user_outputs.append(kwargs["num_fwd_outputs"])  # the forward's outputs past these are saved for backward
-        mark_recomputed_unit_calls(joint)  # before the passes rewrite the calls' arguments
         joint = self.run_passes("joint", joint)
         with _offloading(joint):
             fwd, bwd = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        saved_opaque_objects_last(fwd, bwd, kwargs["num_fwd_outputs"])
-        fwd, bwd = expand_unit_calls(fwd, bwd, kwargs["num_fwd_outputs"], _template_of)
-        hand_over_secondary_pieces(fwd, bwd, kwargs["num_fwd_outputs"], self.backend.pass_context("joint").secondary_group)
-        check_no_gradient_reduction_in_forward(fwd)
-        if self.backend.runtime.stage == 3:
-            check_no_saved_gathers(fwd)
-        return fwd, bwd
+        pair = self.run_passes("partitioned", PartitionedGraphs(fwd, bwd, kwargs["num_fwd_outputs"]))
+        return pair.forward, pair.backward
 
     def compile_graph(self, kind: str, g: fx.GraphModule, inputs: list[Any]) -> Callable:
         """AOTAutograd's forward / backward / inference compiler: passes, liveness, lowering, accounting."""
         backend = self.backend
-        if kind == "inference":
-            g = expand_inference_unit_calls(g, _template_of)
         g = self.run_passes(kind, g)
         carried = self.memory["forward"].saved if kind == "backward" else None
         self.memory[kind] = timeline(g.graph, carried=carried)
@@ -345,13 +329,6 @@ def _offloading(joint: fx.GraphModule) -> contextlib.AbstractContextManager:
                    activation_offload_sink_wait=on_cuda, activation_reload_prefetch=on_cuda, cse=False)
     known = {k: v for k, v in options.items() if hasattr(torch._functorch.config, k)}  # older torch: fewer knobs
     return torch._functorch.config.patch(**known)
-
-
-def _template_of(call: fx.Node) -> Any:
-    """The ``UnitTemplate`` a ``unit_call`` node calls (traced already:
-    the node's fake implementation looked it up)."""
-    kind, mode, arg_grads, primals = call.args[:4]
-    return registry.unit_template(kind, mode, arg_grads, [p.meta["val"] for p in primals])
 
 
 def _pool_for(lowering: str, runtime: Runtime) -> int | None:

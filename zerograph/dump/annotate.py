@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from zerograph.passes._fx import find_collectives
 from zerograph.passes.activation_partition import ACTIVATION
+from zerograph.passes.context import graph_modules
 from zerograph.passes.liveness import reads, storage_root
 from zerograph.vocab import TAG, full_buffer
 
@@ -35,6 +36,18 @@ def op_name(node: fx.Node) -> str:
 
 def op_counts(graph: fx.Graph) -> collections.Counter:
     return collections.Counter(op_name(node) for node in graph.nodes)
+
+
+def pipeline_op_counts(graphs: Any) -> collections.Counter:
+    """``op_counts`` of what a pass pipeline works on: one graph module, or the partitioned pair's two."""
+    return sum((op_counts(gm.graph) for gm in graph_modules(graphs)), collections.Counter())
+
+
+def pipeline_node_order(graphs: Any) -> list[str]:
+    """The node names of ``graphs`` in order (the pair's: forward's, then backward's, each prefixed)."""
+    parts = graph_modules(graphs)
+    prefixes = ("forward.", "backward.") if len(parts) == 2 else ("",)
+    return [prefix + n.name for prefix, gm in zip(prefixes, parts) for n in gm.graph.nodes]
 
 
 def node_bytes(node: fx.Node) -> int:
@@ -157,6 +170,15 @@ def node_comments(graph: fx.Graph, units: Sequence[Unit]) -> dict[str, list[str]
 
 # one statement of a GraphModule's forward body: 8 spaces, the node's name, an optional type annotation
 _STATEMENT = re.compile(r'^ {8}([A-Za-z_]\w*)(?::\s*"[^"]*")?\s*=\s')
+
+
+def readable_pipeline_python(graphs: Any, units: Sequence[Unit]) -> str:
+    """``readable_python`` of one graph module, or of the partitioned pair (forward, then backward)."""
+    parts = graph_modules(graphs)
+    if len(parts) == 1:
+        return readable_python(parts[0], units)
+    return "".join(f"# ---- {label} graph ----\n" + readable_python(gm, units)
+                   for label, gm in zip(("forward", "backward"), parts))
 
 
 def readable_python(gm: fx.GraphModule, units: Sequence[Unit]) -> str:

@@ -11,8 +11,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import torch.fx as fx
-
 from ..timeline import predict
 from .manifest import rank_manifest, write_json
 from .memory import held_inputs, memory_timeline, plot_memory
@@ -23,13 +21,14 @@ from .schedule import _COST_MODELS, write_schedule
 GRAPH_RESULT_FILES = ("graph.dot", "graph.svg", "memory.json", "memory.png", "schedule.json")
 
 
-def finish_graph(directory: str | None, kind: str, gm: fx.GraphModule, runtime: Any, captured: Any, graph_id: int,
+def finish_graph(directory: str | None, kind: str, gm: Any, runtime: Any, captured: Any, graph_id: int,
                  carried: Mapping[str, tuple[str, int]] | None = None, traced: bool = False) -> None:
     """Write the final graph's rendering, memory timeline and predicted schedule into ``directory``;
     at the rank's root, after a backward graph the step's schedule, and after a forward, backward
     or inference graph ``summary.md`` (totals come from ``write_summary`` / ``explain`` after a step;
     a later compile keeps the last ones written). Every file is recorded in the rank's manifest,
-    and the graph is marked ``complete`` there once its own files are written. ``traced``: emit
+    and the graph is marked ``complete`` there once its own files are written (the partitioned
+    pair, ``gm`` a ``PartitionedGraphs``, has none besides its pass log). ``traced``: emit
     the collective schedule, memory timeline and predicted schedule to PyTorch's structured trace
     too (``dump.trace``); ``directory`` ``None``: only that, no file.
 
@@ -37,6 +36,11 @@ def finish_graph(directory: str | None, kind: str, gm: fx.GraphModule, runtime: 
     of the placeholders a forward saved (backward graphs). Schedules need the cost model that
     ``calibrate_once`` cached at the backend's entry; without it they are skipped. No collective.
     """
+    if kind == "partitioned":  # the pair goes on into the forward and backward pipelines, whose folders render it
+        if directory is not None:
+            rank_manifest(os.path.dirname(directory), runtime.mesh_rank, runtime.dp_size).finish_graph(
+                os.path.basename(directory))
+        return
     param_bytes = {layout.fqn: math.prod(layout.local_shape(runtime.rank)) * layout.dtype.itemsize
                    for layout in runtime.marker_layouts.values()}  # the units' flat shards too
     held = held_inputs(gm, captured.graphs[graph_id].get("dynamo"), captured.input_params[graph_id], param_bytes)

@@ -34,7 +34,7 @@ from ..errors import DumpError
 FORMAT = "zerograph-dump"
 SCHEMA = 1  # bump when a file's layout changes; ``inspect`` reads this schema only
 MANIFEST = "manifest.json"
-GRAPH_DIR = re.compile(r"^graph(\d+)_(joint|forward|backward|inference)$")
+GRAPH_DIR = re.compile(r"^graph(\d+)_(joint|partitioned|forward|backward|inference)$")
 RANK_DIR = re.compile(r"^rank(\d+)$")
 # file names the dump writes inside a graph folder (cleared there on a fresh start even if unlisted)
 GRAPH_FILE = re.compile(r"^(\d\d_\w+\.(py|diff)|passes\.json|graph\.(dot|svg)|memory\.(json|png)|schedule\.json)$")

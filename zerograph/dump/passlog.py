@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from .annotate import op_counts, readable_python, unit_label
+from .annotate import pipeline_node_order, pipeline_op_counts, readable_pipeline_python, unit_label
 from .manifest import rank_manifest, write_json
 
 ZEROGRAPH_OPS = ("all_gather_into_tensor", "all_gather_into_tensor_out", "reduce_scatter_tensor", "all_reduce",
@@ -52,8 +52,8 @@ def pass_entry(number: int, name: str, gm: fx.GraphModule, modified: bool, secon
                counts_before: Mapping[str, int], order_before: Sequence[str]) -> tuple[dict[str, Any], Any, list[str]]:
     """The ``passes.json`` entry of pass ``number`` (``name``, ``seconds`` long) that left ``gm``,
     given the op counts and node order before it; returns ``(entry, op counts, node order)`` after."""
-    counts = op_counts(gm.graph)
-    order = [n.name for n in gm.graph.nodes]
+    counts = pipeline_op_counts(gm)
+    order = pipeline_node_order(gm)
     moved = nodes_moved(order_before, order) if modified and counts == counts_before else 0
     changes, summary = describe_changes(counts_before, counts, moved)
     entry: dict[str, Any] = {"number": number, "pass": name, "modified": modified, "seconds": seconds,
@@ -76,8 +76,8 @@ class GraphDump:
         os.makedirs(directory, exist_ok=True)
         self.directory, self.ctx = directory, ctx
         self._written: list[str] = []
-        self._counts = op_counts(gm.graph)
-        self._order = [n.name for n in gm.graph.nodes]
+        self._counts = pipeline_op_counts(gm)
+        self._order = pipeline_node_order(gm)
         self._file = "00_input.py"
         self._body = self._write_python(self._file, gm, "input, before the first pass")
         nodes = sum(self._counts.values())
@@ -112,7 +112,7 @@ class GraphDump:
         ctx = self.ctx
         header = (f"# zerograph dump: {ctx.graph_kind} graph, {when}; stage {ctx.stage}, world size {ctx.world_size}\n"
                   "# units: " + "; ".join(unit_label(ctx.units, [u.index]) for u in ctx.units) + "\n")
-        body = readable_python(gm, ctx.units)
+        body = readable_pipeline_python(gm, ctx.units)
         self._written.append(os.path.join(self.directory, file))
         with open(self._written[-1], "w") as f:
             f.write(header + body)

@@ -26,7 +26,7 @@ from .manifest import (
     zerograph_version,
 )
 
-KIND_ORDER = ("joint", "forward", "backward", "inference")
+KIND_ORDER = ("joint", "partitioned", "forward", "backward", "inference")
 PASS_KEYS = {"number": int, "pass": str, "summary": str}  # what each passes.json entry must hold
 
 

@@ -18,7 +18,7 @@ from zerograph.passes.manager import PASS_TIMES
 from .annotate import collectives, releases
 from .manifest import rank_manifest, write_json
 
-KIND_ABBREV = {"joint": "joint", "forward": "fwd", "backward": "bwd", "inference": "inf"}
+KIND_ABBREV = {"joint": "joint", "partitioned": "pair", "forward": "fwd", "backward": "bwd", "inference": "inf"}
 
 
 def build_report(runtime: Any, captured: Any, stats: Any | None) -> dict[str, Any]:
@@ -64,7 +64,7 @@ def _pass_times(captured: Any) -> list[dict[str, Any]]:
     seconds (``passes.manager.PASS_TIMES``, recorded whether or not a dump was asked for)."""
     rows = []
     for g, record in enumerate(captured.graphs):
-        for kind in ("joint", "forward", "backward", "inference"):
+        for kind in ("joint", "partitioned", "forward", "backward", "inference"):
             times = record[kind].meta.get(PASS_TIMES) if kind in record else None
             if times is not None:
                 rows.append({"graph": g, "kind": kind, **times})

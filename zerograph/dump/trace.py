@@ -26,7 +26,7 @@ from typing import Any
 import torch.fx as fx
 from torch._logging import trace_structured
 
-from .annotate import collectives, op_counts, readable_python
+from .annotate import collectives, pipeline_node_order, pipeline_op_counts, readable_pipeline_python
 from .passlog import pass_entry
 
 
@@ -41,17 +41,18 @@ class PassTrace:
 
     def __init__(self, ctx: Any, gm: fx.GraphModule) -> None:
         self.ctx, self.kind = ctx, ctx.graph_kind
-        self._counts = op_counts(gm.graph)
-        self._order = [n.name for n in gm.graph.nodes]
+        self._counts = pipeline_op_counts(gm)
+        self._order = pipeline_node_order(gm)
         nodes = sum(self._counts.values())
         self.entries: list[dict[str, Any]] = [{"number": 0, "pass": "input", "nodes": nodes, "summary": f"nodes {nodes}"}]
-        emit(f"zerograph_{self.kind}_00_input", self._header("input, before the first pass") + readable_python(gm, ctx.units))
+        emit(f"zerograph_{self.kind}_00_input",
+             self._header("input, before the first pass") + readable_pipeline_python(gm, ctx.units))
 
     def after_pass(self, number: int, name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:
         entry, self._counts, self._order = pass_entry(number, name, gm, modified, seconds, self._counts, self._order)
         self.entries.append(entry)
         line = f"# pass {number:02d} {name}: {entry['summary']} ({1e3 * seconds:.1f} ms)\n"
-        body = readable_python(gm, self.ctx.units) if modified else "# the graph is unchanged\n"
+        body = readable_pipeline_python(gm, self.ctx.units) if modified else "# the graph is unchanged\n"
         emit(f"zerograph_{self.kind}_{number:02d}_{name}", line + self._header(f"after pass {number} {name}") + body)
 
     def disabled(self, number: int, name: str) -> None:
