@@ -8,6 +8,7 @@ group: passes never touch one, and ``group_name`` is just a string on the collec
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -191,4 +192,83 @@ def reduced_backward(units: int = 3, stage: int = 3, **knobs) -> tuple[GraphBuil
     ctx = b.ctx("backward", stage=stage, **knobs)
     bucketing(gm, ctx)
     insert_reduce_scatter(gm, ctx)
+    return b, gm, ctx
+
+
+def in_module(node: fx.Node, path: str) -> fx.Node:
+    """Mark ``node`` as traced inside submodule ``path`` (Dynamo's ``nn_module_stack``, which
+    ``activation_partition`` reads to find each unit's forward nodes)."""
+    node.meta["nn_module_stack"] = {f"L__self___{path}": (f"L['self'].{path}", torch.nn.Module)}
+    return node
+
+
+def joint_mlp(units: int = 3, *, rows: int = 4, batch: int = 2, world_size: int = 2, stage: int = 3,
+              dropout: bool = False) -> tuple[GraphBuilder, fx.GraphModule]:
+    """A joint graph (forward and backward in one, as AOTAutograd hands the partitioner) of
+    ``units`` MLP blocks, unit ``i`` named ``u{i}`` with an up weight ``(4 * rows, rows)`` and a
+    down weight ``(rows, 4 * rows)``. Forward, per unit (every node in the unit's module):
+    ``hidden = relu(x @ unshard(up).t())``, with ``dropout`` then ``native_dropout(hidden)``,
+    ``x = view(hidden @ unshard(down).t())``; the loss is ``sum(x)`` (outside every unit).
+    Backward, from the scalar ``tangents_1``, last unit first: the down weight's gradient (reads
+    the unit's ``hidden``, or the dropout's output), the hidden gradient (reads the gathered down
+    weight), relu's backward (reads ``hidden``), the up weight's gradient (reads the unit's input,
+    the previous unit's output view), the input gradient (reads the gathered up weight; none for
+    unit 1, whose input is the batch), each weight gradient handed to ``reduce_grad``. Returns
+    ``(loss, *reduced gradients in key order)``.
+
+    Bytes saved for backward per unit (fp32, defaults): ``hidden`` 128 (plus, with dropout, the
+    dropout's output 128 and mask 32) and, but for the last unit, its output 32; recomputing unit
+    ``i > 1`` saves its input (unit ``i - 1``'s output, 32) instead."""
+    hidden_size = 4 * rows
+    b = GraphBuilder([[(hidden_size, rows), (rows, hidden_size)]] * units, world_size=world_size, stage=stage)
+    x = b.input("x", batch, rows)
+    tangent = b.input("tangents_1")
+    shards = b.shards(list(b.layouts))
+    saved = []
+    for unit in range(1, units + 1):
+        path = f"u{unit}"
+        up_key, down_key = b.keys_of(unit)
+        up, down = b.unshard(shards[up_key], up_key), b.unshard(shards[down_key], down_key)
+
+        def op(target, *args, path=path):
+            return in_module(b.op(target, *args), path)
+
+        hidden = op(aten.relu.default, op(aten.mm.default, x, op(aten.t.default, up)))
+        mask, used = None, hidden
+        if dropout:
+            both = op(aten.native_dropout.default, hidden, 0.5, True)
+            used, mask = op(operator.getitem, both, 0), op(operator.getitem, both, 1)
+        out = op(aten.view.default, op(aten.mm.default, used, op(aten.t.default, down)), [batch, rows])
+        saved.append((unit, x, hidden, used, mask, up, down))
+        x = out
+    loss = b.op(aten.sum.default, x)
+    g = b.op(aten.expand.default, tangent, [batch, rows])
+    grads: dict[int, fx.Node] = {}
+    for unit, x_in, hidden, used, mask, up, down in reversed(saved):
+        up_key, down_key = b.keys_of(unit)
+        grads[down_key] = b.reduce_grad(b.op(aten.mm.default, b.op(aten.t.default, g), used), down_key)
+        g_hidden = b.op(aten.mm.default, g, down)
+        if mask is not None:
+            g_hidden = b.op(aten.native_dropout_backward.default, g_hidden, mask, 2.0)
+        g_pre = b.op(aten.threshold_backward.default, g_hidden, hidden, 0)
+        grads[up_key] = b.reduce_grad(b.op(aten.mm.default, b.op(aten.t.default, g_pre), x_in), up_key)
+        if unit > 1:
+            g = b.op(aten.mm.default, g_pre, up)
+    return b, b.output(loss, *(grads[k] for k in sorted(grads)))
+
+
+def gathered_joint(units: int = 3, *, bucketed: bool = True, world_size: int = 2, dropout: bool = False,
+                   **knobs) -> tuple[GraphBuilder, fx.GraphModule, PassContext]:
+    """``joint_mlp(units)`` after ``bucketing`` (one bucket per unit; without ``bucketed``, one
+    gather per parameter) and ``insert_allgather``: a stage-3 joint graph as ``selective_unshard``,
+    ``secondary_partition`` and ``activation_partition`` receive it, every gather chain tagged
+    ``MUST_RECOMPUTE``. ``knobs``: ``PassContext`` fields."""
+    from passes.bucketing import bucketing
+    from passes.insert_allgather import insert_allgather
+
+    b, gm = joint_mlp(units, world_size=world_size, dropout=dropout)
+    ctx = b.ctx("joint", **knobs)
+    if bucketed:
+        bucketing(gm, ctx)
+    insert_allgather(gm, ctx)
     return b, gm, ctx
