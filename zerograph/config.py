@@ -4,8 +4,9 @@
 ``MixedPrecisionPolicy`` style): ``mixed_precision``, ``schedule``, ``memory``, ``activations``.
 The flat keywords of earlier releases (``Config(bucket_bytes=..., param_dtype=...)``) keep working
 as a shorthand that fills the policies, with no deprecation warning: they are what most scripts
-and the docs use, one line shorter, and they cannot drift from the policies because they are
-not stored anywhere else (``FLAT_KEYWORDS`` maps each to its policy field).
+and the docs use, one line shorter, and they cannot drift from the policies: they are neither
+stored nor defaulted anywhere else (``FLAT_KEYWORDS`` maps each to its policy field, and the
+constructor turns them into that policy before the dataclass's own ``__init__`` runs).
 
 Config sits above the passes: it checks ``disabled_passes`` against the passes' contracts when
 it is built, so a pipeline that cannot work is refused here, not at the first forward.
@@ -13,6 +14,7 @@ it is built, so a pipeline that cannot work is refused here, not at the first fo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Literal
 
@@ -52,7 +54,7 @@ _POLICIES = {"mixed_precision": MixedPrecisionPolicy, "schedule": SchedulePolicy
              "activations": ActivationPolicy}
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """How a model is sharded, scheduled and lowered.
 
@@ -144,42 +146,16 @@ class Config:
     activations: ActivationPolicy = ActivationPolicy()
     gather_quantization: str | None = None
     reduce_quantization: str | None = None
-    unit_templates: bool = True
+    unit_templates: bool | None = None  # resolved by __post_init__: the field then holds a bool
     secondary_partition_size: int | None = None
     inductor_islands: bool = False
 
-    def __init__(self, *, unit_classes: tuple[type[nn.Module], ...] | None = None,
-                 lowering: Literal["auto", "eager", "inductor"] = "auto", timeout_s: float = 300.0,
-                 dump_dir: str | None = None, disabled_passes: tuple[str, ...] = (),
-                 mixed_precision: MixedPrecisionPolicy | None = None, schedule: SchedulePolicy | None = None,
-                 memory: MemoryPolicy | None = None, activations: ActivationPolicy | None = None,
-                 gather_quantization: str | None = None, reduce_quantization: str | None = None,
-                 unit_templates: bool | None = None, secondary_partition_size: int | None = None,
-                 inductor_islands: bool = False, **flat: Any) -> None:
-        given = {"mixed_precision": mixed_precision, "schedule": schedule, "memory": memory,
-                 "activations": activations}
-        for name, value in flat.items():
-            if name not in FLAT_KEYWORDS:
-                raise ConfigError(f"Config got an unknown keyword {name!r}; fields: "
-                                  f"{sorted([f.name for f in dataclasses.fields(Config)] + list(FLAT_KEYWORDS))}")
-            policy = FLAT_KEYWORDS[name][0]
-            if given[policy] is not None:
-                raise ConfigError(f"Config got both {policy}= and {name}=; set {name} inside the {policy} policy")
+    def __post_init__(self) -> None:
         for policy, cls in _POLICIES.items():
-            value = given[policy]
-            if value is not None and not isinstance(value, cls):
+            value = getattr(self, policy)
+            if not isinstance(value, cls):
                 raise ConfigError(f"Config.{policy} must be a zerograph.{cls.__name__}, got {value!r}")
-            if value is None:
-                value = _policy_from_flat(policy, cls, flat)
-            object.__setattr__(self, policy, value)
-        for name, value in (("unit_classes", unit_classes), ("lowering", lowering), ("timeout_s", timeout_s),
-                            ("dump_dir", dump_dir), ("disabled_passes", disabled_passes),
-                            ("gather_quantization", gather_quantization),
-                            ("reduce_quantization", reduce_quantization), ("unit_templates", unit_templates),
-                            ("secondary_partition_size", secondary_partition_size),
-                            ("inductor_islands", inductor_islands)):
-            object.__setattr__(self, name, value)
-        if unit_templates is None:  # the default: templates, except where the activation plan needs ops
+        if self.unit_templates is None:  # the default: templates, except where the activation plan needs ops
             object.__setattr__(self, "unit_templates", self.activations.budget_bytes is None)
         self._check()
 
@@ -196,8 +172,7 @@ class Config:
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"Config.{field} must be True or False, got {getattr(self, field)!r}")
         if self.unit_templates and self.activations.budget_bytes is not None:
-            # measured (GPT, stage 3, world 2): a P_a plan the pass counted within budget saved 2% over
-            # it, and offload moved nothing, since a template's activations are outputs of one op
+            # a template's activations are the outputs of one op: the plan can neither count nor move them
             raise ConfigError("Config.unit_templates with activation_budget_bytes is not supported yet: the "
                               "activation plan prices and moves a unit's activations op by op, and a templated "
                               "unit is one op, so the budget would not hold; use one or the other")
@@ -250,6 +225,30 @@ def _policy_from_flat(policy: str, cls: type, flat: dict[str, Any]) -> Any:
         for old, new in sorted(renames.items(), key=lambda item: -len(item[0])):
             message = message.replace(old, new)
         raise ConfigError(message) from None
+
+
+_DATACLASS_INIT = Config.__init__
+
+
+@functools.wraps(_DATACLASS_INIT)
+def _init_with_flat_keywords(self: Config, **settings: Any) -> None:
+    """``Config``'s constructor: the dataclass's own, after the flat keywords of ``FLAT_KEYWORDS``
+    have been turned into the policies they belong to. Every default is the dataclass field's (or
+    the policy field's): the flat keywords have none of their own."""
+    fields = {f.name for f in dataclasses.fields(Config)}
+    for name in settings:
+        if name not in fields and name not in FLAT_KEYWORDS:
+            raise ConfigError(f"Config got an unknown keyword {name!r}; fields: {sorted(fields | set(FLAT_KEYWORDS))}")
+    flat = {name: settings.pop(name) for name in list(settings) if name in FLAT_KEYWORDS}
+    for policy in dict.fromkeys(FLAT_KEYWORDS[name][0] for name in flat):
+        if policy in settings:
+            name = next(n for n in flat if FLAT_KEYWORDS[n][0] == policy)
+            raise ConfigError(f"Config got both {policy}= and {name}=; set {name} inside the {policy} policy")
+        settings[policy] = _policy_from_flat(policy, _POLICIES[policy], flat)
+    _DATACLASS_INIT(self, **settings)
+
+
+Config.__init__ = _init_with_flat_keywords  # type: ignore[method-assign]
 
 
 def check_stage(stage: object) -> int:
