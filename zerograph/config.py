@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .costmodel import CostModel
+from .costmodel import CostModel, nominal_cost_model
 from .errors import ConfigError
 from .kernels.quantize import QUANTIZATIONS
 from .passes.manager import check_disabled_passes
@@ -71,8 +71,8 @@ class Config:
             ``"inductor"`` compiles them with Inductor (C++ on CPU, Triton on GPU). ``"auto"`` (the
             default) is Inductor on CUDA, where its fused Triton kernels are the point of a compiler
             (SimpleFSDP and DeepCompile report their gains from it), and eager on CPU, where
-            Inductor's C++ code measured no faster on this project's GPT and its cold C++
-            compiles cost seconds (docs/stages.md, "Lowering").
+            Inductor's C++ code was no faster on this project's GPT and its cold C++ compiles
+            are slow (figures: docs/benchmarks.md, "Compile time").
         timeout_s: seconds a collective may wait for its peers before the process group raises
             (passed to ``init_process_group`` when zerograph creates the group).
         dump_dir: directory to write every graph before and after every pass; ``None`` reads the
@@ -113,7 +113,7 @@ class Config:
             unit's all-gather, reduce-scatter, prefetch and release. At every stage (without hpZ or
             quantized collectives) each such unit's shards also live in one flat buffer, one graph
             input and one all-gather marker per unit (``zerograph.flat``), so compile time grows
-            about 6x more slowly with depth (docs/benchmarks.md, "Compile time"). Units called with keyword
+            much more slowly with depth (figures: docs/benchmarks.md, "Compile time"). Units called with keyword
             or non-tensor arguments run inline. ``False``: the per-parameter build, every unit's
             body traced into the graph (one input and marker per parameter). ``None`` (default):
             ``True``, unless ``activation_budget_bytes`` is set (the activation plan moves a
@@ -124,10 +124,10 @@ class Config:
             gradients, gradients' pre-divides) with Inductor, each distinct island once
             (``zerograph.islands``). ``False`` (default): Inductor lowers the templated bodies,
             what repeats, and the rest runs op by op as ATen, as FSDP2 + ``torch.compile`` per
-            block (torchtitan) leaves the root uncompiled; each distinct island costs about 1 s
-            of cold C++ compile on CPU, seven on the GPT, about half of the first step (docs/benchmarks.md,
-            "Compile time"). Without templates Inductor lowers the whole graph
-            either way. ``True`` with ``lowering="eager"`` raises ``ConfigError``; under
+            block (torchtitan) leaves the root uncompiled; each distinct island costs a cold C++
+            compile on CPU, a large share of the first step on the GPT (figures:
+            docs/benchmarks.md, "Compile time"). Without templates Inductor lowers the whole
+            graph either way. ``True`` with ``lowering="eager"`` raises ``ConfigError``; under
             ``"auto"`` it takes effect where the lowering resolves to Inductor (CUDA).
 
     Raises:
@@ -158,6 +158,7 @@ class Config:
         if self.unit_templates is None:  # the default: templates, except where the activation plan needs ops
             object.__setattr__(self, "unit_templates", self.activations.budget_bytes is None)
         self._check()
+        object.__setattr__(self, "activations", _priced(self.activations))
 
     def _check(self) -> None:
         for field in ("gather_quantization", "reduce_quantization"):
@@ -213,6 +214,26 @@ class Config:
         return self.dump_dir if self.dump_dir is not None else (os.environ.get("ZEROGRAPH_DUMP") or None)
 
 
+def _priced(policy: ActivationPolicy) -> ActivationPolicy:
+    """``policy`` with a cost model that can price every option it allows: the given model, or
+    clusters.json's nominal cluster (``costmodel.nominal_cost_model``) when none is given; a given
+    model without a host link rate takes the nominal one's when ``offload`` is on. No budget: as it is.
+
+    Raises:
+        ConfigError: an activation group of several ranks with a one-rank model (no link to price).
+    """
+    if policy.budget_bytes is None:
+        return policy
+    nominal = nominal_cost_model()
+    cost = policy.cost_model if policy.cost_model is not None else nominal
+    if policy.offload and cost.host_bytes_per_s is None:
+        cost = dataclasses.replace(cost, host_bytes_per_s=nominal.host_bytes_per_s)
+    if policy.group is not None and policy.group.size() > 1 and cost.world_size == 1:
+        raise ConfigError("Config.activation_cost_model has one rank, so it cannot price P_a's all-gather over "
+                          "activation_group: give a model of two ranks or more, or leave it None")
+    return policy if cost is policy.cost_model else dataclasses.replace(policy, cost_model=cost)
+
+
 def _policy_from_flat(policy: str, cls: type, flat: dict[str, Any]) -> Any:
     """Build ``policy`` from the flat keywords that belong to it; its errors name the flat keywords."""
     renames = {f"{cls.__name__}.{field}": f"Config.{name}"
@@ -249,6 +270,30 @@ def _init_with_flat_keywords(self: Config, **settings: Any) -> None:
 
 
 Config.__init__ = _init_with_flat_keywords  # type: ignore[method-assign]
+
+
+def check_stage_options(config: Config, stage: int, *, hybrid: bool = False) -> None:
+    """Refuse, with no model or process group at hand, what ``zerograph.compile`` refuses of
+    ``config`` at ``stage`` (``hybrid``: with a 2-D mesh): quantized collectives at stage 0, hpZ
+    outside stage 3, with a 2-D mesh or with an activation budget, and a 2-D mesh at stage 0.
+
+    Raises:
+        ConfigError: naming the option and what to do.
+    """
+    if stage == 0 and (config.gather_quantization or config.reduce_quantization):
+        raise ConfigError("Config.gather_quantization and reduce_quantization need stage 1-3: stage 0 (DDP) "
+                          "all-reduces full gradients and gathers nothing")
+    if hybrid and stage == 0:
+        raise ConfigError("a 2-D mesh (hybrid sharding) needs stage 1-3: stage 0 replicates every parameter")
+    if config.secondary_partition_size is None:
+        return
+    if stage != 3:
+        raise ConfigError(f"Config.secondary_partition_size (hpZ) needs stage 3, whose backward re-gathers "
+                          f"parameters; got stage {stage}")
+    if hybrid:
+        raise ConfigError("Config.secondary_partition_size (hpZ) and a 2-D mesh (hybrid sharding) do not combine")
+    if config.activations.budget_bytes is not None:
+        raise ConfigError("Config.secondary_partition_size (hpZ) with activation_budget_bytes is not supported yet")
 
 
 def check_stage(stage: object) -> int:
