@@ -44,17 +44,16 @@ The choice. Estimates come from the graph's fake values (bytes of each storage, 
 once; graph inputs and gathered parameters are not activations). Per unit: ``saved_bytes``, the
 unit's activations backward reads when kept; ``input_bytes``, what recomputing saves instead
 (values it reads from outside, plus its seeded outputs); ``offload_bytes`` and
-``partition_bytes``, what offload and P_a can move. Each option has a price in seconds:
-recompute, the roofline of the unit's forward ops (``CostModel.node_time``); offload, the host
-round trip at ``HOST_LINK_BYTES_PER_S``; P_a, the all-gather (``_all_gather_s``: the cost model's
-if it describes a group of M ranks, else the nominal bus rate). The cost model is
-``ctx.activations.cost_model``, or nominal rates (``NOMINAL_*``) when none is given: every rank
-must decide alike, so the pipeline measures nothing. Options are taken in decreasing order of
-bytes freed per second, each unit's cheapest first, a dearer one replacing it only if it frees
-more, until the estimate of device-resident saved bytes fits the budget. Per-unit prices miss
-what adjacent units free together, so if that mixed plan misses the budget, the plan using one
-kind of option alone that fits is taken instead. If none fits, a warning says by how much the
-estimate exceeds the budget.
+``partition_bytes``, what offload and P_a can move. Each option has a price in seconds under the
+cost model ``ctx.activations.cost_model`` (``Config`` fills in clusters.json's nominal cluster when
+none is given: every rank must decide alike, so the pipeline measures nothing): recompute, the
+roofline of the unit's forward ops (``CostModel.node_time``); offload, the host round trip at
+``CostModel.host_bytes_per_s``; P_a, the all-gather over M ranks (``CostModel.resized``). Options
+are taken in decreasing order of bytes freed per second, each unit's cheapest first, a dearer one
+replacing it only if it frees more, until the estimate of device-resident saved bytes fits the
+budget. Per-unit prices miss what adjacent units free together, so if that mixed plan misses the
+budget, the plan using one kind of option alone that fits is taken instead. If none fits, a
+warning says by how much the estimate exceeds the budget.
 
 Units: bytes (per rank); seconds.
 Source: ZeRO (arXiv 1910.02054) section 6.1 (activation checkpointing, P_a, CPU offload); Chen et
@@ -71,34 +70,22 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zerograph.costmodel import CostModel, is_view, node_bytes, node_flops, tensor_bytes
-from zerograph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
+from zerograph.errors import ConfigError
 from zerograph.sharding import Unit
-from zerograph.vocab import TAG, WAIT
+from zerograph.vocab import TAG
 
-from ._fx import readable_result
 from .context import PassContext, PassResult
 from .contract import contract
 from .liveness import storage_root
+from .storage_rewrite import SHOULD_OFFLOAD, offload_storage, partition_storage
 
 log = logging.getLogger(__name__)
 
 ACTIVATION = "zerograph_activation"  # node.meta key of the decision (not TAG: these are the model's nodes)
 KEEP, RECOMPUTE, OFFLOAD, PARTITION = "keep", "recompute", "offload", "partition"
-SHOULD_OFFLOAD = "should_offload"  # node.meta key PyTorch's activation offloading reads
-
-# Rates that price the options when no CostModel is given (every rank must decide alike, so
-# nothing is measured): a device as clusters.json's 8xH100-nvlink entry assumes (FLOP/s, bytes/s
-# of memory, bus bytes/s of an all-gather), and the host link PyTorch's activation offloading
-# assumes (torch._functorch.config.activation_offload_cpu_gpu_bw, 50 GB/s: PCIe 5 x16).
-NOMINAL_FLOPS_PER_S = 50e12
-NOMINAL_MEMORY_BYTES_PER_S = 2.6e12
-NOMINAL_BUS_BYTES_PER_S = 450e9
-HOST_LINK_BYTES_PER_S = 50e9
-
 
 @dataclasses.dataclass(frozen=True)
 class UnitPlan:
@@ -110,7 +97,7 @@ class UnitPlan:
     input_bytes: int         # what recomputing saves instead (its inputs, its seeded outputs)
     recompute_flops: int     # FLOPs of the forward ops backward would run again
     recompute_bytes: int     # bytes those ops read and write
-    recompute_s: float       # their roofline time (the given cost model, else the nominal rates)
+    recompute_s: float       # their roofline time under the cost model
     offload_bytes: int       # of saved_bytes, what offload can move (``offloadable``)
     partition_bytes: int     # of saved_bytes, what P_a can partition (``shardable``)
     offload_s: float | None  # host round trip of offload_bytes; None: offload not allowed
@@ -265,11 +252,15 @@ def _bytes(roots: set[fx.Node]) -> int:
     return sum(_nbytes(r) for r in roots)
 
 
-def plan_activations(graph: fx.Graph, units: Sequence[Unit], budget_bytes: int, cost: CostModel | None = None,
+def plan_activations(graph: fx.Graph, units: Sequence[Unit], budget_bytes: int, cost: CostModel,
                      *, offload: bool = False, group_size: int | None = None) -> ActivationPlan:
     """Decide keep / recompute / offload / partition per non-root unit (see the module doc); plain
-    data, no rewrite. ``offload``: host memory may hold activations; ``group_size``: M, ranks of
-    the group over which activations are replicated (``None``: no P_a)."""
+    data, no rewrite. ``cost`` prices the options; ``offload``: host memory may hold activations
+    (``cost`` must then know ``host_bytes_per_s``); ``group_size``: M, ranks of the group over
+    which activations are replicated (``None``: no P_a).
+
+    Raises:
+        ConfigError: ``cost`` cannot price an allowed option (no host link rate, no all-gather)."""
     found, root_saved = regions(graph, units)
     return _choose(found, root_saved, units, budget_bytes, cost, offload, group_size)
 
@@ -291,8 +282,12 @@ def moved_roots(found: dict[int, _Region], decisions: dict[int, str]) -> tuple[s
 
 
 def _choose(found: dict[int, _Region], root_saved: set[fx.Node], units: Sequence[Unit], budget: int,
-            cost: CostModel | None, offload: bool = False, group_size: int | None = None) -> ActivationPlan:
+            cost: CostModel, offload: bool = False, group_size: int | None = None) -> ActivationPlan:
     group_size = group_size if group_size and group_size > 1 else None
+    if offload and cost.host_bytes_per_s is None:
+        raise ConfigError("the activation cost model has no host_bytes_per_s to price offload: give it one "
+                          "(clusters.json's host_link_bytes_per_s), or build the policy through Config")
+    group_cost = cost.resized(group_size) if group_size else None
 
     def estimate(decisions: dict[int, str]) -> int:
         """Device bytes saved for backward: what is kept, less what goes to the host, less
@@ -310,10 +305,9 @@ def _choose(found: dict[int, _Region], root_saved: set[fx.Node], units: Sequence
         saved, instead = _bytes(region.saved), _bytes(region.instead)
         offload_bytes, partition_bytes = _bytes(region.offloadable), _bytes(region.shardable)
         flops, moved = sum(node_flops(n) for n in work), sum(node_bytes(n) for n in work)
-        recompute_s = (sum(cost.node_time(n) for n in region.tagged) if cost is not None
-                       else max(flops / NOMINAL_FLOPS_PER_S, moved / NOMINAL_MEMORY_BYTES_PER_S))
-        offload_s = 2 * offload_bytes / HOST_LINK_BYTES_PER_S if offload else None
-        partition_s = _all_gather_s(partition_bytes, group_size, cost) if group_size else None
+        recompute_s = sum(cost.node_time(n) for n in region.tagged)
+        offload_s = 2 * offload_bytes / cost.host_bytes_per_s if offload else None
+        partition_s = group_cost.collective_time("all_gather", partition_bytes) if group_cost else None
         plans.append([unit, units[unit].name, saved, instead, flops, moved, recompute_s, offload_bytes,
                       partition_bytes, offload_s, partition_s])
         freed = {RECOMPUTE: (saved - instead, recompute_s), OFFLOAD: (offload_bytes, offload_s),
@@ -345,24 +339,21 @@ def _choose(found: dict[int, _Region], root_saved: set[fx.Node], units: Sequence
     return ActivationPlan(budget, _bytes(root_saved), estimate({}), estimate(decisions), units_planned)
 
 
-def _all_gather_s(nbytes: int, group_size: int, cost: CostModel | None) -> float:
-    """Seconds of P_a's all-gather of ``nbytes`` (full) over ``group_size`` ranks: the cost model's
-    all-gather if it describes a group of that size, else the nominal bus rate with nccl-tests'
-    (M - 1) / M factor."""
-    if cost is not None and cost.world_size == group_size and "all_gather" in cost.collectives:
-        return cost.collective_time("all_gather", nbytes)
-    return nbytes * (group_size - 1) / group_size / NOMINAL_BUS_BYTES_PER_S
-
-
 @contract(requires=("gathers",))
 def activation_partition(gm: fx.GraphModule, ctx: PassContext, *, cost: CostModel | None = None) -> PassResult:
     """Plan (``plan_activations``), then carry the decisions out (see the module doc).
-    ``cost``: price recompute and P_a under this model (default ``ctx.activations.cost_model``;
-    ``None`` there too: nominal rates)."""
+    ``cost``: price the options under this model (default ``ctx.activations.cost_model``, which
+    ``Config`` always fills in when there is a budget).
+
+    Raises:
+        ConfigError: no cost model at all (a ``PassContext`` built without ``Config``)."""
     if ctx.graph_kind != "joint" or ctx.activations.budget_bytes is None:
         return PassResult(gm, False)
-    found, root_saved = regions(gm.graph, ctx.units)
     cost = cost if cost is not None else ctx.activations.cost_model
+    if cost is None:
+        raise ConfigError("activation_partition needs a cost model: ctx.activations.cost_model (Config fills it "
+                          "in from clusters.json's nominal cluster) or cost=")
+    found, root_saved = regions(gm.graph, ctx.units)
     group_name, group_size = ctx.activation_group or (None, None)
     plan = _choose(found, root_saved, ctx.units, ctx.activations.budget_bytes, cost, ctx.activations.offload,
                    group_size)
@@ -380,7 +371,7 @@ def activation_partition(gm: fx.GraphModule, ctx: PassContext, *, cost: CostMode
                 node.meta[ACTIVATION] = {"unit": p.unit, "decision": RECOMPUTE}
         elif p.decision == OFFLOAD:
             for root in sorted(region.offloadable & offloaded, key=pos.__getitem__):
-                _offload(gm.graph, root, backward, pos)
+                offload_storage(gm.graph, root, backward, pos)
         elif p.decision == PARTITION:
             for root in sorted(region.shardable & partitioned, key=pos.__getitem__):
                 partition_storage(gm.graph, root, backward, pos, group_name, group_size)
@@ -398,85 +389,6 @@ def activation_partition(gm: fx.GraphModule, ctx: PassContext, *, cost: CostMode
         gm.graph.lint()
         gm.recompile()
     return PassResult(gm, changed, {**counts, "units": len(plan.units), "estimated_saved_bytes": plan.planned_bytes})
-
-
-def partition_storage(graph: fx.Graph, root: fx.Node, backward: set[fx.Node], pos: dict[fx.Node, int],
-                      group_name: str, group_size: int, role: str = "activation") -> None:
-    """P_a for one saved storage: forward keeps this rank's piece (``shard_activation``, saved:
-    ``MUST_SAVE``), backward all-gathers it (``gather_activation``, ``partitioner_tag`` is_backward)
-    before the first backward use and reads the gathered tensor wherever it read ``root`` or a
-    forward view of it (``_backward_reads_from``). ``root`` is then dead after forward. ``role``
-    names the pieces in their tags (``<role>_shard``, ``<role>_gather``): hpZ's
-    ``secondary_partition`` partitions gathered parameters the same way."""
-    val = root.meta["val"]
-    # a collective's output (hpZ's gathered buffer where no copy-out follows the all-gather: a
-    # bucket of one flat shard) holds the result only once its wait has run
-    written = readable_result(root)
-    with graph.inserting_after(written):
-        piece = graph.call_function(SHARD_ACTIVATION, (written, group_name, group_size))
-    with detect_fake_mode([val]):
-        piece.meta["val"] = SHARD_ACTIVATION(val, group_name, group_size)
-    piece.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-    piece.meta[TAG] = {"role": f"{role}_shard"}
-    readers = _backward_readers(graph, root, backward)
-    with graph.inserting_before(_first_use(readers, backward, pos)):
-        full = graph.call_function(GATHER_ACTIVATION, (piece, list(val.shape), group_name, group_size))
-    full.meta.update({"val": val, "partitioner_tag": "is_backward", TAG: {"role": f"{role}_gather"}})
-    _backward_reads_from(graph, full, root, readers, backward, pos)
-
-
-def _offload(graph: fx.Graph, root: fx.Node, backward: set[fx.Node], pos: dict[fx.Node, int]) -> None:
-    """Offload for one saved storage: PyTorch's offloading moves only a saved node that is no view
-    (``can_offload``), and the partitioner saves the views backward reads; so backward replays
-    those views on ``root`` itself (``_backward_reads_from``), ``root`` is saved as it is
-    (``MUST_SAVE``) and marked ``should_offload``."""
-    _backward_reads_from(graph, root, root, _backward_readers(graph, root, backward), backward, pos)
-    root.meta[SHOULD_OFFLOAD] = True
-    root.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-
-
-def _first_use(readers: list[fx.Node], backward: set[fx.Node], pos: dict[fx.Node, int]) -> fx.Node:
-    """The first backward node that reads any of ``readers``."""
-    return min((u for n in readers for u in n.users if u in backward), key=pos.__getitem__)
-
-
-def _backward_readers(graph: fx.Graph, root: fx.Node, backward: set[fx.Node]) -> list[fx.Node]:
-    """``root`` and its forward views (same storage) that backward nodes read."""
-    return [n for n in graph.nodes if n not in backward and storage_root(n) is root
-            and any(u in backward for u in n.users)]
-
-
-def _backward_reads_from(graph: fx.Graph, source: fx.Node, root: fx.Node, readers: list[fx.Node],
-                         backward: set[fx.Node], pos: dict[fx.Node, int]) -> None:
-    """Make every backward use of ``readers`` (``root`` and forward views of it) read ``source``
-    instead, a tensor equal to ``root`` (itself, or its all-gathered copy): the view chain from
-    ``root`` to each reader is replayed on ``source`` in backward, before the first backward use
-    of any of them (replays share links of the chain, e.g. one ``split`` for q, k and v;
-    ``partitioner_tag`` is_backward; views cost no copy)."""
-    replayed = {root: source}
-    before = _first_use(readers, backward, pos)
-
-    def replay(node: fx.Node) -> fx.Node:
-        if node.target is WAIT:  # the collective's result itself, not a view of it
-            return replay(node.args[0])
-        if node not in replayed:
-            base = replay(node.args[0])
-            with graph.inserting_before(before):
-                copy = graph.call_function(node.target, (base, *node.args[1:]), dict(node.kwargs))
-            # MUST_RECOMPUTE as well: otherwise the min-cut may compute the copy in forward and
-            # save it (a view weighs as much as its base), which is what this undoes
-            copy.meta.update({"val": node.meta["val"], "partitioner_tag": "is_backward",
-                              "recompute": CheckpointPolicy.MUST_RECOMPUTE})
-            replayed[node] = copy
-        return replayed[node]
-
-    for node in readers:
-        users = [u for u in node.users if u in backward]
-        if node is root and source is root:
-            continue  # backward already reads root itself
-        view = replay(node)
-        for user in users:
-            user.replace_input_with(node, view)
 
 
 def _note(p: UnitPlan) -> str:

@@ -29,7 +29,9 @@ class PassContext:
         schedule: ``Config.schedule`` as given (bucket_bytes, prefetch_depth, max_inflight_bytes).
         memory: ``Config.memory`` as given (unshard_budget_bytes, reshard_root_after_forward).
         activations: ``Config.activations`` with its process group left out (budget_bytes,
-            offload, cost_model); the group is ``activation_group``.
+            offload, cost_model); the group is ``activation_group``. With a budget, its
+            cost_model is always set (``Config`` fills in clusters.json's nominal cluster): the
+            hardware rates a pass prices with arrive here, never from a file or a constant.
         activation_group: ``(group_name, size)`` of the group over which activations are
             replicated (P_a may partition them across it); ``None``: none.
         gather_quantization: ``Config.gather_quantization`` (``None`` or ``"int8"``): how

@@ -12,7 +12,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import zerograph
 from zerograph.capture import _offloading, measured_bytes
-from zerograph.costmodel import CostModel
+from zerograph.costmodel import CostModel, nominal_cost_model
 from zerograph.dump import node_comments
 from zerograph.passes.activation_partition import (
     ACTIVATION,
@@ -51,7 +51,7 @@ def compile_single(budget: int | None, offload: bool = False) -> dict:
     def backend(gm, example_inputs):
         def partition(joint, joint_inputs, **kwargs):
             if budget is not None:
-                cost = SLOW_COMPUTE if offload else None
+                cost = SLOW_COMPUTE if offload else nominal_cost_model()
                 seen["plan"] = plan_activations(joint.graph, UNITS, budget, cost, offload=offload)
                 ctx = PassContext("joint", 0, 1, "", {}, UNITS,
                                   activations=ActivationPolicy(budget_bytes=budget, offload=offload))
@@ -101,7 +101,7 @@ def single(budget: int | None, offload: bool = False) -> dict:
 
 def test_plan_keeps_within_budget_and_never_recomputes_the_root() -> None:
     free = single(None)
-    plan = plan_activations(free["joint"].graph, UNITS, budget_bytes=free["saved_bytes"] // 2)
+    plan = plan_activations(free["joint"].graph, UNITS, free["saved_bytes"] // 2, nominal_cost_model())
     assert [u.unit for u in plan.units] == list(range(1, DEEP_GPT.n_layer + 1))  # the root unit is never planned
     assert plan.unconstrained_bytes >= free["saved_bytes"]  # an upper bound of what the partitioner saves
     assert plan.planned_bytes <= plan.budget_bytes < plan.unconstrained_bytes
@@ -109,12 +109,12 @@ def test_plan_keeps_within_budget_and_never_recomputes_the_root() -> None:
     for unit in plan.units:
         assert unit.freed_bytes > 0 and unit.recompute_flops > 0 and unit.recompute_s > 0
         assert unit.decision in (KEEP, RECOMPUTE)
-    everything = plan_activations(free["joint"].graph, UNITS, budget_bytes=0)
+    everything = plan_activations(free["joint"].graph, UNITS, 0, nominal_cost_model())
     assert everything.recomputed == list(range(1, DEEP_GPT.n_layer + 1))
     assert everything.planned_bytes >= everything.root_bytes
-    assert plan_activations(free["joint"].graph, UNITS, budget_bytes=10**9).recomputed == []
+    assert plan_activations(free["joint"].graph, UNITS, 10**9, nominal_cost_model()).recomputed == []
     cost = CostModel(world_size=1, flops_per_s=1e9, bytes_per_s=1e9, op_overhead_s=1e-6, collectives={})
-    timed = plan_activations(free["joint"].graph, UNITS, budget_bytes=plan.budget_bytes, cost=cost)
+    timed = plan_activations(free["joint"].graph, UNITS, plan.budget_bytes, cost)
     assert all(u.recompute_s > 0 for u in timed.units)
     assert timed.recomputed == plan.recomputed  # like blocks: the same choice under any rates
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from tests import forkserver
 from zerograph import bench
+from zerograph.config import Config
 from zerograph.costmodel import WAIT
 from zerograph.errors import ConfigError
 from zerograph.ops import GATHER_ACTIVATION
@@ -176,7 +177,6 @@ def test_priming_runs_one_model_per_kind_and_leaves_no_bytes_held():
 
     from zerograph import buffer_pool
     from zerograph.bench import runner
-    from zerograph.config import Config
     from zerograph.runtime import Runtime
 
     from .distributed import fake_rank
@@ -200,21 +200,29 @@ def test_priming_runs_one_model_per_kind_and_leaves_no_bytes_held():
 
 
 def test_system_names_parse():
-    spec = bench.parse_system("zerograph-s3-noov-pf2-bb65536-inductor", prefetch_depth=1, bucket_bytes=0)
-    assert (spec.kind, spec.stage, spec.overlap, spec.prefetch_depth, spec.bucket_bytes, spec.lowering) == (
-        "zerograph", 3, False, 2, 65536, "inductor")
-    assert spec.zerograph_config().disabled_passes == ("prefetch", "schedule_overlap")
-    default = bench.parse_system("zerograph-s1", prefetch_depth=3, bucket_bytes=1024)
-    assert (default.prefetch_depth, default.bucket_bytes, default.overlap) == (3, 1024, True)
+    spec = bench.parse_system("zerograph-s3-noov-nopool-pf2-bb65536-inductor", prefetch_depth=1, bucket_bytes=0)
+    config = spec.config
+    assert (spec.kind, spec.stage, config.prefetch_depth, config.bucket_bytes, config.lowering) == (
+        "zerograph", 3, 2, 65536, "inductor")
+    assert config.disabled_passes == ("prefetch", "schedule_overlap", "buffer_reuse")
+    default = bench.parse_system("zerograph-s1", prefetch_depth=3, bucket_bytes=1024).config
+    assert (default.prefetch_depth, default.bucket_bytes, default.disabled_passes, default.lowering) == (
+        3, 1024, (), "eager")
+    assert default.unit_templates == Config().unit_templates  # what no modifier sets is Config's default
     assert bench.parse_system("fsdp2-compile", 1, 0).compiled
-    quantized = bench.parse_system("zerograph-s3-qw-qg", 1, 0).zerograph_config()
+    quantized = bench.parse_system("zerograph-s3-qw-qg", 1, 0).config
     assert (quantized.gather_quantization, quantized.reduce_quantization) == ("int8", "int8")
-    assert bench.parse_system("zerograph-s3-qg", 1, 0).zerograph_config().gather_quantization is None
-    assert bench.parse_system("zerograph-s3-inductor-islands", 1, 0).zerograph_config().inductor_islands
-    assert not spec.zerograph_config().inductor_islands
+    assert bench.parse_system("zerograph-s3-qg", 1, 0).config.gather_quantization is None
+    assert bench.parse_system("zerograph-s3-inductor-islands", 1, 0).config.inductor_islands
+    assert not config.inductor_islands
+    assert bench.parse_system("zerograph-s3-keeproot-notpl", 1, 0).config == Config(
+        lowering="eager", reshard_root_after_forward=False, unit_templates=False)
+    assert json.loads(json.dumps(spec.describe()))["config"]["disabled_passes"] == list(config.disabled_passes)
     assert [bench.parse_system(n, 1, 0).paper_volume for n in ("zerograph-s2", "zerograph-s3", "ddp", "fsdp2")] == [2, 3, 2, 3]
-    for bad in ("zerograph-s4", "zerograph-s3-fast", "deepspeed", "zerograph-s3-islands"):
-        with pytest.raises(ConfigError):
+    for bad, match in (("zerograph-s4", "unknown system"), ("zerograph-s3-fast", "unknown system"),
+                       ("deepspeed", "unknown system"), ("zerograph-s3-islands", "lowering='eager' runs no Inductor"),
+                       ("zerograph-s3-tpl-notpl", "both set Config.unit_templates")):
+        with pytest.raises(ConfigError, match=match):
             bench.parse_system(bad, 1, 0)
     with pytest.raises(ConfigError):
         bench.parse_systems("ddp,ddp", 1, 0)
@@ -303,9 +311,8 @@ def test_a_bad_cluster_table_is_refused_naming_the_field(tmp_path):
 
 def test_hybrid_and_hpz_systems_parse_and_refuse_a_world_that_cannot_hold_them():
     hsdp, hpz = bench.parse_system("zerograph-s3-hsdp2", 1, 0), bench.parse_system("zerograph-s3-qw-hpz2", 1, 0)
-    assert (hsdp.shard_size, hsdp.secondary_partition_size) == (2, None)
-    assert (hpz.shard_size, hpz.secondary_partition_size, hpz.quantized_gathers) == (None, 2, True)
-    assert hpz.zerograph_config().secondary_partition_size == 2
+    assert (hsdp.shard_size, hsdp.config.secondary_partition_size) == (2, None)
+    assert (hpz.shard_size, hpz.config.secondary_partition_size, hpz.config.gather_quantization) == (None, 2, "int8")
     bench.check_world_size(hsdp, 4)
     for spec, world_size in ((hsdp, 2), (hpz, 3), (bench.parse_system("zerograph-s3-hsdp1", 1, 0), 4)):
         with pytest.raises(ConfigError, match="divides the world size"):

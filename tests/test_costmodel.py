@@ -15,7 +15,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import zerograph
-from zerograph.costmodel import COLLECTIVE_KINDS, COLLECTIVE_OPS, CostModel, calibrate, fit_alpha_beta, node_flops
+from zerograph.costmodel import (
+    CLUSTERS_FILE,
+    COLLECTIVE_KINDS,
+    COLLECTIVE_OPS,
+    NOMINAL_CLUSTER,
+    CostModel,
+    calibrate,
+    cluster_cost_model,
+    fit_alpha_beta,
+    load_cluster_table,
+    node_flops,
+    nominal_cost_model,
+)
 from zerograph.ops import GATHER_ACTIVATION
 from zerograph.state import graphs_of
 from zerograph.timeline import Schedule, measure, predict, schedule_from_profile
@@ -218,9 +230,30 @@ def test_calibrate_without_group_measures_compute_and_frees_collectives():
 
 
 def test_cost_model_round_trips_through_json():
-    text = json.dumps(COST.to_dict())
-    restored = CostModel.from_dict(json.loads(text))
-    assert restored == COST and hash(restored) == hash(COST)
+    for cost in (COST, CostModel.from_dict({**COST.to_dict(), "host_bytes_per_s": 3e10})):
+        restored = CostModel.from_dict(json.loads(json.dumps(cost.to_dict())))
+        assert restored == cost and hash(restored) == hash(cost)
+
+
+def test_resized_keeps_the_bus_bandwidth_and_refuses_one_rank():
+    eight = CostModel.from_dict({**COST.to_dict(), "world_size": 8})
+    two = eight.resized(2)
+    for kind, (alpha, beta) in eight.collectives.items():
+        assert two.collectives[kind] == (alpha, pytest.approx(beta * (1 / 2) / (7 / 8), rel=1e-12))
+    assert eight.resized(8) is eight
+    with pytest.raises(zerograph.ConfigError, match="one-rank cost model"):
+        CostModel.from_dict({**COST.to_dict(), "world_size": 1}).resized(2)
+
+
+def test_the_nominal_model_is_the_cluster_tables_entry_and_prices_config_by_default():
+    entry = load_cluster_table(CLUSTERS_FILE)[NOMINAL_CLUSTER]
+    nominal = nominal_cost_model()
+    assert nominal == cluster_cost_model(entry) and nominal.host_bytes_per_s == entry["host_link_bytes_per_s"]
+    assert zerograph.Config().activations.cost_model is None  # no budget: nothing to price
+    assert zerograph.Config(activation_budget_bytes=0).activations.cost_model == nominal
+    given = zerograph.Config(activation_budget_bytes=0, activation_offload=True, activation_cost_model=COST)
+    assert given.activations.cost_model == CostModel.from_dict(
+        {**COST.to_dict(), "host_bytes_per_s": nominal.host_bytes_per_s})  # only the missing rate is filled in
 
 
 def test_chrome_trace_is_json_with_both_tracks():

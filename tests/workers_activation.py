@@ -56,7 +56,7 @@ def budget_runs(rank: int, world_size: int, name: str, stages: tuple[int, ...], 
 
 # recompute priced far above a host round trip or an all-gather, so that the plan moves activations
 SLOW_COMPUTE = CostModel(world_size=2, flops_per_s=1e6, bytes_per_s=1e6, op_overhead_s=1e-3,
-                         collectives={"all_gather": (1e-5, 1e-9)})
+                         collectives={"all_gather": (1e-5, 1e-9)}, host_bytes_per_s=5e10)
 
 
 def moved_runs(rank: int, world_size: int, name: str, stage: int, steps: int, batch_size: int, lr: float) -> dict:

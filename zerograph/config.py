@@ -4,8 +4,9 @@
 ``MixedPrecisionPolicy`` style): ``mixed_precision``, ``schedule``, ``memory``, ``activations``.
 The flat keywords of earlier releases (``Config(bucket_bytes=..., param_dtype=...)``) keep working
 as a shorthand that fills the policies, with no deprecation warning: they are what most scripts
-and the docs use, one line shorter, and they cannot drift from the policies because they are
-not stored anywhere else (``FLAT_KEYWORDS`` maps each to its policy field).
+and the docs use, one line shorter, and they cannot drift from the policies: they are neither
+stored nor defaulted anywhere else (``FLAT_KEYWORDS`` maps each to its policy field, and the
+constructor turns them into that policy before the dataclass's own ``__init__`` runs).
 
 Config sits above the passes: it checks ``disabled_passes`` against the passes' contracts when
 it is built, so a pipeline that cannot work is refused here, not at the first forward.
@@ -13,13 +14,14 @@ it is built, so a pipeline that cannot work is refused here, not at the first fo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from .costmodel import CostModel
+from .costmodel import CostModel, nominal_cost_model
 from .errors import ConfigError
 from .kernels.quantize import QUANTIZATIONS
 from .passes.manager import check_disabled_passes
@@ -52,7 +54,7 @@ _POLICIES = {"mixed_precision": MixedPrecisionPolicy, "schedule": SchedulePolicy
              "activations": ActivationPolicy}
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """How a model is sharded, scheduled and lowered.
 
@@ -69,8 +71,8 @@ class Config:
             ``"inductor"`` compiles them with Inductor (C++ on CPU, Triton on GPU). ``"auto"`` (the
             default) is Inductor on CUDA, where its fused Triton kernels are the point of a compiler
             (SimpleFSDP and DeepCompile report their gains from it), and eager on CPU, where
-            Inductor's C++ code measured no faster on this project's GPT and its cold C++
-            compiles cost seconds (docs/stages.md, "Lowering").
+            Inductor's C++ code was no faster on this project's GPT and its cold C++ compiles
+            are slow (figures: docs/benchmarks.md, "Compile time").
         timeout_s: seconds a collective may wait for its peers before the process group raises
             (passed to ``init_process_group`` when zerograph creates the group).
         dump_dir: directory to write every graph before and after every pass; ``None`` reads the
@@ -111,7 +113,7 @@ class Config:
             unit's all-gather, reduce-scatter, prefetch and release. At every stage (without hpZ or
             quantized collectives) each such unit's shards also live in one flat buffer, one graph
             input and one all-gather marker per unit (``zerograph.flat``), so compile time grows
-            about 6x more slowly with depth (docs/benchmarks.md, "Compile time"). Units called with keyword
+            much more slowly with depth (figures: docs/benchmarks.md, "Compile time"). Units called with keyword
             or non-tensor arguments run inline. ``False``: the per-parameter build, every unit's
             body traced into the graph (one input and marker per parameter). ``None`` (default):
             ``True``, unless ``activation_budget_bytes`` is set (the activation plan moves a
@@ -122,10 +124,10 @@ class Config:
             gradients, gradients' pre-divides) with Inductor, each distinct island once
             (``zerograph.islands``). ``False`` (default): Inductor lowers the templated bodies,
             what repeats, and the rest runs op by op as ATen, as FSDP2 + ``torch.compile`` per
-            block (torchtitan) leaves the root uncompiled; each distinct island costs about 1 s
-            of cold C++ compile on CPU, seven on the GPT, about half of the first step (docs/benchmarks.md,
-            "Compile time"). Without templates Inductor lowers the whole graph
-            either way. ``True`` with ``lowering="eager"`` raises ``ConfigError``; under
+            block (torchtitan) leaves the root uncompiled; each distinct island costs a cold C++
+            compile on CPU, a large share of the first step on the GPT (figures:
+            docs/benchmarks.md, "Compile time"). Without templates Inductor lowers the whole
+            graph either way. ``True`` with ``lowering="eager"`` raises ``ConfigError``; under
             ``"auto"`` it takes effect where the lowering resolves to Inductor (CUDA).
 
     Raises:
@@ -144,44 +146,19 @@ class Config:
     activations: ActivationPolicy = ActivationPolicy()
     gather_quantization: str | None = None
     reduce_quantization: str | None = None
-    unit_templates: bool = True
+    unit_templates: bool | None = None  # resolved by __post_init__: the field then holds a bool
     secondary_partition_size: int | None = None
     inductor_islands: bool = False
 
-    def __init__(self, *, unit_classes: tuple[type[nn.Module], ...] | None = None,
-                 lowering: Literal["auto", "eager", "inductor"] = "auto", timeout_s: float = 300.0,
-                 dump_dir: str | None = None, disabled_passes: tuple[str, ...] = (),
-                 mixed_precision: MixedPrecisionPolicy | None = None, schedule: SchedulePolicy | None = None,
-                 memory: MemoryPolicy | None = None, activations: ActivationPolicy | None = None,
-                 gather_quantization: str | None = None, reduce_quantization: str | None = None,
-                 unit_templates: bool | None = None, secondary_partition_size: int | None = None,
-                 inductor_islands: bool = False, **flat: Any) -> None:
-        given = {"mixed_precision": mixed_precision, "schedule": schedule, "memory": memory,
-                 "activations": activations}
-        for name, value in flat.items():
-            if name not in FLAT_KEYWORDS:
-                raise ConfigError(f"Config got an unknown keyword {name!r}; fields: "
-                                  f"{sorted([f.name for f in dataclasses.fields(Config)] + list(FLAT_KEYWORDS))}")
-            policy = FLAT_KEYWORDS[name][0]
-            if given[policy] is not None:
-                raise ConfigError(f"Config got both {policy}= and {name}=; set {name} inside the {policy} policy")
+    def __post_init__(self) -> None:
         for policy, cls in _POLICIES.items():
-            value = given[policy]
-            if value is not None and not isinstance(value, cls):
+            value = getattr(self, policy)
+            if not isinstance(value, cls):
                 raise ConfigError(f"Config.{policy} must be a zerograph.{cls.__name__}, got {value!r}")
-            if value is None:
-                value = _policy_from_flat(policy, cls, flat)
-            object.__setattr__(self, policy, value)
-        for name, value in (("unit_classes", unit_classes), ("lowering", lowering), ("timeout_s", timeout_s),
-                            ("dump_dir", dump_dir), ("disabled_passes", disabled_passes),
-                            ("gather_quantization", gather_quantization),
-                            ("reduce_quantization", reduce_quantization), ("unit_templates", unit_templates),
-                            ("secondary_partition_size", secondary_partition_size),
-                            ("inductor_islands", inductor_islands)):
-            object.__setattr__(self, name, value)
-        if unit_templates is None:  # the default: templates, except where the activation plan needs ops
+        if self.unit_templates is None:  # the default: templates, except where the activation plan needs ops
             object.__setattr__(self, "unit_templates", self.activations.budget_bytes is None)
         self._check()
+        object.__setattr__(self, "activations", _priced(self.activations))
 
     def _check(self) -> None:
         for field in ("gather_quantization", "reduce_quantization"):
@@ -196,8 +173,7 @@ class Config:
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"Config.{field} must be True or False, got {getattr(self, field)!r}")
         if self.unit_templates and self.activations.budget_bytes is not None:
-            # measured (GPT, stage 3, world 2): a P_a plan the pass counted within budget saved 2% over
-            # it, and offload moved nothing, since a template's activations are outputs of one op
+            # a template's activations are the outputs of one op: the plan can neither count nor move them
             raise ConfigError("Config.unit_templates with activation_budget_bytes is not supported yet: the "
                               "activation plan prices and moves a unit's activations op by op, and a templated "
                               "unit is one op, so the budget would not hold; use one or the other")
@@ -238,6 +214,26 @@ class Config:
         return self.dump_dir if self.dump_dir is not None else (os.environ.get("ZEROGRAPH_DUMP") or None)
 
 
+def _priced(policy: ActivationPolicy) -> ActivationPolicy:
+    """``policy`` with a cost model that can price every option it allows: the given model, or
+    clusters.json's nominal cluster (``costmodel.nominal_cost_model``) when none is given; a given
+    model without a host link rate takes the nominal one's when ``offload`` is on. No budget: as it is.
+
+    Raises:
+        ConfigError: an activation group of several ranks with a one-rank model (no link to price).
+    """
+    if policy.budget_bytes is None:
+        return policy
+    nominal = nominal_cost_model()
+    cost = policy.cost_model if policy.cost_model is not None else nominal
+    if policy.offload and cost.host_bytes_per_s is None:
+        cost = dataclasses.replace(cost, host_bytes_per_s=nominal.host_bytes_per_s)
+    if policy.group is not None and policy.group.size() > 1 and cost.world_size == 1:
+        raise ConfigError("Config.activation_cost_model has one rank, so it cannot price P_a's all-gather over "
+                          "activation_group: give a model of two ranks or more, or leave it None")
+    return policy if cost is policy.cost_model else dataclasses.replace(policy, cost_model=cost)
+
+
 def _policy_from_flat(policy: str, cls: type, flat: dict[str, Any]) -> Any:
     """Build ``policy`` from the flat keywords that belong to it; its errors name the flat keywords."""
     renames = {f"{cls.__name__}.{field}": f"Config.{name}"
@@ -250,6 +246,54 @@ def _policy_from_flat(policy: str, cls: type, flat: dict[str, Any]) -> Any:
         for old, new in sorted(renames.items(), key=lambda item: -len(item[0])):
             message = message.replace(old, new)
         raise ConfigError(message) from None
+
+
+_DATACLASS_INIT = Config.__init__
+
+
+@functools.wraps(_DATACLASS_INIT)
+def _init_with_flat_keywords(self: Config, **settings: Any) -> None:
+    """``Config``'s constructor: the dataclass's own, after the flat keywords of ``FLAT_KEYWORDS``
+    have been turned into the policies they belong to. Every default is the dataclass field's (or
+    the policy field's): the flat keywords have none of their own."""
+    fields = {f.name for f in dataclasses.fields(Config)}
+    for name in settings:
+        if name not in fields and name not in FLAT_KEYWORDS:
+            raise ConfigError(f"Config got an unknown keyword {name!r}; fields: {sorted(fields | set(FLAT_KEYWORDS))}")
+    flat = {name: settings.pop(name) for name in list(settings) if name in FLAT_KEYWORDS}
+    for policy in dict.fromkeys(FLAT_KEYWORDS[name][0] for name in flat):
+        if policy in settings:
+            name = next(n for n in flat if FLAT_KEYWORDS[n][0] == policy)
+            raise ConfigError(f"Config got both {policy}= and {name}=; set {name} inside the {policy} policy")
+        settings[policy] = _policy_from_flat(policy, _POLICIES[policy], flat)
+    _DATACLASS_INIT(self, **settings)
+
+
+Config.__init__ = _init_with_flat_keywords  # type: ignore[method-assign]
+
+
+def check_stage_options(config: Config, stage: int, *, hybrid: bool = False) -> None:
+    """Refuse, with no model or process group at hand, what ``zerograph.compile`` refuses of
+    ``config`` at ``stage`` (``hybrid``: with a 2-D mesh): quantized collectives at stage 0, hpZ
+    outside stage 3, with a 2-D mesh or with an activation budget, and a 2-D mesh at stage 0.
+
+    Raises:
+        ConfigError: naming the option and what to do.
+    """
+    if stage == 0 and (config.gather_quantization or config.reduce_quantization):
+        raise ConfigError("Config.gather_quantization and reduce_quantization need stage 1-3: stage 0 (DDP) "
+                          "all-reduces full gradients and gathers nothing")
+    if hybrid and stage == 0:
+        raise ConfigError("a 2-D mesh (hybrid sharding) needs stage 1-3: stage 0 replicates every parameter")
+    if config.secondary_partition_size is None:
+        return
+    if stage != 3:
+        raise ConfigError(f"Config.secondary_partition_size (hpZ) needs stage 3, whose backward re-gathers "
+                          f"parameters; got stage {stage}")
+    if hybrid:
+        raise ConfigError("Config.secondary_partition_size (hpZ) and a 2-D mesh (hybrid sharding) do not combine")
+    if config.activations.budget_bytes is not None:
+        raise ConfigError("Config.secondary_partition_size (hpZ) with activation_budget_bytes is not supported yet")
 
 
 def check_stage(stage: object) -> int:

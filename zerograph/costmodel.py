@@ -2,8 +2,11 @@
 
 The scheduling passes and ``zerograph.timeline.predict`` ask this model, never a hard-coded guess
 (DESIGN.md, "decisions that depend on sizes and speeds come from a cost model"). ``calibrate``
-measures the model on the machine at hand in about a second; ``to_dict`` / ``from_dict`` describe
-another cluster as JSON (the benchmark's ``--simulate``).
+measures the model on the machine at hand; ``to_dict`` / ``from_dict`` describe another cluster as
+JSON (the benchmark's ``--simulate``). Hardware rates are written in one place, the cluster table
+``clusters.json`` (``CLUSTERS_FILE``): ``cluster_cost_model`` reads an entry of it, and
+``nominal_cost_model`` is the entry ``NOMINAL_CLUSTER``, which prices what a decision needs when no
+model is given (the activation plan's default).
 
 Sources: the alpha-beta (latency-bandwidth) model of collectives (Hockney 1994; Thakur et al.,
 "Optimization of Collective Communication Operations in MPICH", 2005); the roofline model
@@ -13,8 +16,13 @@ Sources: the alpha-beta (latency-bandwidth) model of collectives (Hockney 1994; 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import math
+import os
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,6 +56,8 @@ class CostModel:
         collectives: kind in ``COLLECTIVE_KINDS`` -> ``(alpha_s, beta_s_per_byte)``; a collective
             over a full (unsharded) buffer of ``b`` bytes takes ``alpha_s + beta_s_per_byte * b``
             seconds at this ``world_size`` (beta folds in the algorithm's ``(N-1)/N`` factor).
+        host_bytes_per_s: bandwidth of the link between device and host memory, one direction,
+            bytes/s (what an activation offloaded to the host crosses twice); ``None``: unknown.
 
     Raises:
         ConfigError: a non-positive rate or world size, a negative overhead/alpha/beta, or an
@@ -59,6 +69,7 @@ class CostModel:
     bytes_per_s: float
     op_overhead_s: float
     collectives: dict[str, tuple[float, float]]
+    host_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -73,10 +84,29 @@ class CostModel:
                 raise ConfigError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")
             if alpha < 0 or beta < 0:
                 raise ConfigError(f"collective {kind!r} needs alpha, beta >= 0, got ({alpha}, {beta})")
+        if self.host_bytes_per_s is not None and not self.host_bytes_per_s > 0:
+            raise ConfigError(f"CostModel.host_bytes_per_s must be positive bytes/s or None, got {self.host_bytes_per_s}")
 
     def __hash__(self) -> int:  # the generated hash would fail on the dict field; hash its items instead
         return hash((self.world_size, self.flops_per_s, self.bytes_per_s, self.op_overhead_s,
-                     tuple(sorted(self.collectives.items()))))
+                     tuple(sorted(self.collectives.items())), self.host_bytes_per_s))
+
+    def resized(self, world_size: int) -> "CostModel":
+        """This model for a group of ``world_size`` ranks on the same links: alpha kept, beta scaled
+        by the ring factor ``(M-1)/M`` over ``(N-1)/N`` (the same bus bandwidth, nccl-tests'
+        convention). Itself when the size is its own.
+
+        Raises:
+            ConfigError: this model has one rank, so its collectives say nothing about a link.
+        """
+        if world_size == self.world_size:
+            return self
+        if self.world_size == 1:
+            raise ConfigError(f"a one-rank cost model cannot price collectives over {world_size} ranks: give a "
+                              f"model calibrated or described at two ranks or more")
+        scale = ((world_size - 1) / world_size) / ((self.world_size - 1) / self.world_size)
+        return dataclasses.replace(self, world_size=world_size, collectives={
+            kind: (alpha, beta * scale) for kind, (alpha, beta) in self.collectives.items()})
 
     def collective_time(self, kind: str, full_bytes: int) -> float:
         """Seconds for one collective of ``kind`` over a full (unsharded) buffer of ``full_bytes``.
@@ -117,6 +147,7 @@ class CostModel:
             "bytes_per_s": self.bytes_per_s,
             "op_overhead_s": self.op_overhead_s,
             "collectives": {kind: [alpha, beta] for kind, (alpha, beta) in self.collectives.items()},
+            "host_bytes_per_s": self.host_bytes_per_s,
         }
 
     @classmethod
@@ -129,9 +160,89 @@ class CostModel:
         missing = {"world_size", "flops_per_s", "bytes_per_s", "op_overhead_s", "collectives"} - set(d)
         if missing:
             raise ConfigError(f"cost model description lacks {sorted(missing)}")
+        host = d.get("host_bytes_per_s")
         return cls(world_size=int(d["world_size"]), flops_per_s=float(d["flops_per_s"]),
                    bytes_per_s=float(d["bytes_per_s"]), op_overhead_s=float(d["op_overhead_s"]),
-                   collectives={k: (float(a), float(b)) for k, (a, b) in d["collectives"].items()})
+                   collectives={k: (float(a), float(b)) for k, (a, b) in d["collectives"].items()},
+                   host_bytes_per_s=None if host is None else float(host))
+
+
+# ---------------------------------------------------------------------------------------------
+# clusters described in a table (clusters.json): the one place hardware rates are written
+
+CLUSTERS_FILE = Path(__file__).parent / "clusters.json"
+# the entry whose rates price a decision when no cost model is given (ActivationPolicy.cost_model)
+NOMINAL_CLUSTER = "8xH100-nvlink"
+
+
+def load_cluster_table(path: str | os.PathLike) -> dict[str, dict]:
+    """The clusters of a JSON table (keys starting with ``_`` are comments). Raises ``ConfigError``."""
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read the cluster table {path}: {exc}") from exc
+    if not isinstance(table, dict) or not all(isinstance(e, dict) for n, e in table.items() if not n.startswith("_")):
+        raise ConfigError(f"the cluster table {path} must be a JSON object of cluster name -> object of figures "
+                          "(see the packaged clusters.json)")
+    return {name: entry for name, entry in table.items() if not name.startswith("_")}
+
+
+def cluster_figure(entry: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    """A number of a cluster entry. Raises ``ConfigError`` naming the field when it is missing
+    (without ``default``), not a JSON number (a string or a boolean is refused), or not finite."""
+    value = entry.get(key, default)
+    if value is None:
+        raise ConfigError(f"cluster entry has no {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"cluster entry's {key!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def cluster_rank_count(entry: Mapping[str, Any], key: str) -> int:
+    """``nodes`` or ``devices_per_node`` of a cluster entry: a whole number >= 1."""
+    value = cluster_figure(entry, key)
+    if value < 1 or value != int(value):
+        raise ConfigError(f"cluster entry's {key!r} must be a whole number >= 1, got {entry[key]!r}")
+    return int(value)
+
+
+def cluster_bandwidth(entry: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    """A bandwidth of a cluster entry, > 0 bytes/s."""
+    value = cluster_figure(entry, key, default)
+    if value <= 0:
+        raise ConfigError(f"cluster entry's {key!r} must be > 0 bytes/s, got {value!r}")
+    return value
+
+
+def ring_collectives(n: int, busbw: float, latency: float) -> dict[str, tuple[float, float]]:
+    """``CostModel.collectives`` of a ring of ``n`` ranks at bus bandwidth ``busbw`` (bytes/s)
+    and ``latency`` (s), with nccl-tests' factors: (N-1)/N for all-gather and reduce-scatter,
+    2(N-1)/N for all-reduce."""
+    ring = (n - 1) / n
+    return {"all_gather": (latency, ring / busbw), "reduce_scatter": (latency, ring / busbw),
+            "all_reduce": (latency, 2 * ring / busbw)}
+
+
+def cluster_cost_model(entry: Mapping[str, Any]) -> CostModel:
+    """``CostModel`` of a cluster entry: alpha = ``latency_s``, beta from the bus bandwidth with
+    nccl-tests' factors ((N-1)/N for all-gather and reduce-scatter, 2(N-1)/N for all-reduce), for
+    a collective over every rank; ``host_bytes_per_s`` from ``host_link_bytes_per_s`` when the
+    entry has it. Raises ``ConfigError`` for an incomplete or invalid entry."""
+    n = cluster_rank_count(entry, "nodes") * cluster_rank_count(entry, "devices_per_node")
+    busbw = cluster_bandwidth(entry, "bus_bandwidth_bytes_per_s")
+    host = cluster_bandwidth(entry, "host_link_bytes_per_s") if "host_link_bytes_per_s" in entry else None
+    return CostModel(world_size=n, flops_per_s=cluster_figure(entry, "flops_per_s"),
+                     bytes_per_s=cluster_figure(entry, "memory_bytes_per_s"),
+                     op_overhead_s=cluster_figure(entry, "op_overhead_s"),
+                     collectives=ring_collectives(n, busbw, cluster_figure(entry, "latency_s")), host_bytes_per_s=host)
+
+
+@functools.lru_cache(maxsize=1)
+def nominal_cost_model() -> CostModel:
+    """The packaged table's ``NOMINAL_CLUSTER`` entry as a ``CostModel``: the rates a decision is
+    priced at when no model is given (every rank must decide alike, so nothing is measured)."""
+    return cluster_cost_model(load_cluster_table(CLUSTERS_FILE)[NOMINAL_CLUSTER])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +323,7 @@ def calibrate(group: dist.ProcessGroup | None = None, *, max_bytes: int = 4 << 2
     (float32); ``fit_alpha_beta`` fits one line per kind. With a group, every rank must call this;
     the timings are agreed by an all-reduce MAX (the slowest rank's) before fitting, so every rank
     returns the same model. ``group=None`` or a one-rank group gives zero-cost collectives. The
-    device is CUDA for an NCCL group, else the CPU. About 0.3 s on a 2-core CPU at the defaults.
+    device is CUDA for an NCCL group, else the CPU.
 
     Source: Inductor decides comm/compute overlap from estimates agreed across ranks
     (``torch/_inductor/comms.py``); the alpha-beta model follows Thakur et al. 2005.
@@ -328,10 +439,11 @@ def _time_collective(kind: str, full_bytes: int, group: dist.ProcessGroup, devic
     }[kind]
     # one barrier, then back-to-back timings: after the untimed warm-up collective the ranks run in
     # lockstep, as in a training step, so no timing includes waiting for a late peer (a barrier
-    # before each timing measured thread wake-ups too: 2-5x the latency on 2 loaded CPU cores)
+    # before each timing would time the peers' thread wake-ups too)
     dist.barrier(group=group)
     return _median_time(lambda: c10d.wait_tensor(run()), device, repeats)
 
 
-__all__ = ["COLLECTIVE_KINDS", "COLLECTIVE_OPS", "CostModel", "calibrate", "collective_bytes", "fit_alpha_beta",
-           "is_view", "node_bytes", "node_flops"]
+__all__ = ["CLUSTERS_FILE", "COLLECTIVE_KINDS", "COLLECTIVE_OPS", "NOMINAL_CLUSTER", "CostModel", "calibrate",
+           "cluster_cost_model", "collective_bytes", "fit_alpha_beta", "is_view", "load_cluster_table",
+           "nominal_cost_model", "node_bytes", "node_flops", "ring_collectives"]

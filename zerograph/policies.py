@@ -177,10 +177,12 @@ class ActivationPolicy:
             kept as this rank's 1/M (M = the group's size) and all-gathered back in backward. The
             activations must be bitwise equal across the group, dropout included. ``None``: no
             partitioning. Source: ZeRO section 6.1, partitioned activation checkpointing (P_a).
-        cost_model: the ``zerograph.costmodel.CostModel`` that prices recompute (roofline seconds)
-            and P_a (its all-gather); offload is priced at ``HOST_LINK_BYTES_PER_S``. Give every
-            rank the same model: ranks that decide differently would run different collectives.
-            ``None``: nominal rates of an H100-class device.
+        cost_model: the ``zerograph.costmodel.CostModel`` that prices recompute (roofline seconds),
+            offload (its ``host_bytes_per_s``) and P_a (its all-gather, ``resized`` to the group).
+            Give every rank the same model: ranks that decide differently would run different
+            collectives. ``None``: ``Config`` fills in the rates of clusters.json's nominal
+            cluster (``costmodel.NOMINAL_CLUSTER``); a model without ``host_bytes_per_s`` takes
+            that cluster's host link rate when ``offload`` is on.
     """
 
     budget_bytes: int | None = None

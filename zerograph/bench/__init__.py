@@ -13,7 +13,9 @@ described in ``clusters.json`` (or ``local``: this machine, as a self-consistenc
 
 Systems (``--systems``, comma-separated):
     zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>][-inductor][-islands][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>]
-        ``zerograph.compile`` at that stage; ``-noov`` disables ``config.OVERLAP_PASSES`` (every
+        ``zerograph.compile`` at that stage with a ``Config``: each modifier sets one ``Config``
+        keyword (``systems.MODIFIERS``) on the bench's base, and ``Config`` checks the result;
+        ``-noov`` disables ``config.OVERLAP_PASSES`` (every
         wait right after its start); ``-nopool`` disables ``buffer_reuse`` (comm buffers from the
         allocator each step instead of a pool held across steps); ``-keeproot`` sets
         ``Config.reshard_root_after_forward=False`` (the root unit stays gathered from forward
@@ -90,6 +92,7 @@ Layout (one module per concern): ``cli`` (flags, validation before any rank star
 """
 from __future__ import annotations
 
+from ..costmodel import CLUSTERS_FILE, cluster_cost_model, load_cluster_table
 from ..profile import ProfiledCost, attribute_seconds, match_nodes, roofline_seconds
 from .cli import (
     DEFAULT_SYSTEMS,
@@ -114,17 +117,7 @@ from .report import (
     report,
 )
 from .runner import loss_check, measure_all, merge_ranks, prime_systems, rank_main, run_system
-from .simulation import (
-    CLUSTERS_FILE,
-    LOCAL_CLUSTER,
-    Cluster,
-    cluster_cost_model,
-    cluster_links,
-    group_cost_models,
-    load_cluster_table,
-    mesh_dims_of,
-    simulate_system,
-)
+from .simulation import LOCAL_CLUSTER, Cluster, cluster_links, group_cost_models, mesh_dims_of, simulate_system
 from .systems import SystemSpec, build_system, check_world_size, parse_system, parse_systems, train_step
 from .workloads import (
     Workload,

@@ -21,16 +21,12 @@ from typing import Any
 import torch
 
 from ..config import Config
+from ..costmodel import CLUSTERS_FILE, load_cluster_table
 from ..errors import ConfigError
 from .report import report
 from .runner import rank_main
-from .simulation import (
-    CLUSTERS_FILE,
-    LOCAL_CLUSTER,
-    cluster_links,
-    load_cluster_table,
-)
-from .systems import check_world_size, parse_systems
+from .simulation import LOCAL_CLUSTER, cluster_links
+from .systems import GRAMMAR, check_world_size, parse_systems
 from .workloads import example_gpt, load_factory
 
 DEFAULT_SYSTEMS = ("zerograph-s0,zerograph-s1,zerograph-s2,zerograph-s3,zerograph-s3-noov,"
@@ -50,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps after the timed ones")
-    parser.add_argument("--systems", default=DEFAULT_SYSTEMS, help="comma-separated; see the module docstring")
+    parser.add_argument("--systems", default=DEFAULT_SYSTEMS,
+                        help=f"comma-separated, each {GRAMMAR}, ddp, fsdp2 or fsdp2-compile (docs/bench.md)")
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="write every raw figure here")
     parser.add_argument("--png", dest="png_path", metavar="PATH", help="write the step-time chart here")
     parser.add_argument("--prefetch-depth", type=int, default=defaults.prefetch_depth,

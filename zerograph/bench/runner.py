@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
-import dataclasses
 import datetime
 import gc
 import itertools
@@ -134,15 +133,15 @@ def prime_systems(specs: list[SystemSpec], device: torch.device, lr: float) -> l
     one compiles its forward and backward), and drop it, before any system is measured: what a
     process keeps after its first model of a kind (modules imported on first use, process-wide
     caches of Dynamo, AOTAutograd and FSDP2) then sits in every system's baseline instead of in
-    the first measured system's peak. On the 4 x 384 GPT at world size 2 over gloo the first
-    system measured 7-11 MiB more peak RSS than the same system measured second (docs/bench.md,
-    "Definitions"). One spec per ``(kind, compiled, lowering)``; returns those primed. Collective:
-    every rank calls it with the same ``specs``."""
+    the first measured system's peak (docs/benchmarks.md, "Memory", says by how much). One spec
+    per ``(kind, compiled, lowering)``; returns those primed. Collective: every rank calls it
+    with the same ``specs``."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tiny = load_workload("tiny", world_size, None, 0)
     kinds: dict[tuple, SystemSpec] = {}
     for spec in specs:
-        kinds.setdefault((spec.kind, spec.compiled, spec.lowering), spec)
+        lowering = spec.config.lowering if spec.kind == "zerograph" else None
+        kinds.setdefault((spec.kind, spec.compiled, lowering), spec)
     primed = list(kinds.values())
     for spec in primed:
         model, optimizer = build_system(spec, tiny, device, lr)
@@ -240,7 +239,7 @@ def merge_ranks(spec: SystemSpec, ranks: list[dict], model_info: dict) -> dict:
     elements = ranks[0]["comm_elements"]
     volume = sum(elements.values())
     record = {
-        "kind": spec.kind, "spec": dataclasses.asdict(spec),
+        "kind": spec.kind, "spec": spec.describe(),
         "step_s": step_s, "warmup_s": warmup_s, "step_s_per_rank": [r["step_s"] for r in ranks],
         "median_s": median, "min_s": min(step_s), "max_s": max(step_s),
         "tokens_per_s": model_info["tokens_per_step"] / median,

@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
-import math
-import os
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +21,16 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from ..costmodel import CostModel, calibrate
+from ..costmodel import (
+    CostModel,
+    calibrate,
+    cluster_bandwidth,
+    cluster_cost_model,
+    cluster_figure,
+    cluster_rank_count,
+    load_cluster_table,
+    ring_collectives,
+)
 from ..errors import ConfigError
 from ..ops import GATHER_ACTIVATION
 from ..plan import plan as memory_plan
@@ -38,7 +43,6 @@ from .workloads import Workload, shapes_only
 
 log = logging.getLogger(__name__)
 
-CLUSTERS_FILE = Path(__file__).parent.parent / "clusters.json"
 LOCAL_CLUSTER = "local"
 
 
@@ -59,64 +63,6 @@ class Cluster:
     cost: CostModel
     assumptions: tuple[str, ...]
     links: Links | None = None
-
-
-def load_cluster_table(path: str | os.PathLike) -> dict[str, dict]:
-    """The clusters of a JSON table (keys starting with ``_`` are comments). Raises ``ConfigError``."""
-    try:
-        with open(path) as f:
-            table = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read the cluster table {path}: {exc}") from exc
-    if not isinstance(table, dict) or not all(isinstance(e, dict) for n, e in table.items() if not n.startswith("_")):
-        raise ConfigError(f"the cluster table {path} must be a JSON object of cluster name -> object of figures "
-                          "(see the packaged clusters.json)")
-    return {name: entry for name, entry in table.items() if not name.startswith("_")}
-
-
-def _figure(entry: Mapping[str, Any], key: str, default: float | None = None) -> float:
-    """A number of a cluster entry. Raises ``ConfigError`` naming the field when it is missing
-    (without ``default``), not a JSON number (a string or a boolean is refused), or not finite."""
-    value = entry.get(key, default)
-    if value is None:
-        raise ConfigError(f"cluster entry has no {key!r}")
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"cluster entry's {key!r} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _ring_cost(n: int, busbw: float, latency: float) -> dict[str, tuple[float, float]]:
-    """``CostModel.collectives`` of a ring of ``n`` ranks at bus bandwidth ``busbw`` (bytes/s)
-    and ``latency`` (s), with nccl-tests' factors: (N-1)/N for all-gather and reduce-scatter,
-    2(N-1)/N for all-reduce."""
-    ring = (n - 1) / n
-    return {"all_gather": (latency, ring / busbw), "reduce_scatter": (latency, ring / busbw),
-            "all_reduce": (latency, 2 * ring / busbw)}
-
-
-def cluster_cost_model(entry: Mapping[str, Any]) -> CostModel:
-    """``CostModel`` of a cluster entry: alpha = ``latency_s``, beta from the bus bandwidth with
-    nccl-tests' factors ((N-1)/N for all-gather and reduce-scatter, 2(N-1)/N for all-reduce), for
-    a collective over every rank. Raises ``ConfigError`` for an incomplete or invalid entry."""
-    n = _rank_count(entry, "nodes") * _rank_count(entry, "devices_per_node")
-    busbw = _bandwidth(entry, "bus_bandwidth_bytes_per_s")
-    return CostModel(world_size=n, flops_per_s=_figure(entry, "flops_per_s"),
-                     bytes_per_s=_figure(entry, "memory_bytes_per_s"), op_overhead_s=_figure(entry, "op_overhead_s"),
-                     collectives=_ring_cost(n, busbw, _figure(entry, "latency_s")))
-
-
-def _rank_count(entry: Mapping[str, Any], key: str) -> int:
-    value = _figure(entry, key)
-    if value < 1 or value != int(value):
-        raise ConfigError(f"cluster entry's {key!r} must be a whole number >= 1, got {entry[key]!r}")
-    return int(value)
-
-
-def _bandwidth(entry: Mapping[str, Any], key: str, default: float | None = None) -> float:
-    value = _figure(entry, key, default)
-    if value <= 0:
-        raise ConfigError(f"cluster entry's {key!r} must be > 0 bytes/s, got {value!r}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,13 +87,13 @@ def cluster_links(entry: Mapping[str, Any]) -> Links:
     cross-node rings; an entry without them prices both as the world ring (say so in the
     assumptions). Raises ``ConfigError`` for an incomplete or invalid entry."""
     world = cluster_cost_model(entry)
-    nodes, per_node = _rank_count(entry, "nodes"), _rank_count(entry, "devices_per_node")
-    busbw, latency = _bandwidth(entry, "bus_bandwidth_bytes_per_s"), _figure(entry, "latency_s")
+    nodes, per_node = cluster_rank_count(entry, "nodes"), cluster_rank_count(entry, "devices_per_node")
+    busbw, latency = cluster_bandwidth(entry, "bus_bandwidth_bytes_per_s"), cluster_figure(entry, "latency_s")
 
     def ring(n: int, prefix: str) -> CostModel:
-        return dataclasses.replace(world, world_size=n, collectives=_ring_cost(
-            n, _bandwidth(entry, f"{prefix}_bus_bandwidth_bytes_per_s", busbw),
-            _figure(entry, f"{prefix}_latency_s", latency)))
+        return dataclasses.replace(world, world_size=n, collectives=ring_collectives(
+            n, cluster_bandwidth(entry, f"{prefix}_bus_bandwidth_bytes_per_s", busbw),
+            cluster_figure(entry, f"{prefix}_latency_s", latency)))
 
     return Links(world, ring(per_node, "node"), ring(nodes, "cross_node"), per_node)
 
@@ -279,11 +225,11 @@ def _planned_bytes(spec: SystemSpec, workload: Workload, cluster: Cluster) -> di
     if spec.shard_size is not None:
         shard = per_node or spec.shard_size
         world_size, mesh = shard, {"replicas": cluster.world_size // shard}
-    elif spec.secondary_partition_size is not None and (per_node or 0) < world_size:
-        mesh = {"secondary_partition_size": per_node or spec.secondary_partition_size}  # one node: plain stage 3
+    elif spec.config.secondary_partition_size is not None and (per_node or 0) < world_size:
+        mesh = {"secondary_partition_size": per_node or spec.config.secondary_partition_size}  # one node: plain stage 3
     try:
         plan = memory_plan(shapes_only(workload), spec.stage, world_size, param_dtype=torch.float32,
-                           master_dtype=torch.float32, prefetch_depth=spec.prefetch_depth, **mesh)
+                           master_dtype=torch.float32, prefetch_depth=spec.config.prefetch_depth, **mesh)
     except Exception as exc:  # a user model zerograph.plan cannot read: report without memory
         log.warning("no memory plan for %s: %s", workload.name, exc)
         return None

@@ -1,9 +1,12 @@
 """The systems the bench compares: ``--systems`` names parsed into ``SystemSpec``s, and each built.
 
-A system is zerograph at a stage with its schedule options (``zerograph-s<0-3>[-noov][-nopool]
-[-keeproot][-pf<K>][-bb<BYTES>][-inductor][-islands][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>]``), DDP,
-FSDP2 or FSDP2 under ``torch.compile``; see the package docstring for what each modifier changes.
-``build_system`` wraps a fresh model in one and gives it AdamW; ``train_step`` is the step every system runs.
+A zerograph system is a ``Config``: ``zerograph-s<0-3>`` then modifiers, each of which sets one
+``Config`` keyword (``MODIFIERS``; ``-pf2`` is ``prefetch_depth=2``) on the bench's base
+(``--prefetch-depth``, ``--bucket-bytes``, and ``lowering="eager"``), and ``Config`` itself checks
+the result. ``-hsdp<S>`` is the one modifier that is not a ``Config`` keyword: it is
+``zerograph.compile``'s mesh. The other systems are DDP, FSDP2 and FSDP2 under ``torch.compile``.
+``build_system`` wraps a fresh model in one and gives it AdamW; ``train_step`` is the step every
+system runs.
 
 Source: ``torch.nn.parallel.DistributedDataParallel``; ``torch.distributed.fsdp.fully_shard``;
 ZeRO (arXiv 1910.02054) section 7 for the paper's volumes.
@@ -13,37 +16,71 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..api import compile as compile_model
-from ..config import OVERLAP_PASSES, Config
+from ..config import OVERLAP_PASSES, Config, check_stage_options
 from ..errors import ConfigError
 from .workloads import Workload
+
+# modifier of a zerograph system's name -> (the Config keyword it sets, its value); ``int``: the
+# number written after the modifier (``-bb65536``). ``disabled_passes`` accumulates.
+MODIFIERS: dict[str, tuple[str, Any]] = {
+    "noov": ("disabled_passes", OVERLAP_PASSES),      # every wait right after its start
+    "nopool": ("disabled_passes", ("buffer_reuse",)),  # comm buffers from the allocator each step
+    "keeproot": ("reshard_root_after_forward", False),
+    "pf": ("prefetch_depth", int),
+    "bb": ("bucket_bytes", int),
+    "inductor": ("lowering", "inductor"),
+    "islands": ("inductor_islands", True),
+    "qw": ("gather_quantization", "int8"),
+    "qg": ("reduce_quantization", "int8"),
+    "tpl": ("unit_templates", True),
+    "notpl": ("unit_templates", False),
+    "hpz": ("secondary_partition_size", int),
+}
+MESH_MODIFIER = "hsdp"  # -hsdp<S>: a (world / S, S) mesh of dims ("replicate", "shard"), compile's mesh=
+# the bench runs the FX graphs eagerly unless a name says -inductor (Config's "auto" would pick by device)
+BASE_SETTINGS = {"lowering": "eager"}
+
+_NUMBERED = [m for m, (_, value) in MODIFIERS.items() if value is int] + [MESH_MODIFIER]
+_MODIFIER = "|".join(sorted([rf"{m}\d+" for m in _NUMBERED] + [m for m in MODIFIERS if m not in _NUMBERED],
+                            key=len, reverse=True))
+_ZEROGRAPH_NAME = re.compile(rf"^zerograph-s(?P<stage>[0-3])(?P<mods>(?:-(?:{_MODIFIER}))*)$")
+GRAMMAR = "zerograph-s<0-3>" + "".join(f"[-{m}{'<N>' if m in _NUMBERED else ''}]" for m in [*MODIFIERS, MESH_MODIFIER])
 
 
 @dataclasses.dataclass(frozen=True)
 class SystemSpec:
-    """One configuration to measure. ``kind``: ``"zerograph"``, ``"ddp"`` or ``"fsdp2"``."""
+    """One configuration to measure.
+
+    Attributes:
+        name: as written in ``--systems``.
+        kind: ``"zerograph"``, ``"ddp"`` or ``"fsdp2"``.
+        stage: zerograph's ZeRO stage; ``None`` for the others.
+        settings: the ``Config`` keywords of a zerograph system, as ``(keyword, value)`` pairs
+            (the bench's base, then the name's modifiers); ``config`` builds them.
+        shard_size: ``-hsdp<S>``: S, the ranks of the shard dim of a 2-D mesh; ``None``: 1-D.
+        compiled: ``fsdp2-compile``: FSDP2 under ``torch.compile``.
+    """
 
     name: str
     kind: str
     stage: int | None = None
-    overlap: bool = True
-    pool: bool = True
-    keep_root: bool = False
-    prefetch_depth: int = 1
-    bucket_bytes: int = 0
-    lowering: str = "eager"
-    inductor_islands: bool = False
-    compiled: bool = False
-    quantized_gathers: bool = False
-    quantized_reductions: bool = False
-    unit_templates: bool | None = None  # None: Config's default
+    settings: tuple[tuple[str, Any], ...] = ()
     shard_size: int | None = None
-    secondary_partition_size: int | None = None
+    compiled: bool = False
+
+    @property
+    def config(self) -> Config:
+        """The zerograph system's ``Config`` (raises ``ConfigError`` for another kind)."""
+        if self.kind != "zerograph":
+            raise ConfigError(f"system {self.name!r} is {self.kind}, not zerograph: it has no Config")
+        return Config(**dict(self.settings))
 
     @property
     def paper_volume(self) -> int:
@@ -51,71 +88,54 @@ class SystemSpec:
         ZeRO-3 and FSDP (parameters gathered in forward and again in backward), else 2."""
         return 3 if self.stage == 3 or self.kind == "fsdp2" else 2
 
-    def zerograph_config(self) -> Config:
-        return Config(lowering=self.lowering, prefetch_depth=self.prefetch_depth, bucket_bytes=self.bucket_bytes,
-                      reshard_root_after_forward=not self.keep_root,
-                      gather_quantization="int8" if self.quantized_gathers else None,
-                      reduce_quantization="int8" if self.quantized_reductions else None,
-                      unit_templates=self.unit_templates, secondary_partition_size=self.secondary_partition_size,
-                      inductor_islands=self.inductor_islands,
-                      disabled_passes=(() if self.overlap else OVERLAP_PASSES) + (() if self.pool else ("buffer_reuse",)))
-
-
-_MODIFIER = r"noov|nopool|keeproot|inductor|islands|qw|qg|notpl|tpl|pf\d+|bb\d+|hsdp\d+|hpz\d+"
-_ZEROGRAPH_NAME = re.compile(rf"^zerograph-s(?P<stage>[0-3])(?P<mods>(?:-(?:{_MODIFIER}))*)$")
+    def describe(self) -> dict[str, Any]:
+        """Plain data for the JSON: what the name set (Config keywords, tuples as lists)."""
+        return {"name": self.name, "kind": self.kind, "stage": self.stage, "shard_size": self.shard_size,
+                "compiled": self.compiled,
+                "config": {k: list(v) if isinstance(v, tuple) else v for k, v in self.settings}}
 
 
 def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpec:
-    """``SystemSpec`` of one ``--systems`` entry; raises ``ConfigError`` for an unknown name."""
+    """``SystemSpec`` of one ``--systems`` entry; ``prefetch_depth`` and ``bucket_bytes`` are the
+    base a name's ``-pf`` / ``-bb`` override. Raises ``ConfigError`` for an unknown name or a
+    ``Config`` that ``Config`` or ``zerograph.compile`` would refuse."""
     if name == "ddp":
         return SystemSpec(name, "ddp")
     if name in ("fsdp2", "fsdp2-compile"):
         return SystemSpec(name, "fsdp2", compiled=name == "fsdp2-compile")
     match = _ZEROGRAPH_NAME.match(name)
     if not match:
-        raise ConfigError(f"unknown system {name!r}: expected zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>]"
-                          "[-inductor][-islands][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>], ddp, fsdp2 or fsdp2-compile")
-    mods = match["mods"].split("-")[1:]
-    kinds = [re.sub(r"\d+$", "", mod) for mod in mods]
-    repeated = sorted({kind for kind in kinds if kinds.count(kind) > 1})
+        raise ConfigError(f"unknown system {name!r}: expected {GRAMMAR}, ddp, fsdp2 or fsdp2-compile")
+    stage = int(match["stage"])
+    mods = [re.fullmatch(r"([a-z]+)(\d*)", mod).groups() for mod in match["mods"].split("-")[1:]]
+    repeated = sorted({m for m, _ in mods if [k for k, _ in mods].count(m) > 1})
     if repeated:
         raise ConfigError(f"system {name!r} repeats the modifier(s) {', '.join('-' + k for k in repeated)}")
-    shard_size = secondary_partition_size = None
-    for mod in mods:
-        if mod.startswith("pf"):
-            prefetch_depth = int(mod[2:])
-        elif mod.startswith("bb"):
-            bucket_bytes = int(mod[2:])
-        elif mod.startswith("hsdp"):
-            shard_size = int(mod[4:])
-        elif mod.startswith("hpz"):
-            secondary_partition_size = int(mod[3:])
-    stage = int(match["stage"])
-    if shard_size is not None and secondary_partition_size is not None:
-        raise ConfigError(f"system {name!r}: -hsdp and -hpz do not combine (hpZ needs a 1-D mesh, as zerograph.compile)")
-    if shard_size is not None and stage == 0:
-        raise ConfigError(f"system {name!r}: -hsdp needs stage 1-3 (stage 0 replicates everything; nothing to shard)")
-    if stage == 0 and ("qw" in mods or "qg" in mods):
-        raise ConfigError(f"system {name!r}: -qw / -qg need stage 1-3 (stage 0 all-reduces gradients and gathers nothing)")
-    if "tpl" in mods and "notpl" in mods:
-        raise ConfigError(f"system {name!r}: -tpl and -notpl contradict each other (templates on / off)")
-    templates = True if "tpl" in mods else False if "notpl" in mods else None  # None: Config's default
-    if "islands" in mods and "inductor" not in mods:
-        raise ConfigError(f"system {name!r}: -islands needs -inductor (islands are what Inductor lowers between units)")
-    if secondary_partition_size is not None and stage != 3:
-        raise ConfigError(f"system {name!r}: -hpz needs stage 3 (only stage 3 re-gathers parameters in backward)")
-    return SystemSpec(name, "zerograph", stage=stage, overlap="noov" not in mods, pool="nopool" not in mods,
-                      keep_root="keeproot" in mods, quantized_gathers="qw" in mods, quantized_reductions="qg" in mods,
-                      prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes,
-                      lowering="inductor" if "inductor" in mods else "eager", inductor_islands="islands" in mods,
-                      unit_templates=templates,
-                      shard_size=shard_size, secondary_partition_size=secondary_partition_size)
+    settings: dict[str, Any] = {**BASE_SETTINGS, "prefetch_depth": prefetch_depth, "bucket_bytes": bucket_bytes}
+    set_by: dict[str, str] = {}
+    shard_size = None
+    for mod, number in mods:
+        if mod == MESH_MODIFIER:
+            shard_size = int(number)
+            continue
+        keyword, value = MODIFIERS[mod]
+        if keyword in set_by and keyword != "disabled_passes":
+            raise ConfigError(f"system {name!r}: -{set_by[keyword]} and -{mod} both set Config.{keyword}")
+        set_by[keyword] = mod
+        value = int(number) if value is int else value
+        settings[keyword] = settings.get(keyword, ()) + value if keyword == "disabled_passes" else value
+    try:
+        check_stage_options(Config(**settings), stage, hybrid=shard_size is not None)
+    except ConfigError as exc:
+        raise ConfigError(f"system {name!r}: {exc}") from None
+    return SystemSpec(name, "zerograph", stage, tuple(settings.items()), shard_size)
 
 
 def check_world_size(spec: SystemSpec, world_size: int) -> None:
     """Refuse, before any rank starts, a ``-hsdp<S>`` or ``-hpz<M>`` that the world cannot hold:
     S (or M) must be at least 2, divide the world size and be smaller than it. Raises ``ConfigError``."""
-    for flag, size in (("hsdp", spec.shard_size), ("hpz", spec.secondary_partition_size)):
+    hpz = spec.config.secondary_partition_size if spec.kind == "zerograph" else None
+    for flag, size in ((MESH_MODIFIER, spec.shard_size), ("hpz", hpz)):
         if size is not None and (size < 2 or world_size % size or size >= world_size):
             raise ConfigError(f"system {spec.name!r}: -{flag}{size} needs a group size of at least 2 that divides "
                               f"the world size {world_size} and is smaller than it")
@@ -140,7 +160,7 @@ def build_system(spec: SystemSpec, workload: Workload, device: torch.device, lr:
             world_size = dist.get_world_size()
             mesh = init_device_mesh(device.type, (world_size // spec.shard_size, spec.shard_size),
                                     mesh_dim_names=("replicate", "shard"))
-        model = compile_model(model, spec.stage, mesh=mesh, config=spec.zerograph_config())
+        model = compile_model(model, spec.stage, mesh=mesh, config=spec.config)
     elif spec.kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
