@@ -29,9 +29,10 @@ ROOT = 4
 UNCONSTRAINED = UNITS_SAVED + ROOT
 # compute priced as on a fast device: recompute is the cheapest way to free bytes (no other option)
 FAST = CostModel(world_size=2, flops_per_s=1e12, bytes_per_s=1e12, op_overhead_s=1e-6, collectives={})
-# compute 10^6 times slower, an all-gather over 2 ranks cheap: offload and P_a beat recompute
+# compute 10^6 times slower, an all-gather over 2 ranks and the host link (PCIe 5's 64 GB/s) cheap:
+# offload and P_a beat recompute
 SLOW = CostModel(world_size=2, flops_per_s=1e6, bytes_per_s=1e6, op_overhead_s=1e-3,
-                 collectives={"all_gather": (1e-5, 1e-9)})
+                 collectives={"all_gather": (1e-5, 1e-9)}, host_bytes_per_s=64e9)
 
 
 def _joint(units: int = 3, budget: int | None = None, cost: CostModel = FAST, *, offload: bool = False,
