@@ -88,10 +88,13 @@ _RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _read_by_checkpointed_forward(views: list[fx.Node], backward: set[fx.Node]) -> bool:
-    """A forward op an activation checkpoint recomputes (its recompute tag; not zerograph's own
-    gather chain, which carries ``TAG``) reads ``views``."""
+    """A forward op an activation checkpoint recomputes reads ``views``: a recompute tag with the
+    checkpoint region's ``ac_graph_id`` (what ``torch.utils.checkpoint`` leaves on the ops it
+    traced). zerograph's own tags do not count: its gather chain carries ``TAG``, and the views of
+    a gathered parameter that ``insert_allgather`` tags ``MUST_RECOMPUTE`` (a Linear's transpose of
+    its weight) carry no region."""
     return any(u not in backward and TAG not in u.meta and u.meta.get("recompute") in _RECOMPUTE
-               for n in views for u in n.users)
+               and "ac_graph_id" in u.meta for n in views for u in n.users)
 
 
 def _gathered_roots(collective) -> list[fx.Node]:
