@@ -11,9 +11,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import ShardingError
-from .loading import UninitialisedTracker, local_rows, versions
+from .loading import local_rows
 from .sharding import ROOT_INDEX, ParamLayout
 from .state import state_of
+from .uninitialised import UninitialisedTracker, versions
 
 ModuleInit = Callable[[nn.Module], None]
 

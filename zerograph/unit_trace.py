@@ -15,7 +15,7 @@ import dataclasses
 import operator
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.fx as fx
@@ -34,12 +34,21 @@ from .sharding import set_tracing_unit
 if TYPE_CHECKING:
     from torch import nn
 
-    from .templates import UnitKind
-
 UNIT_ATTR = "_zerograph_unit"  # a templated unit's (kind, parameter slots, buffer slots, keys, modules, flat shard)
 
 # (shape, stride, dtype) of one tensor; a template is traced per tuple of these of its primals
 TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+class TracedKind(Protocol):
+    """What a trace reads of a unit kind (``templates.UnitKind``, which decides when to trace and
+    imports this module: the trace names only what it needs, so the two do not import each other)."""
+
+    kind: int  # the kind's registry key
+    name: str  # its first unit's name, for messages
+    module: nn.Module  # its first unit: the body traced
+    lowering: str  # "eager" or "inductor"
+    units: list[str]  # names of every unit of the kind
 
 
 @dataclasses.dataclass
@@ -98,7 +107,7 @@ class UnitTemplate:
         return [grad for grad, wanted in zip(grads, self.grad_mask) if wanted]
 
 
-def trace_unit(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
+def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
                device: torch.device, reach: dict[str, Any] | None = None) -> UnitTemplate:
     """``kind``'s body for primals of ``metas`` (``(shape, stride, dtype)`` each: the unit's tensor
     arguments, then its parameters, or its one flat shard, then its buffers), with its submodules'
