@@ -166,56 +166,80 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
     Source: ``safetensors.safe_open`` / ``get_slice`` (the lazy, sliceable reads FSDP and
     Hugging Face's ``from_pretrained`` use); the index format is Hugging Face's.
     """
-    from safetensors import SafetensorError, safe_open  # imported only when loading
-
     rows = local_rows(model)
     files = _checkpoint_files(os.fspath(path))
-    handles, where, shapes = {}, {}, {}
     with contextlib.ExitStack() as open_files:
-        for file, names in files.items():
-            try:
-                handle = open_files.enter_context(safe_open(file, framework="pt", device="cpu"))
-            except (SafetensorError, OSError) as exc:
-                raise LoadError(f"cannot read the safetensors file {file!r} (truncated, or not a safetensors "
-                                f"file?): {exc}. Nothing was loaded.") from exc
-            handles[file] = handle
-            keys = set(handle.keys())
-            lacking = [n for n in (names or ()) if n not in keys]
-            if lacking:
-                raise LoadError(f"the index maps {listed(lacking)} to {file!r}, which does not hold them. "
-                                "Nothing was loaded.")
-            for name in (names if names is not None else keys):
-                where[name] = file
-                shapes[name] = torch.Size(handle.get_slice(name).get_shape())
+        handles, where, shapes = _open_checkpoint(open_files, files)
         expected = model.state_dict(keep_vars=True)
-        aliases = _aliases(expected)
-        present = {k for k in expected if k in where}
-        satisfied = {k for k in expected if aliases[k] & present}
-        errors = _key_errors(expected.keys(), where.keys(), strict, satisfied=satisfied)
-        for key in sorted(present):
-            if isinstance(expected[key], torch.Tensor) and not _shape_fits(shapes[key], expected[key].shape):
-                errors.append(f"size mismatch for {key}: copying a param with shape {shapes[key]} from checkpoint "
-                              f"{where[key]!r}, the shape in current model is {expected[key].shape}.")
-        if errors:
-            raise LoadError(f"Error(s) in loading safetensors {os.fspath(path)!r} into {type(model).__name__}:\n\t"
-                            + "\n\t".join(errors) + "\nNothing was loaded.")
-        done: set[int] = set()
-        with torch.no_grad():
-            for key in sorted(present):
-                target = expected[key]
-                if not isinstance(target, torch.Tensor) or id(target) in done:
-                    continue
-                done.add(id(target))
-                handle = handles[where[key]]
-                if isinstance(target, DTensor):
-                    layout, start, stop = rows[id(target)]
-                    own = (handle.get_slice(key)[start:stop] if layout.sharded and len(shapes[key])
-                           else handle.get_tensor(key).reshape(target.shape))
-                    target.to_local().copy_(own)
-                else:
-                    target.copy_(handle.get_tensor(key).reshape(target.shape))
+        present, satisfied = _check_checkpoint(expected, where, shapes, strict,
+                                               f"safetensors {os.fspath(path)!r} into {type(model).__name__}")
+        _copy_own_rows(expected, present, handles, where, shapes, rows)
     missing = [k for k in expected if k not in present and k not in satisfied]
     return _IncompatibleKeys(missing, [k for k in where if k not in expected])
+
+
+def _open_checkpoint(open_files: contextlib.ExitStack, files: dict[str, list[str] | None]) -> tuple[dict, dict, dict]:
+    """Open every file (closed with ``open_files``) and read its header: ``(handles by file, file by
+    tensor name, shape by tensor name)``. Raises ``LoadError`` for a file safetensors cannot read or
+    one that lacks a name its index maps to it."""
+    from safetensors import SafetensorError, safe_open  # imported only when loading
+
+    handles, where, shapes = {}, {}, {}
+    for file, names in files.items():
+        try:
+            handle = open_files.enter_context(safe_open(file, framework="pt", device="cpu"))
+        except (SafetensorError, OSError) as exc:
+            raise LoadError(f"cannot read the safetensors file {file!r} (truncated, or not a safetensors "
+                            f"file?): {exc}. Nothing was loaded.") from exc
+        handles[file] = handle
+        keys = set(handle.keys())
+        lacking = [n for n in (names or ()) if n not in keys]
+        if lacking:
+            raise LoadError(f"the index maps {listed(lacking)} to {file!r}, which does not hold them. "
+                            "Nothing was loaded.")
+        for name in (names if names is not None else keys):
+            where[name] = file
+            shapes[name] = torch.Size(handle.get_slice(name).get_shape())
+    return handles, where, shapes
+
+
+def _check_checkpoint(expected: Mapping[str, Any], where: dict[str, str], shapes: dict[str, torch.Size],
+                      strict: bool, what: str) -> tuple[set[str], set[str]]:
+    """The model's keys the files hold (``present``) and those that count as present through a tied
+    alias (``satisfied``). Raises ``LoadError`` listing every missing or unexpected key (``strict``)
+    and every shape that differs from the model's; ``what`` names the load in the message."""
+    aliases = _aliases(expected)
+    present = {k for k in expected if k in where}
+    satisfied = {k for k in expected if aliases[k] & present}
+    errors = _key_errors(expected.keys(), where.keys(), strict, satisfied=satisfied)
+    for key in sorted(present):
+        if isinstance(expected[key], torch.Tensor) and not _shape_fits(shapes[key], expected[key].shape):
+            errors.append(f"size mismatch for {key}: copying a param with shape {shapes[key]} from checkpoint "
+                          f"{where[key]!r}, the shape in current model is {expected[key].shape}.")
+    if errors:
+        raise LoadError(f"Error(s) in loading {what}:\n\t" + "\n\t".join(errors) + "\nNothing was loaded.")
+    return present, satisfied
+
+
+def _copy_own_rows(expected: Mapping[str, Any], present: set[str], handles: dict, where: dict[str, str],
+                   shapes: dict[str, torch.Size], rows: dict[int, tuple[ParamLayout, int, int]]) -> None:
+    """Copy each present tensor (a tied one once) into the model: a sharded parameter's own rows,
+    read by slice, anything else whole."""
+    done: set[int] = set()
+    with torch.no_grad():
+        for key in sorted(present):
+            target = expected[key]
+            if not isinstance(target, torch.Tensor) or id(target) in done:
+                continue
+            done.add(id(target))
+            handle = handles[where[key]]
+            if isinstance(target, DTensor):
+                layout, start, stop = rows[id(target)]
+                own = (handle.get_slice(key)[start:stop] if layout.sharded and len(shapes[key])
+                       else handle.get_tensor(key).reshape(target.shape))
+                target.to_local().copy_(own)
+            else:
+                target.copy_(handle.get_tensor(key).reshape(target.shape))
 
 
 def _aliases(expected: Mapping[str, Any]) -> dict[str, set[str]]:
