@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, list[str]]] = [
               "zerograph.state", "zerograph.units", "zerograph.models*"]),
     ("tensors", ["zerograph.kernels*", "zerograph.ops", "zerograph.buffer_pool", "zerograph.sharding",
                  "zerograph.flat", "zerograph.loading",
-                 "zerograph.uninitialised"]),
+                 "zerograph.uninitialised", "zerograph.parameter_watch"]),
     ("passes", ["zerograph.costmodel", "zerograph.passes*"]),
     ("config", ["zerograph.config"]),
     ("execution", ["zerograph.runtime", "zerograph.islands", "zerograph.capture", "zerograph.unit_trace",

@@ -17,8 +17,9 @@ if TYPE_CHECKING:  # types only: the state module sits below the layers that bui
 
     from .capture import CapturedGraphs
     from .config import Config
+    from .parameter_watch import ParameterWatch
     from .runtime import Runtime
-    from .sharding import ParameterWatch, Unit
+    from .sharding import Unit
     from .uninitialised import UninitialisedTracker
 
 STATE_ATTR = "_zerograph"  # the attribute of a compiled model that holds its ZeroGraphState
