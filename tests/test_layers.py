@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                    "zerograph.template_keys"]),
     ("api", ["zerograph.plan", "zerograph.budget", "zerograph.api", "zerograph.replicas", "zerograph.hybrid",
              "zerograph.plan_figures"]),
-    ("reporting", ["zerograph.stats", "zerograph.checkpoint", "zerograph.timeline",
+    ("reporting", ["zerograph.stats", "zerograph.checkpoint", "zerograph.checkpoint_agreement", "zerograph.timeline",
                    "zerograph.traces", "zerograph.profile", "zerograph.optim", "zerograph.init",
                    "zerograph.dump*"]),
     ("tools", ["zerograph.bench*", "zerograph.cli", "zerograph.__main__"]),
