@@ -49,8 +49,6 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,8 +66,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .errors import CollectiveError, ZeroGraphError
-from .runtime import is_communication_failure
+from .checkpoint_agreement import CheckpointError, agree, attempt, dcp_call, gather, group_of, raise_first
 from .state import state_of
 
 log = logging.getLogger(__name__)
@@ -82,11 +79,6 @@ CHECKSUM = "xxh3_128"
 _INCOMPLETE_SUFFIX = ".incomplete"
 _REPLACED_SUFFIX = ".replaced"
 _LISTED = 8  # keys named in a misfit message
-
-
-class CheckpointError(ZeroGraphError):
-    """A checkpoint directory is missing, was never completed, is corrupt, does not fit the model,
-    or a save was refused (the target holds something else, or the ranks disagree)."""
 
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> None:
@@ -112,22 +104,22 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.Path
         ShardingError: ``model`` was not compiled by zerograph.
         ProcessGroupError: the model's process group was destroyed.
     """
-    group = _group_of(model)
+    group = group_of(model)
     from .fake import refuse_in_fake_world  # fake-world guard (zerograph/fake.py): values are meaningless
     refuse_in_fake_world("zerograph.checkpoint.save", group)
     path = os.fspath(path)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     staging = path + _INCOMPLETE_SUFFIX
-    views = _gather(group, (path, _attempt(lambda: _target_problem(path)), uuid.uuid4().hex), "agreeing on the path")
+    views = gather(group, (path, attempt(lambda: _target_problem(path)), uuid.uuid4().hex), "agreeing on the path")
     paths = [view[0] for view in views]
     if len(set(paths)) > 1:
         other = next(r for r, p in enumerate(paths) if p != paths[0])
         raise CheckpointError(f"ranks passed different paths to checkpoint.save: rank 0 {paths[0]!r}, rank {other} "
                               f"{paths[other]!r}; every rank must pass the same path, on a file system all ranks share")
-    _raise_first([view[1] for view in views])
+    raise_first([view[1] for view in views])
     nonce = views[0][2]  # rank 0's: tokens of an earlier save cannot pass for this one's
-    _agree(group, _attempt(lambda: _prepare_staging(staging)) if rank == 0 else None, "preparing the save")
-    _agree(group, _attempt(lambda: _write_token(staging, rank, nonce)), "preparing the save")
+    agree(group, attempt(lambda: _prepare_staging(staging)) if rank == 0 else None, "preparing the save")
+    agree(group, attempt(lambda: _write_token(staging, rank, nonce)), "preparing the save")
     has_state = bool(optimizer.state)
     model_state, optim_state = get_state_dict(model, optimizer)
     if not has_state:
@@ -135,19 +127,19 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.Path
         # count becomes 1); undo it, or the next real step would use the wrong bias correction
         optimizer.state.clear()
         optim_state = {"state": {}, "param_groups": optim_state["param_groups"]}
-    _dcp_call(lambda: dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=staging,
+    dcp_call(lambda: dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=staging,
                                process_group=group), f"writing the checkpoint to {staging!r}")
     # every rank sees every rank's token, then hashes its share of the files; rank 0 gets all digests
-    shares = _gather(group, _attempt(lambda: _hash_share(staging, size, rank, nonce)), "hashing the files")
-    _raise_first([share if isinstance(share, str) else None for share in shares])
+    shares = gather(group, attempt(lambda: _hash_share(staging, size, rank, nonce)), "hashing the files")
+    raise_first([share if isinstance(share, str) else None for share in shares])
     problem = None
     if rank == 0:
         files = {name: entry for share in shares for name, entry in share.items()}
         contents = {"format": FORMAT_VERSION, "world_size": size, "stage": state_of(model).runtime.stage,
                     "optimizer_state": has_state, "optimizer_class": _class_name(optimizer),
                     "checksum": CHECKSUM, "files": files}
-        problem = _attempt(lambda: _complete(staging, path, contents))
-    _agree(group, problem, "completing the save")  # no rank returns before ``path`` is the new checkpoint
+        problem = attempt(lambda: _complete(staging, path, contents))
+    agree(group, problem, "completing the save")  # no rank returns before ``path`` is the new checkpoint
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike, *, strict: bool = True) -> None:
@@ -173,22 +165,22 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.Path
         ShardingError: ``model`` was not compiled by zerograph.
         ProcessGroupError: the model's process group was destroyed.
     """
-    group = _group_of(model)
+    group = group_of(model)
     path = os.fspath(path)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    found = _gather(group, _attempt(lambda: _read_complete(path)), "checking the checkpoint")
-    _raise_first([f if isinstance(f, str) else None for f in found])
+    found = gather(group, attempt(lambda: _read_complete(path)), "checking the checkpoint")
+    raise_first([f if isinstance(f, str) else None for f in found])
     marker: dict = found[0]
-    _agree(group, _attempt(lambda: _verify_share(path, marker, size, rank)), "verifying the files")
+    agree(group, attempt(lambda: _verify_share(path, marker, size, rank)), "verifying the files")
     with_optimizer = marker.get("optimizer_state", True)
     if with_optimizer:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optim_state}
     else:
         state = {"model": get_model_state_dict(model)}
-    _agree(group, _attempt(lambda: _fit_problem(state, path, marker, optimizer, strict)), "checking the fit")
+    agree(group, attempt(lambda: _fit_problem(state, path, marker, optimizer, strict)), "checking the fit")
     groups_params = [list(g["params"]) for g in state.get("optimizer", {}).get("param_groups", [])]
-    _dcp_call(lambda: dcp.load(state, checkpoint_id=path, process_group=group,
+    dcp_call(lambda: dcp.load(state, checkpoint_id=path, process_group=group,
                                planner=DefaultLoadPlanner(allow_partial_load=not strict)),
               f"reading the checkpoint at {path!r}")
     for group_state, params in zip(state.get("optimizer", {}).get("param_groups", []), groups_params):
@@ -218,70 +210,9 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[str, 
         ShardingError: ``model`` was not compiled by zerograph.
         ProcessGroupError: the model's process group was destroyed.
     """
-    _group_of(model)  # fail clearly on a model zerograph did not compile, or a destroyed group
+    group_of(model)  # fail clearly on a model zerograph did not compile, or a destroyed group
     options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
     return get_model_state_dict(model, options=options)
-
-
-# -- collectives: every rank raises together, failures of the layer below become ours -------------
-
-def _group_of(model: nn.Module) -> dist.ProcessGroup:
-    runtime = state_of(model).runtime
-    runtime.check_group()
-    return runtime.world_group  # every rank of the mesh (hybrid sharding: replicas write once, DCP dedups)
-
-
-def _gather(group: dist.ProcessGroup, value: Any, what: str) -> list[Any]:
-    """Every rank's ``value`` (picklable), in group rank order."""
-    values: list[Any] = [None] * dist.get_world_size(group)
-    try:
-        dist.all_gather_object(values, value, group=group)
-    except (RuntimeError, dist.DistError) as exc:
-        raise CollectiveError(f"rank {dist.get_rank(group)}: checkpoint: {what} failed: a peer rank probably "
-                              f"died or stopped calling save/load; check the other ranks' logs. Cause: "
-                              f"{type(exc).__name__}: {exc}") from exc
-    return values
-
-
-def _agree(group: dist.ProcessGroup, problem: str | None, what: str) -> None:
-    """Raise on every rank when any rank found ``problem`` (its text, or ``None``)."""
-    _raise_first(_gather(group, problem, what))
-
-
-def _raise_first(problems: list[str | None]) -> None:
-    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
-    if failed:
-        problem = failed[0][1]
-        where = f" (seen by ranks {[r for r, _ in failed]})" if len(problems) > 1 else ""
-        raise CheckpointError(f"{problem}{where}")
-
-
-def _attempt(step: Callable[[], Any]) -> Any:
-    """``step()``; an ``OSError`` or ``CheckpointError`` becomes its text, so the ranks can agree on it."""
-    try:
-        return step()
-    except CheckpointError as exc:
-        return str(exc)
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
-def _dcp_call(step: Callable[[], None], what: str) -> None:
-    """Run a DCP save or load; its failures become zerograph's, with the cause chained."""
-    try:
-        step()
-    except dcp.CheckpointException as exc:  # a BaseException: DCP gathered every rank's failure
-        causes = [pair[0] for pair in exc.failures.values() if isinstance(pair, tuple) and pair]
-        if causes and all(is_communication_failure(c) for c in causes):
-            raise CollectiveError(f"{what} failed: a peer rank probably died. Cause: {exc}") from exc
-        raise CheckpointError(f"{what} failed on ranks {sorted(exc.failures)}: {exc}") from exc
-    except (RuntimeError, dist.DistError) as exc:
-        if is_communication_failure(exc):
-            raise CollectiveError(f"{what} failed: a peer rank probably died or stopped calling save/load; "
-                                  f"check the other ranks' logs. Cause: {type(exc).__name__}: {exc}") from exc
-        raise
-    except OSError as exc:
-        raise CheckpointError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
 
 
 # -- the save's steps ------------------------------------------------------------------------------

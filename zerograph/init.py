@@ -5,15 +5,20 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .errors import ShardingError
-from .loading import UninitialisedTracker, local_rows, versions
+from .loading import local_rows
 from .sharding import ROOT_INDEX, ParamLayout
 from .state import state_of
+from .uninitialised import UninitialisedTracker, versions
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
 
 ModuleInit = Callable[[nn.Module], None]
 
@@ -90,89 +95,113 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
     """
     passes = [reset_parameters] if fn is None else ([fn] if callable(fn) else list(fn))
     state = state_of(model)
-    runtime = state.runtime
-    device = torch.device(device)
-    rows = local_rows(model)
-    shard_of = {layout.key: p for p in model.parameters() for layout, _, _ in [rows[id(p)]]}
-    layout_of = {layout.key: layout for layout, _, _ in rows.values()}
-    key_of = {id(p): layout.key for p in model.parameters() for layout, _, _ in [rows[id(p)]]}
-    holders: dict[int, list[tuple[nn.Module, str]]] = {}
-    for mod in model.modules():
-        for name, p in mod._parameters.items():
-            if p is not None:
-                holders.setdefault(key_of[id(p)], []).append((mod, name))
-    pending = _pending_keys(model, key_of)
-    pending, rng_diverged = _agree(runtime.world_group, pending, device)  # replicas too
-    rng_start = _rng_state(device)
-    written = {key: versions(p) for key, p in shard_of.items()}  # what our own copies leave
-    direct: set[int] = set()  # keys whose shards fn wrote directly
+    walk = _UnitWalk(model, state.runtime, torch.device(device))
+    empty_buffers = _empty_buffer_slots(model, state.uninitialised)
+    try:
+        for init in passes:
+            for mod in model.modules():
+                walk.enter(mod)
+                init(mod)
+                if empty_buffers:
+                    empty_buffers = _adopt_reassigned_buffers(empty_buffers)
+            walk.release_all()
+    finally:  # on an error in fn: put every shard back, write nothing more
+        walk.put_back()
+    walk.refuse_direct_writes()
+    return state.uninitialised.pending() if state.uninitialised is not None else []
 
-    unit_of_module = _unit_of_modules(model, runtime.units)
-    unit_roots = {id(model.get_submodule(u.name)) for u in runtime.units if u.index != ROOT_INDEX}
-    unit_of_key = {key: u.index for u in runtime.units for key in u.keys}
-    open_units: dict[int, dict[int, torch.Tensor]] = {}  # unit -> key -> full tensor (swapped in)
 
-    def release(unit: int) -> None:
-        if rng_diverged and not torch.equal(_rng_state(device), rng_start):  # every rank raises here alike
+class _UnitWalk:
+    """The units ``init_weights`` holds materialised as its walk goes through the modules: each
+    open unit's full parameters stand in the modules for their shards, and each rank's rows of
+    them are written back when the walk leaves the unit (``release``). Keys are the layouts'."""
+
+    def __init__(self, model: nn.Module, runtime: Runtime, device: torch.device) -> None:
+        self.runtime, self.device = runtime, device
+        self.rows = local_rows(model)
+        self.shard_of = {layout.key: p for p in model.parameters() for layout, _, _ in [self.rows[id(p)]]}
+        self.layout_of = {layout.key: layout for layout, _, _ in self.rows.values()}
+        self.key_of = {id(p): layout.key for p in model.parameters() for layout, _, _ in [self.rows[id(p)]]}
+        self.holders: dict[int, list[tuple[nn.Module, str]]] = {}  # key -> every (module, attribute) holding it
+        for mod in model.modules():
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    self.holders.setdefault(self.key_of[id(p)], []).append((mod, name))
+        pending = _pending_keys(model, self.key_of)
+        self.pending, self.rng_diverged = _agree(runtime.world_group, pending, device)  # replicas too
+        self.rng_start = _rng_state(device)
+        self.written = {key: versions(p) for key, p in self.shard_of.items()}  # what our own copies leave
+        self.direct: set[int] = set()  # keys whose shards fn wrote directly
+        self.unit_of_module = _unit_of_modules(model, runtime.units)
+        self.unit_roots = {id(model.get_submodule(u.name)) for u in runtime.units if u.index != ROOT_INDEX}
+        self.unit_of_key = {key: u.index for u in runtime.units for key in u.keys}
+        self.open_units: dict[int, dict[int, torch.Tensor]] = {}  # unit -> key -> full tensor (swapped in)
+
+    def enter(self, mod: nn.Module) -> None:
+        """Open the units ``fn(mod)`` needs (``_units_needed``), releasing the other open ones."""
+        needed = _units_needed(mod, self.unit_of_module, self.unit_roots, self.unit_of_key, self.key_of)
+        if needed:  # else (no parameters in reach) keep what is open: no gather thrash
+            for unit in [u for u in self.open_units if u not in needed]:
+                self.release(unit)
+            for unit in sorted(needed - self.open_units.keys()):
+                self.materialise(unit)
+
+    def materialise(self, unit: int) -> None:
+        """Swap full parameters of ``unit`` (gathered, or NaN while pending) into its modules."""
+        fulls = {}
+        for key in self.runtime.units[unit].keys:
+            shard = self.shard_of[key]
+            full = _full(shard, self.layout_of[key], self.runtime.group, self.device, key in self.pending)
+            param = nn.Parameter(full, requires_grad=shard.requires_grad)
+            self.key_of[id(param)] = key  # the walk finds it where the shard was
+            for mod, name in self.holders[key]:
+                mod._parameters[name] = param
+            fulls[key] = param
+        self.open_units[unit] = fulls
+
+    def release(self, unit: int) -> None:
+        """Put ``unit``'s shards back and copy this rank's rows of what ``fn`` wrote into them."""
+        if self.rng_diverged and not torch.equal(_rng_state(self.device), self.rng_start):  # every rank raises alike
             raise ShardingError("init_weights: fn draws random numbers but the ranks' random number generators "
                                 "were in different states, so their rows would come from different streams; call "
                                 "torch.manual_seed(seed) with the same seed on every rank before init_weights")
         # written directly before this release's own copies (checked now: a unit's shards may be
         # views of one flat buffer, flat.py, sharing one version counter that the copies move)
-        direct.update(k for k in runtime.units[unit].keys if versions(shard_of[k]) != written[k])
-        for key, full in open_units.pop(unit).items():
-            del key_of[id(full)]
-            for mod, name in holders[key]:
-                mod._parameters[name] = shard_of[key]
-            if key in pending and full.is_floating_point() and _all_nan(full):
+        keys = self.runtime.units[unit].keys
+        self.direct.update(k for k in keys if versions(self.shard_of[k]) != self.written[k])
+        for key, full in self.open_units.pop(unit).items():
+            del self.key_of[id(full)]
+            for mod, name in self.holders[key]:
+                mod._parameters[name] = self.shard_of[key]
+            if key in self.pending and full.is_floating_point() and _all_nan(full):
                 continue  # no fn wrote it: it stays uninitialised (and NaN never reaches the shard)
-            layout, start, stop = rows[id(shard_of[key])]
+            layout, start, stop = self.rows[id(self.shard_of[key])]
             with torch.no_grad():
-                _local(shard_of[key]).copy_(full[start:stop] if layout.sharded else full)
-            pending.discard(key)
-        for key in runtime.units[unit].keys:  # what this release wrote into one moved them all
-            written[key] = versions(shard_of[key])
+                _local(self.shard_of[key]).copy_(full[start:stop] if layout.sharded else full)
+            self.pending.discard(key)
+        for key in keys:  # what this release wrote into one moved them all
+            self.written[key] = versions(self.shard_of[key])
 
-    def materialise(unit: int) -> None:
-        fulls = {}
-        for key in runtime.units[unit].keys:
-            shard = shard_of[key]
-            full = _full(shard, layout_of[key], runtime.group, device, key in pending)
-            param = nn.Parameter(full, requires_grad=shard.requires_grad)
-            key_of[id(param)] = key  # the walk finds it where the shard was
-            for mod, name in holders[key]:
-                mod._parameters[name] = param
-            fulls[key] = param
-        open_units[unit] = fulls
+    def release_all(self) -> None:
+        for unit in list(self.open_units):
+            self.release(unit)
 
-    empty_buffers = _empty_buffer_slots(model, state.uninitialised)
-    try:
-        for init in passes:
-            for mod in model.modules():
-                needed = _units_needed(mod, unit_of_module, unit_roots, unit_of_key, key_of)
-                if needed:  # else (no parameters in reach) keep what is open: no gather thrash
-                    for unit in [u for u in open_units if u not in needed]:
-                        release(unit)
-                    for unit in sorted(needed - open_units.keys()):
-                        materialise(unit)
-                init(mod)
-                if empty_buffers:
-                    empty_buffers = _adopt_reassigned_buffers(empty_buffers)
-            for unit in list(open_units):
-                release(unit)
-    finally:  # on an error in fn: put every shard back, write nothing more
-        for fulls in open_units.values():
+    def put_back(self) -> None:
+        """Put every open unit's shards back in their modules, writing nothing (after an error in ``fn``)."""
+        for fulls in self.open_units.values():
             for key in fulls:
-                for mod, name in holders[key]:
-                    mod._parameters[name] = shard_of[key]
-    direct.update(k for k, p in shard_of.items() if versions(p) != written[k])
-    direct_names = [layout_of[k].fqn for k in sorted(direct)]
-    if direct_names:
-        raise ShardingError(
-            f"init_weights: fn wrote the shards of {', '.join(direct_names[:5])} directly (a module initialised "
-            "parameters of another sharding unit, outside the ones materialised for it), so they hold DTensor "
-            "random values, not an ordinary build's: write fn to initialise the module it is given")
-    return state.uninitialised.pending() if state.uninitialised is not None else []
+                for mod, name in self.holders[key]:
+                    mod._parameters[name] = self.shard_of[key]
+
+    def refuse_direct_writes(self) -> None:
+        """Raise ``ShardingError`` naming the parameters whose shards ``fn`` wrote directly."""
+        self.direct.update(k for k, p in self.shard_of.items() if versions(p) != self.written[k])
+        direct_names = [self.layout_of[k].fqn for k in sorted(self.direct)]
+        if direct_names:
+            raise ShardingError(
+                f"init_weights: fn wrote the shards of {', '.join(direct_names[:5])} directly (a module initialised "
+                "parameters of another sharding unit, outside the ones materialised for it), so they hold DTensor "
+                "random values, not an ordinary build's: write fn to initialise the module it is given")
 
 
 BufferSlot = tuple[str, nn.Module, str, torch.Tensor]  # (qualified name, module, attribute, the buffer compile made)

@@ -1,5 +1,5 @@
-"""Weights into a compiled model's shards: plain state dicts, safetensors files, and the record of
-which tensors of a meta-built model have received no values yet.
+"""Weights into a compiled model's shards: plain state dicts and safetensors files (the record of
+which tensors of a meta-built model have received no values yet is ``uninitialised.py``).
 
 Every rank reads the full names and shapes but copies only the rows its ``Shard(0)`` shard covers
 (``ParamLayout.rank_rows``); no communication is needed because every rank can see the source.
@@ -22,6 +22,11 @@ from torch.nn.modules.module import _IncompatibleKeys
 from .errors import ShardingError, ZeroGraphError
 from .sharding import ParamLayout
 from .state import runtime_of_model
+from .uninitialised import UninitialisedTracker, allocate_meta_buffers_, listed
+
+# UninitialisedTracker and allocate_meta_buffers_ live in uninitialised.py; api.compile reads them here
+__all__ = ["LoadError", "UninitialisedTracker", "allocate_meta_buffers_", "load_safetensors", "load_state_dict",
+           "local_rows"]
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"  # what save_pretrained writes for a sharded checkpoint
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -31,78 +36,6 @@ class LoadError(ZeroGraphError, RuntimeError):
     """A state dict or a safetensors checkpoint does not fit the model (missing or unexpected keys,
     shapes), or a file cannot be read. Raised before anything is copied. A ``RuntimeError``, like
     ``nn.Module.load_state_dict``'s own error, whose message format it keeps."""
-
-
-# -- meta-built models: which tensors still hold no values ---------------------------------------
-class UninitialisedTracker:
-    """The parameters and buffers that ``compile`` allocated empty for a meta-built model, until
-    something writes them (``init_weights``, ``load_state_dict``, ``load_safetensors``, a DCP load).
-
-    A write is seen through the tensor's version counter, which every in-place op bumps, so any
-    loader counts without telling this class. The shards of a unit in one flat buffer
-    (``Config(unit_templates=True)``, ``flat.py``) are views of it and share its counter, so a
-    write to one moves the counter of all: those (``shared``) are filled with NaN here and count
-    as unwritten while every element of their local shard still is NaN (a rank whose shard has
-    no rows cannot tell, and goes by the counter). The compiled forward calls ``check`` while
-    entries remain: O(entries) per forward (plus a read of each shared shard's rows) until all
-    are written, then nothing.
-    """
-
-    def __init__(self, tensors: list[tuple[str, torch.Tensor]], shared: frozenset[int] = frozenset()) -> None:
-        self.shared = shared
-        with torch.no_grad():
-            for _, t in tensors:
-                if id(t) in self.shared and t.is_floating_point():
-                    _local(t).fill_(float("nan"))
-        self.entries = [(name, t, versions(t)) for name, t in tensors]
-
-    def _unwritten(self, t: torch.Tensor, version: tuple[int, int]) -> bool:
-        now = versions(t)
-        if now == version:
-            return True
-        if id(t) not in self.shared or now[0] != version[0] or not t.is_floating_point():
-            return False  # a write through the DTensor itself is this tensor's own
-        local = _local(t)  # only the shared counter moved: a write to this shard, or to a neighbour
-        return local.numel() > 0 and bool(torch.isnan(local).all())
-
-    def unwritten(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is one of the tracked tensors and holds no values yet."""
-        return any(t is tensor and self._unwritten(t, v) for _, t, v in self.entries)
-
-    def pending(self) -> list[str]:
-        """Names not written yet (a written tensor is dropped for good)."""
-        self.entries = [(n, t, v) for n, t, v in self.entries if self._unwritten(t, v)]
-        return [n for n, _, _ in self.entries]
-
-    def check(self) -> None:
-        """Raise ``ShardingError`` naming the tensors that hold no values yet."""
-        names = self.pending()
-        if names:
-            raise ShardingError(
-                f"the model was built on the meta device and {len(names)} of its tensors were never "
-                f"initialised ({_listed(names)}): their shards hold uninitialised memory. Call "
-                "zerograph.init_weights(model) (or load weights: model.load_state_dict(...), "
-                "zerograph.load_safetensors(model, path)) before running it")
-
-
-def versions(tensor: torch.Tensor) -> tuple[int, int]:
-    """Version counters of a tensor and of its local shard (the same for a plain tensor). Both are
-    needed: an in-place op through ``DTensor`` dispatch (``shard.copy_(dtensor)``) bumps the
-    DTensor's only, one on ``to_local()`` (a view of the shard) the local tensor's only."""
-    if isinstance(tensor, DTensor):
-        with torch.no_grad():
-            return tensor._version, tensor.to_local()._version
-    return tensor._version, tensor._version
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds (a ``DTensor``'s own local tensor: ``to_local()`` may make a new view)."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
-def _listed(names: list[str], limit: int = 6) -> str:
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 # -- where this rank's rows are ------------------------------------------------------------------
@@ -233,56 +166,80 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
     Source: ``safetensors.safe_open`` / ``get_slice`` (the lazy, sliceable reads FSDP and
     Hugging Face's ``from_pretrained`` use); the index format is Hugging Face's.
     """
-    from safetensors import SafetensorError, safe_open  # imported only when loading
-
     rows = local_rows(model)
     files = _checkpoint_files(os.fspath(path))
-    handles, where, shapes = {}, {}, {}
     with contextlib.ExitStack() as open_files:
-        for file, names in files.items():
-            try:
-                handle = open_files.enter_context(safe_open(file, framework="pt", device="cpu"))
-            except (SafetensorError, OSError) as exc:
-                raise LoadError(f"cannot read the safetensors file {file!r} (truncated, or not a safetensors "
-                                f"file?): {exc}. Nothing was loaded.") from exc
-            handles[file] = handle
-            keys = set(handle.keys())
-            lacking = [n for n in (names or ()) if n not in keys]
-            if lacking:
-                raise LoadError(f"the index maps {_listed(lacking)} to {file!r}, which does not hold them. "
-                                "Nothing was loaded.")
-            for name in (names if names is not None else keys):
-                where[name] = file
-                shapes[name] = torch.Size(handle.get_slice(name).get_shape())
+        handles, where, shapes = _open_checkpoint(open_files, files)
         expected = model.state_dict(keep_vars=True)
-        aliases = _aliases(expected)
-        present = {k for k in expected if k in where}
-        satisfied = {k for k in expected if aliases[k] & present}
-        errors = _key_errors(expected.keys(), where.keys(), strict, satisfied=satisfied)
-        for key in sorted(present):
-            if isinstance(expected[key], torch.Tensor) and not _shape_fits(shapes[key], expected[key].shape):
-                errors.append(f"size mismatch for {key}: copying a param with shape {shapes[key]} from checkpoint "
-                              f"{where[key]!r}, the shape in current model is {expected[key].shape}.")
-        if errors:
-            raise LoadError(f"Error(s) in loading safetensors {os.fspath(path)!r} into {type(model).__name__}:\n\t"
-                            + "\n\t".join(errors) + "\nNothing was loaded.")
-        done: set[int] = set()
-        with torch.no_grad():
-            for key in sorted(present):
-                target = expected[key]
-                if not isinstance(target, torch.Tensor) or id(target) in done:
-                    continue
-                done.add(id(target))
-                handle = handles[where[key]]
-                if isinstance(target, DTensor):
-                    layout, start, stop = rows[id(target)]
-                    own = (handle.get_slice(key)[start:stop] if layout.sharded and len(shapes[key])
-                           else handle.get_tensor(key).reshape(target.shape))
-                    target.to_local().copy_(own)
-                else:
-                    target.copy_(handle.get_tensor(key).reshape(target.shape))
+        present, satisfied = _check_checkpoint(expected, where, shapes, strict,
+                                               f"safetensors {os.fspath(path)!r} into {type(model).__name__}")
+        _copy_own_rows(expected, present, handles, where, shapes, rows)
     missing = [k for k in expected if k not in present and k not in satisfied]
     return _IncompatibleKeys(missing, [k for k in where if k not in expected])
+
+
+def _open_checkpoint(open_files: contextlib.ExitStack, files: dict[str, list[str] | None]) -> tuple[dict, dict, dict]:
+    """Open every file (closed with ``open_files``) and read its header: ``(handles by file, file by
+    tensor name, shape by tensor name)``. Raises ``LoadError`` for a file safetensors cannot read or
+    one that lacks a name its index maps to it."""
+    from safetensors import SafetensorError, safe_open  # imported only when loading
+
+    handles, where, shapes = {}, {}, {}
+    for file, names in files.items():
+        try:
+            handle = open_files.enter_context(safe_open(file, framework="pt", device="cpu"))
+        except (SafetensorError, OSError) as exc:
+            raise LoadError(f"cannot read the safetensors file {file!r} (truncated, or not a safetensors "
+                            f"file?): {exc}. Nothing was loaded.") from exc
+        handles[file] = handle
+        keys = set(handle.keys())
+        lacking = [n for n in (names or ()) if n not in keys]
+        if lacking:
+            raise LoadError(f"the index maps {listed(lacking)} to {file!r}, which does not hold them. "
+                            "Nothing was loaded.")
+        for name in (names if names is not None else keys):
+            where[name] = file
+            shapes[name] = torch.Size(handle.get_slice(name).get_shape())
+    return handles, where, shapes
+
+
+def _check_checkpoint(expected: Mapping[str, Any], where: dict[str, str], shapes: dict[str, torch.Size],
+                      strict: bool, what: str) -> tuple[set[str], set[str]]:
+    """The model's keys the files hold (``present``) and those that count as present through a tied
+    alias (``satisfied``). Raises ``LoadError`` listing every missing or unexpected key (``strict``)
+    and every shape that differs from the model's; ``what`` names the load in the message."""
+    aliases = _aliases(expected)
+    present = {k for k in expected if k in where}
+    satisfied = {k for k in expected if aliases[k] & present}
+    errors = _key_errors(expected.keys(), where.keys(), strict, satisfied=satisfied)
+    for key in sorted(present):
+        if isinstance(expected[key], torch.Tensor) and not _shape_fits(shapes[key], expected[key].shape):
+            errors.append(f"size mismatch for {key}: copying a param with shape {shapes[key]} from checkpoint "
+                          f"{where[key]!r}, the shape in current model is {expected[key].shape}.")
+    if errors:
+        raise LoadError(f"Error(s) in loading {what}:\n\t" + "\n\t".join(errors) + "\nNothing was loaded.")
+    return present, satisfied
+
+
+def _copy_own_rows(expected: Mapping[str, Any], present: set[str], handles: dict, where: dict[str, str],
+                   shapes: dict[str, torch.Size], rows: dict[int, tuple[ParamLayout, int, int]]) -> None:
+    """Copy each present tensor (a tied one once) into the model: a sharded parameter's own rows,
+    read by slice, anything else whole."""
+    done: set[int] = set()
+    with torch.no_grad():
+        for key in sorted(present):
+            target = expected[key]
+            if not isinstance(target, torch.Tensor) or id(target) in done:
+                continue
+            done.add(id(target))
+            handle = handles[where[key]]
+            if isinstance(target, DTensor):
+                layout, start, stop = rows[id(target)]
+                own = (handle.get_slice(key)[start:stop] if layout.sharded and len(shapes[key])
+                       else handle.get_tensor(key).reshape(target.shape))
+                target.to_local().copy_(own)
+            else:
+                target.copy_(handle.get_tensor(key).reshape(target.shape))
 
 
 def _aliases(expected: Mapping[str, Any]) -> dict[str, set[str]]:
@@ -303,7 +260,7 @@ def _checkpoint_files(path: str) -> dict[str, list[str] | None]:
         if len(found) == 1:
             return {os.path.join(path, found[0]): None}
         raise LoadError(f"no {SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE} in {path!r}"
-                        + (f", and several .safetensors files ({_listed(found)}): pass one" if found else ""))
+                        + (f", and several .safetensors files ({listed(found)}): pass one" if found else ""))
     if not os.path.isfile(path):
         raise LoadError(f"no safetensors checkpoint at {path!r}")
     if not path.endswith(".json"):
@@ -319,23 +276,5 @@ def _checkpoint_files(path: str) -> dict[str, list[str] | None]:
         files.setdefault(os.path.join(directory, file), []).append(name)
     absent = [f for f in files if not os.path.isfile(f)]
     if absent:
-        raise LoadError(f"the index {path!r} names files that do not exist: {_listed(absent)}. Nothing was loaded.")
+        raise LoadError(f"the index {path!r} names files that do not exist: {listed(absent)}. Nothing was loaded.")
     return files
-
-
-def allocate_meta_buffers_(model: nn.Module, device: torch.device) -> list[tuple[str, torch.Tensor]]:
-    """Give every buffer of a meta-built ``model`` storage on ``device``, in place: meta buffers
-    become uninitialised tensors of their shape and dtype (returned, by first name, for the
-    ``UninitialisedTracker``); buffers with values are moved there. Shared buffers stay shared."""
-    new_of: dict[int, torch.Tensor] = {}
-    fresh = []
-    for mod_name, mod in model.named_modules():
-        for name, buf in mod._buffers.items():
-            if buf is None:
-                continue
-            if id(buf) not in new_of:
-                new_of[id(buf)] = torch.empty_like(buf, device=device) if buf.is_meta else buf.to(device)
-                if buf.is_meta:
-                    fresh.append((f"{mod_name}.{name}" if mod_name else name, new_of[id(buf)]))
-            mod._buffers[name] = new_of[id(buf)]
-    return fresh

@@ -37,6 +37,16 @@ from torch import nn
 
 from .config import STAGES
 from .errors import ConfigError
+from .plan_figures import (
+    UnitSizes,
+    comm_bytes_per_dim,
+    comm_elements,
+    model_state_bytes,
+    optimizer_bytes_per_param,
+    overhead_bytes,
+    step_peak_breakdown,
+    unit_sizes,
+)
 from .sharding import ROOT_UNIT, find_units
 
 GB = 10**9
@@ -243,6 +253,26 @@ def plan(
             given for the other mode or summing above ``psi``, or ``example_inputs`` without a
             model or not a sequence.
     """
+    stage, world_size, replicas = _check_world(stage, world_size, replicas, secondary_partition_size)
+    optimizer, n_buffers = _check_optimizer(optimizer)
+    param_dtype, master_dtype = _check_dtype("param_dtype", param_dtype), _check_dtype("master_dtype", master_dtype)
+    prefetch_depth = _check_count("prefetch_depth", prefetch_depth, minimum=0)
+    if bucket_bytes is not None:
+        bucket_bytes = _check_count("bucket_bytes", bucket_bytes, minimum=0)
+    unit_names, params = _units(model, psi, unit_numels, unit_classes, example_inputs)
+    sizes = unit_sizes(len(unit_names), params, world_size, pad=stage >= 1 and model is not None)
+    activations = None
+    if example_inputs is not None:
+        activations = saved_activation_bytes(model, example_inputs, param_dtype)
+    settings = dict(stage=stage, world_size=world_size, optimizer=optimizer, param_dtype=param_dtype,
+                    master_dtype=master_dtype, prefetch_depth=prefetch_depth, replicas=replicas,
+                    secondary_partition_size=secondary_partition_size)
+    return _plan_of(settings, n_buffers, bucket_bytes, unit_names, sizes, activations)
+
+
+def _check_world(stage: object, world_size: object, replicas: object,
+                 secondary_partition_size: object) -> tuple[int, int, int]:
+    """``stage``, ``world_size`` and ``replicas`` checked, and hpZ's M against them (``plan``'s Raises)."""
     stage, world_size = _check_stage(stage), _check_count("world_size", world_size, minimum=1)
     replicas = _check_count("replicas", replicas, minimum=1)
     if replicas > 1 and stage == 0:
@@ -254,14 +284,14 @@ def plan(
             raise ConfigError(f"secondary_partition_size (hpZ) needs stage 3, no replicas, and a divisor of "
                               f"world_size {world_size} smaller than it; got {m} at stage {stage} with {replicas} "
                               "replicas")
-    optimizer, n_buffers = _check_optimizer(optimizer)
-    param_dtype = _check_dtype("param_dtype", param_dtype)
-    master_dtype = _check_dtype("master_dtype", master_dtype)
-    prefetch_depth = _check_count("prefetch_depth", prefetch_depth, minimum=0)
-    if bucket_bytes is not None:
-        bucket_bytes = _check_count("bucket_bytes", bucket_bytes, minimum=0)
+    return stage, world_size, replicas
 
-    # (unit index, shape) per unique parameter; from psi, one flat pseudo-parameter per unit.
+
+def _units(model: nn.Module | None, psi: int | None, unit_numels: Sequence[int] | None,
+           unit_classes: tuple[type[nn.Module], ...] | None,
+           example_inputs: Sequence[object] | None) -> tuple[list[str], list[tuple[int, tuple[int, ...]]]]:
+    """Unit names (root first) and ``(unit index, shape)`` per unique parameter, from the model or,
+    without one, from ``psi`` (one flat pseudo-parameter per unit); refuses the other mode's arguments."""
     if model is not None:
         if psi is not None:
             raise ConfigError("give either a model or psi=, not both")
@@ -269,127 +299,46 @@ def plan(
             raise ConfigError("unit_numels= goes with psi=; with a model the units come from its modules")
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be an nn.Module or None, got {type(model).__name__}")
-        unit_names, params = _model_params(model, unit_classes)
-    else:
-        if psi is None:
-            raise ConfigError("give a model, or model=None with psi= (the parameter count)")
-        if unit_classes is not None:
-            raise ConfigError("unit_classes= needs a model; with psi= give unit_numels=")
-        if example_inputs is not None:
-            raise ConfigError("example_inputs= needs a model (the activations come from running its forward on meta)")
-        psi = _check_count("psi", psi, minimum=1)
-        unit_names, params = _psi_params(psi, unit_numels)
-
-    n = world_size
-    unit_numel = [0] * len(unit_names)
-    unit_padded = [0] * len(unit_names)
-    pad_elements = 0
-    for unit, shape in params:
-        rows, row_numel = shape[0], math.prod(shape[1:])
-        numel = rows * row_numel
-        padded = n * -(-rows // n) * row_numel if stage >= 1 and model is not None else numel
-        unit_numel[unit] += numel
-        unit_padded[unit] += padded
-        pad_elements += padded - numel
-    total_psi = sum(unit_numel)
-
-    p_bytes = param_dtype.itemsize
-    master_bytes = master_dtype.itemsize
-    k_bytes = (master_bytes if master_dtype != param_dtype else 0) + n_buffers * master_bytes
-
-    def share(per_param: int, sharded: bool) -> int:
-        return -(-per_param * total_psi // n) if sharded else per_param * total_psi
-
-    memory = {
-        "params": share(p_bytes, stage >= 3),
-        "grads": share(p_bytes, stage >= 2),
-        "optimizer_states": share(k_bytes, stage >= 1),
-    }
-    memory["total"] = sum(memory.values())
-
-    gathered = total_psi
-    comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-    if stage == 0:
-        comm["all_reduce"] = 2 * gathered
-    else:
-        comm["reduce_scatter"] = gathered
-        comm["all_gather"] = (2 if stage == 3 else 1) * gathered
-    if replicas > 1:  # each rank's reduced gradient shard, all-reduced across the replicas
-        comm["all_reduce"] = 2 * -(-gathered // n)
-    comm["total"] = sum(comm.values())
-    comm_bytes = _comm_bytes_per_dim(stage, n, replicas, unit_padded, p_bytes)
-
-    sharded_bytes = {0: 0, 1: k_bytes, 2: p_bytes + k_bytes, 3: 2 * p_bytes + k_bytes}[stage]
-    padding = -(-pad_elements * sharded_bytes // n)
-
-    largest_first = sorted(unit_padded, reverse=True)
-    if stage == 3:
-        inflight = sum(largest_first[: prefetch_depth + 1]) * p_bytes
-    elif stage in (1, 2):
-        inflight = memory["params"]
-    else:
-        inflight = 0
-
-    if stage >= 2:
-        bucket = bucket_bytes if bucket_bytes is not None else (largest_first[0] if largest_first else 0) * p_bytes
-    else:
-        bucket = 0
-
-    secondary = -(-sum(unit_padded) * p_bytes // secondary_partition_size) if secondary_partition_size else 0
-    if secondary_partition_size:  # backward re-gathers inside the node
-        backward = sum(u * p_bytes * (n - 1) // n for u in unit_padded if u)
-        comm_bytes["shard"]["all_gather"] -= backward
-        comm_bytes["secondary"] = {"all_gather": sum(u * p_bytes * (secondary_partition_size - 1)
-                                                     // secondary_partition_size for u in unit_padded if u),
-                                   "reduce_scatter": 0, "all_reduce": 0}
-    total_with = memory["total"] + padding + bucket + (inflight if stage == 3 else 0) + secondary
-
-    notes = []
-    activations = None
+        return _model_params(model, unit_classes)
+    if psi is None:
+        raise ConfigError("give a model, or model=None with psi= (the parameter count)")
+    if unit_classes is not None:
+        raise ConfigError("unit_classes= needs a model; with psi= give unit_numels=")
     if example_inputs is not None:
-        activations = saved_activation_bytes(model, example_inputs, param_dtype)
-    else:
-        notes.append("saved activations left out: give example_inputs= (one rank's model inputs, meta "
-                     "tensors will do) to estimate them")
-    others_first = sorted(unit_padded[1:], reverse=True)
-    if stage == 3:
-        gathered = (unit_padded[0] + sum(others_first[: prefetch_depth + 1])) * p_bytes
-    else:
-        gathered = 0  # stages 1-2: the compute copy is in the model states; stage 0 holds nothing else
-    if stage >= 2:
-        buckets = 2 * bucket_bytes if bucket_bytes is not None else sum(largest_first[:2]) * p_bytes
-    else:
-        buckets = 0
-    breakdown = {"model_states": memory["total"] + padding + secondary, "gathered_params": gathered,
-                 "gradient_buckets": buckets, "activations": activations or 0}
+        raise ConfigError("example_inputs= needs a model (the activations come from running its forward on meta)")
+    return _psi_params(_check_count("psi", psi, minimum=1), unit_numels)
+
+
+def _plan_of(settings: dict, n_buffers: int, bucket_bytes: int | None, unit_names: list[str], sizes: UnitSizes,
+             activations: int | None) -> Plan:
+    """The ``Plan`` of checked ``settings`` (``Plan``'s fields of those names) for units of ``sizes``."""
+    stage, n, prefetch_depth = settings["stage"], settings["world_size"], settings["prefetch_depth"]
+    secondary_partition_size = settings["secondary_partition_size"]
+    p_bytes = settings["param_dtype"].itemsize
+    k_bytes = optimizer_bytes_per_param(settings["param_dtype"], settings["master_dtype"], n_buffers)
+    memory = model_state_bytes(stage, n, sizes.psi, p_bytes, k_bytes)
+    comm = comm_elements(stage, n, settings["replicas"], sizes.psi)
+    comm_bytes = comm_bytes_per_dim(stage, n, settings["replicas"], sizes.padded, p_bytes, secondary_partition_size)
+    extra = overhead_bytes(stage, n, sizes, p_bytes, k_bytes, memory["params"], prefetch_depth, bucket_bytes,
+                           secondary_partition_size)
+    total_with = (memory["total"] + extra["padding"] + extra["bucket"] + extra["secondary_partition"]
+                  + (extra["inflight_gather"] if stage == 3 else 0))
+    model_states = memory["total"] + extra["padding"] + extra["secondary_partition"]
+    breakdown = step_peak_breakdown(stage, sizes, p_bytes, prefetch_depth, bucket_bytes, model_states, activations)
+    notes = [] if activations is not None else [
+        "saved activations left out: give example_inputs= (one rank's model inputs, meta tensors will do) "
+        "to estimate them"]
     notes.append("left out: the gradients of activations and the temporaries of the op running in backward, "
                  "the allocator's slack and the framework's own memory (compiled code, caches)")
     return Plan(
-        stage=stage,
-        world_size=world_size,
-        psi=total_psi,
-        optimizer=optimizer,
-        param_dtype=param_dtype,
-        master_dtype=master_dtype,
-        param_bytes_per_element=p_bytes,
-        optimizer_bytes_per_param=k_bytes,
-        prefetch_depth=prefetch_depth,
-        bytes_per_rank=types.MappingProxyType(memory),
-        comm_elements_per_step=types.MappingProxyType(comm),
-        padding_bytes=padding,
-        inflight_gather_bytes=inflight,
-        bucket_bytes=bucket,
-        total_with_overheads=total_with,
-        units=tuple(zip(unit_names, unit_numel)),
-        replicas=replicas,
+        **settings, psi=sizes.psi, param_bytes_per_element=p_bytes, optimizer_bytes_per_param=k_bytes,
+        bytes_per_rank=types.MappingProxyType(memory), comm_elements_per_step=types.MappingProxyType(comm),
+        padding_bytes=extra["padding"], inflight_gather_bytes=extra["inflight_gather"], bucket_bytes=extra["bucket"],
+        total_with_overheads=total_with, units=tuple(zip(unit_names, sizes.numel)),
         comm_bytes_per_dim=types.MappingProxyType({d: types.MappingProxyType(c) for d, c in comm_bytes.items()}),
-        secondary_partition_size=secondary_partition_size,
-        secondary_partition_bytes=secondary,
-        activation_bytes=activations,
-        step_peak_bytes=sum(breakdown.values()),
-        step_peak_breakdown=types.MappingProxyType(breakdown),
-        peak_notes=tuple(notes),
-    )
+        secondary_partition_bytes=extra["secondary_partition"], activation_bytes=activations,
+        step_peak_bytes=sum(breakdown.values()), step_peak_breakdown=types.MappingProxyType(breakdown),
+        peak_notes=tuple(notes))
 
 
 def saved_activation_bytes(model: nn.Module, example_inputs: Sequence[object],
@@ -436,27 +385,6 @@ def saved_activation_bytes(model: nn.Module, example_inputs: Sequence[object],
         raise ConfigError(f"example_inputs: the model's forward failed on the meta device, so its activations "
                           f"cannot be estimated ({type(exc).__name__}: {exc}); leave example_inputs out") from exc
     return sum(saved.values())
-
-
-def _comm_bytes_per_dim(stage: int, shards: int, replicas: int, unit_padded: list[int],
-                        itemsize: int) -> dict[str, dict[str, int]]:
-    """Bytes one rank sends per step per mesh dim, one collective per unit (``Plan.comm_bytes_per_dim``)."""
-
-    def ring(numel: int, group: int) -> int:  # one all-gather / reduce-scatter of a full buffer
-        return numel * itemsize * (group - 1) // group
-
-    units = [u for u in unit_padded if u]
-    shard = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-    if stage == 0:
-        shard["all_reduce"] = sum(ring(2 * u, shards) for u in units)
-    else:
-        shard["all_gather"] = (2 if stage == 3 else 1) * sum(ring(u, shards) for u in units)
-        shard["reduce_scatter"] = sum(ring(u, shards) for u in units)
-    out = {"shard": shard}
-    if replicas > 1:
-        out["replicate"] = {"all_gather": 0, "reduce_scatter": 0,
-                            "all_reduce": sum(ring(2 * (u // shards), replicas) for u in units)}
-    return out
 
 
 # ----------------------------------------------------------------------------- parameter discovery
@@ -554,5 +482,3 @@ def _in_psi(elements: int, psi: int) -> str:
         return "0"
     return f"{elements / psi:g}Ψ" if psi else f"{elements:,}"
 
-
-# ----------------------------------------------------------------------------- the memory budget

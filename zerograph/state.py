@@ -17,9 +17,10 @@ if TYPE_CHECKING:  # types only: the state module sits below the layers that bui
 
     from .capture import CapturedGraphs
     from .config import Config
-    from .loading import UninitialisedTracker
+    from .parameter_watch import ParameterWatch
     from .runtime import Runtime
-    from .sharding import ParameterWatch, Unit
+    from .sharding import Unit
+    from .uninitialised import UninitialisedTracker
 
 STATE_ATTR = "_zerograph"  # the attribute of a compiled model that holds its ZeroGraphState
 
@@ -33,7 +34,7 @@ class ZeroGraphState:
         captured: the ``CapturedGraphs`` of every ``torch.compile`` graph of the model so far.
         compiled_forward: the ``torch.compile``d forward the model's ``forward`` calls.
         watch: the ``ParameterWatch`` that refuses parameters changed after compile.
-        uninitialised: for a meta-built model, the ``loading.UninitialisedTracker`` of shards and
+        uninitialised: for a meta-built model, the ``uninitialised.UninitialisedTracker`` of shards and
             buffers no init or load has written yet; ``None`` once all were (or never meta-built).
         unit_kinds: the ``templates.UnitKind`` of each kind of unit under ``Config(unit_templates=True)``
             (kept here: the op registry holds them weakly); empty otherwise.

@@ -74,8 +74,8 @@ from .errors import DynamicShapeTrace, ShardingError, TemplateUnavailable
 from .flat import FlatShard
 from .ops import UNIT_CALL as _unit_call
 from .ops import unit_forward
-from .passes._fx import layout_template
-from .sharding import full_parameter, original_class, own_code
+from .sharding import full_parameter, own_code
+from .template_keys import trace_key, unit_signature
 from .unit_islands import run_island
 from .unit_trace import UNIT_ATTR, TensorMeta, UnitTemplate, trace_unit
 
@@ -400,55 +400,6 @@ def _read_unreached(kind: int) -> bool:
                         "see it (by the unit's parent, or in an inline body)")
 
 
-def unit_signature(module: nn.Module) -> tuple:
-    """What must match for two units to share a template: for every submodule, its path, original
-    class and plain attributes (numbers, strings, flags, dtypes; containers by value; functions,
-    closures included, and other objects by identity), a ``forward`` set on a submodule instance
-    (by identity), and its parameters' and buffers' names, full shapes, dtypes and
-    ``requires_grad``. (A unit whose own instance has a ``forward`` is not templated at all.)"""
-    parts = []
-    for path, mod in module.named_modules():
-        attrs = tuple(sorted((k, _attribute_key(v)) for k, v in vars(mod).items()
-                             if (k not in _MODULE_INTERNALS or (k == "forward" and path))
-                             and not k.startswith("_zerograph")))
-        params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in mod._parameters.items() if p is not None)
-        buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in mod._buffers.items() if b is not None)
-        parts.append((path, original_class(mod), attrs, params, buffers))
-    return tuple(parts)
-
-
-_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "forward"}) | {
-    k for k in vars(nn.Module()) if k.endswith("hooks") or "hooks_" in k or k.endswith("_hooks_with_kwargs")}
-
-
-def _attribute_key(value: Any) -> Any:
-    """``value`` as part of a signature: plain values and containers by value, anything else
-    (functions, closures, bound methods, objects) by identity (``_Identity``)."""
-    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
-        return value
-    if isinstance(value, (tuple, list, frozenset)):
-        return (type(value).__name__, tuple(_attribute_key(v) for v in value))
-    if isinstance(value, dict):
-        return ("dict", tuple(sorted((str(k), _attribute_key(v)) for k, v in value.items())))
-    return _Identity(value)
-
-
-class _Identity:
-    """An object compared by identity, and held: a key of the process-wide template cache that
-    held only an ``id`` could match a new object allocated where a freed one was."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Identity) and other.obj is self.obj
-
-
 # Templates any model in this process traced, by everything their trace reads (``trace_key``): a
 # second model of the same structure (another stage, a model built again, the next case of a test
 # or of a benchmark) calls copies of their graphs instead of tracing again. Least recently used
@@ -464,7 +415,7 @@ def shared_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, ar
     a template id and unit names of its own, ``reused_from`` naming the original), or a new trace
     (``trace_template``, which raises as documented there). Source: the reuse Dynamo's cache gives
     FSDP2 + ``torch.compile`` of identical blocks, kept across models."""
-    key = trace_key(kind, metas, mode, arg_grads, device)
+    key = trace_key(kind.module, kind.lowering, metas, mode, arg_grads, device)
     traced = _TRACED.get(key)
     if traced is None:
         traced = _TRACED[key] = trace_template(kind, metas, mode, arg_grads, device)
@@ -476,55 +427,6 @@ def shared_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, ar
                                    trace_seconds=0.0, reused_from=traced.id)
     registry.register_template_as(template.id, template)
     return template
-
-
-def trace_key(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
-              device: torch.device) -> tuple:
-    """What a template's trace reads besides its primals' values, so that two units with equal
-    keys, in any models, trace to the same graphs: the unit's structure (``unit_signature``), the
-    code its modules run (``_class_key``: each class's methods, class attributes and the globals
-    its methods name, so a class or flag patched between two compiles traces again), how its flat
-    shard, if any, cuts the
-    parameters out, the primals' shapes, strides and dtypes, the training-flag ``mode``, the
-    arguments differentiated, the device and lowering, and the settings a trace, the partitioner or
-    Inductor read (default dtype, deterministic algorithms, matmul precision, their configs)."""
-    _, _, _, _, modules, flat = getattr(kind.module, UNIT_ATTR)
-    code = tuple(_class_key(original_class(m)) for m in modules)
-    cuts = None
-    if flat is not None:
-        cuts = (layout_template(flat.layouts), flat.offsets, flat.layout.shape, flat.layout.sharded)
-    settings = (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
-                torch.get_float32_matmul_precision(), _config_key(torch._functorch.config))
-    if kind.lowering == "inductor":
-        import torch._inductor.config as inductor_config
-
-        settings += (_config_key(inductor_config),)
-    return (unit_signature(kind.module), code, cuts, metas, mode, arg_grads, str(device), kind.lowering, settings)
-
-
-def _class_key(cls: type) -> tuple:
-    """A module class as a trace sees it: the class, and what its own and its bases' dicts hold
-    (below ``nn.Module``) as ``_attribute_key`` sees them, and for each method the module-level
-    globals its code names, modules left out (a flag such as ``USE_FLASH = True``, a settings dict
-    by value, a helper function by identity). A global read one call deeper, inside a helper
-    function, is not seen."""
-    parts: list[Any] = [cls]
-    for base in cls.__mro__:
-        if base in (nn.Module, object):
-            break
-        for name, value in sorted(vars(base).items()):
-            if name.startswith("__"):
-                continue
-            parts.append((name, _attribute_key(value)))
-            if isinstance(value, types.FunctionType):
-                named = [(n, value.__globals__[n]) for n in value.__code__.co_names if n in value.__globals__]
-                parts.append(tuple((n, _attribute_key(v)) for n, v in named if not isinstance(v, types.ModuleType)))
-    return tuple(parts)
-
-
-def _config_key(config: Any) -> str:
-    """A torch config module's current values (``torch.utils._config_module``), as one string."""
-    return repr(sorted(config.get_config_copy().items(), key=lambda item: item[0]))
 
 
 def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,

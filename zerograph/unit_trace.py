@@ -15,7 +15,7 @@ import dataclasses
 import operator
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.fx as fx
@@ -34,12 +34,21 @@ from .sharding import set_tracing_unit
 if TYPE_CHECKING:
     from torch import nn
 
-    from .templates import UnitKind
-
 UNIT_ATTR = "_zerograph_unit"  # a templated unit's (kind, parameter slots, buffer slots, keys, modules, flat shard)
 
 # (shape, stride, dtype) of one tensor; a template is traced per tuple of these of its primals
 TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+class TracedKind(Protocol):
+    """What a trace reads of a unit kind (``templates.UnitKind``, which decides when to trace and
+    imports this module: the trace names only what it needs, so the two do not import each other)."""
+
+    kind: int  # the kind's registry key
+    name: str  # its first unit's name, for messages
+    module: nn.Module  # its first unit: the body traced
+    lowering: str  # "eager" or "inductor"
+    units: list[str]  # names of every unit of the kind
 
 
 @dataclasses.dataclass
@@ -98,7 +107,7 @@ class UnitTemplate:
         return [grad for grad, wanted in zip(grads, self.grad_mask) if wanted]
 
 
-def trace_unit(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
+def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
                device: torch.device, reach: dict[str, Any] | None = None) -> UnitTemplate:
     """``kind``'s body for primals of ``metas`` (``(shape, stride, dtype)`` each: the unit's tensor
     arguments, then its parameters, or its one flat shard, then its buffers), with its submodules'
@@ -112,13 +121,8 @@ def trace_unit(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_gra
     where some gradient is asked for: a later failure (the partition, a write check) leaves the kind
     that answer for its inline units."""
     start = time.perf_counter()
-    module = kind.module
-    _, param_slots, buffer_slots, _, modules, flat = getattr(module, UNIT_ATTR)
-    n_params, n_buffers = (1 if flat is not None else len(param_slots)), len(buffer_slots)
-    n_args = len(metas) - n_params - n_buffers
-    param_grads = [True] if flat is not None else [mod._parameters[name].requires_grad for mod, name in param_slots]
-    wants_grad = ([dtype.is_floating_point and bool(arg_grads >> i & 1) for i, (_, _, dtype) in enumerate(metas[:n_args])]
-                  + param_grads + [False] * n_buffers)
+    body = _Body(kind.module, mode, len(metas))
+    wants_grad = body.wants_grad(metas, arg_grads)
     # a ShapeEnv (no symbol is made: every size is an int) so that Inductor's FX graph cache takes
     # the lowered body: without one it bypasses the cache ("No shape env"), and a restart lowered
     # and generated every template's code again
@@ -126,44 +130,86 @@ def trace_unit(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_gra
     with fake_mode:
         primals = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
                    for (shape, stride, dtype), grad in zip(metas, wants_grad)]
-    slot_names = [_slot_name(module, slot) for slot in param_slots]
-    # storages of the parameters the body computes with, when they are cut out of a flat shard (a
-    # write to one is refused as a write to the parameter is; the last trace's are what count)
-    cut_out: dict[StorageWeakRef, str] = {}
-    cut_params: list[torch.Tensor] = []  # the parameters as the last trace cut them out of the flat shard
+        tangents = [torch.empty_like(o, memory_format=torch.contiguous_format) for o in body(*primals)]
+    joint_graph, grad_mask, no_grad_params = _joint(body, primals, tangents, wants_grad, fake_mode)
+    if reach is not None and body.flat is not None and any(grad_mask):
+        reach["no_grad"] = no_grad_params
+    _check_no_writes(kind.name, joint_graph, len(metas), body.parameter_names(), body.cut_out)
+    fwd, bwd = _partition(joint_graph, primals, tangents, body.n_args if body.flat is not None else None)
+    template = _template(kind, metas, fwd, bwd, fake_mode, primals, tangents, grad_mask, no_grad_params)
+    template.trace_seconds = time.perf_counter() - start
+    template.units = kind.units
+    return template
 
-    def body(*p: torch.Tensor) -> list[torch.Tensor]:
-        slots = [(mod._parameters, name) for mod, name in param_slots] + [(mod._buffers, name) for mod, name in buffer_slots]
+
+class _Body:
+    """A unit's body as a function of its primals, for ``make_fx``: a call puts the primals in the
+    unit's parameter and buffer slots (a flat shard cut into its parameters first) and its
+    submodules' training flags from ``mode``'s bits, runs the class's ``forward``, and puts
+    everything back, whatever the forward raised."""
+
+    def __init__(self, module: nn.Module, mode: int, n_primals: int) -> None:
+        self.module, self.mode = module, mode
+        _, self.param_slots, self.buffer_slots, _, self.modules, self.flat = getattr(module, UNIT_ATTR)
+        self.n_params = 1 if self.flat is not None else len(self.param_slots)
+        self.n_args = n_primals - self.n_params - len(self.buffer_slots)
+        self.slot_names = [_slot_name(module, slot) for slot in self.param_slots]
+        # storages of the parameters the body computes with, when they are cut out of a flat shard (a
+        # write to one is refused as a write to the parameter is; the last trace's are what count)
+        self.cut_out: dict[StorageWeakRef, str] = {}
+        self.cut_params: list[torch.Tensor] = []  # the parameters as the last trace cut them out of the flat shard
+
+    def wants_grad(self, metas: tuple[TensorMeta, ...], arg_grads: int) -> list[bool]:
+        """Per primal, whether the trace differentiates it: the floating-point arguments of
+        ``arg_grads``'s bits, the trainable parameters (a flat shard always), no buffer."""
+        param_grads = ([True] if self.flat is not None
+                       else [mod._parameters[name].requires_grad for mod, name in self.param_slots])
+        args = [dtype.is_floating_point and bool(arg_grads >> i & 1) for i, (_, _, dtype) in enumerate(metas[:self.n_args])]
+        return args + param_grads + [False] * len(self.buffer_slots)
+
+    def parameter_names(self) -> dict[int, str]:
+        """Primal index -> the parameter's name in the unit (the flat shard's: ``"<flat shard>"``)."""
+        if self.flat is not None:
+            return {self.n_args: "<flat shard>"}
+        return {self.n_args + i: name for i, name in enumerate(self.slot_names)}
+
+    def __call__(self, *p: torch.Tensor) -> list[torch.Tensor]:
+        slots = ([(mod._parameters, name) for mod, name in self.param_slots]
+                 + [(mod._buffers, name) for mod, name in self.buffer_slots])
+        n_args, n_params = self.n_args, self.n_params
         params = list(p[n_args:n_args + n_params])
-        if flat is not None:
-            params = flat.unflatten(params[0])
-            cut_params[:] = params
-            cut_out.clear()
-            cut_out.update({StorageWeakRef(t.untyped_storage()): name for t, name in zip(params, slot_names)})
+        if self.flat is not None:
+            params = self.flat.unflatten(params[0])
+            self.cut_params[:] = params
+            self.cut_out.clear()
+            self.cut_out.update({StorageWeakRef(t.untyped_storage()): name for t, name in zip(params, self.slot_names)})
         values = [*params, *p[n_args + n_params:]]
         previous_values = [table[name] for table, name in slots]
-        previous_flags = [m.training for m in modules]
+        previous_flags = [m.training for m in self.modules]
         previous = set_tracing_unit(True)
         try:
             for (table, name), value in zip(slots, values):
                 table[name] = value
-            for i, m in enumerate(modules):  # the calling unit's train / eval flags
-                m.training = bool(mode >> i & 1)
-            out = type(module).forward(module, *p[:n_args])
+            for i, m in enumerate(self.modules):  # the calling unit's train / eval flags
+                m.training = bool(self.mode >> i & 1)
+            out = type(self.module).forward(self.module, *p[:n_args])
         finally:
             for (table, name), value in zip(slots, previous_values):
                 table[name] = value
-            for m, flag in zip(modules, previous_flags):
+            for m, flag in zip(self.modules, previous_flags):
                 m.training = flag
             set_tracing_unit(previous)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"it returned {type(out).__name__}; a template returns one tensor")
         return [out]
 
-    with fake_mode:
-        tangents = [torch.empty_like(o, memory_format=torch.contiguous_format) for o in body(*primals)]
-    # which primals, and which parameters cut out of a flat shard, the output depends on through
-    # autograd: eager leaves the others' .grad None (AdamW then skips them), so must we
+
+def _joint(body: _Body, primals: list[torch.Tensor], tangents: list[torch.Tensor], wants_grad: list[bool],
+           fake_mode: FakeTensorMode) -> tuple[fx.GraphModule, list[bool], frozenset[int]]:
+    """The joint forward + backward graph of ``body`` (``make_fx``), the primals whose gradient it
+    returns (``grad_mask``: wanted and reached by autograd; eager leaves the others' ``.grad``
+    ``None``, AdamW then skips them, so must we), and the parameters cut out of a flat shard that
+    the output never reaches (one flat gradient cannot say so itself)."""
     reached: dict[str, list[bool]] = {}
 
     def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list, list]:
@@ -171,7 +217,7 @@ def trace_unit(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_gra
         differentiable = [p for p in primals if p.requires_grad]
         grads = list(torch.autograd.grad(outs, differentiable, tangents, allow_unused=True)) if differentiable else []
         reached["primals"] = [g is not None for g in grads]
-        reached["cut_out"] = [_reaches(outs, t) for t in cut_params]
+        reached["cut_out"] = [_reaches(outs, t) for t in body.cut_params]
         grads_iter = iter(grads)
         return outs, [next(grads_iter) if p.requires_grad else None for p in primals]
 
@@ -179,29 +225,34 @@ def trace_unit(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_gra
         joint_graph = make_fx(joint)(primals, tangents)
     used = iter(reached["primals"])
     grad_mask = [wanted and next(used) for wanted in wants_grad]
-    # a flat shard's parameters the output never reaches: one flat gradient cannot say so itself
-    no_grad_params = frozenset(i for i, hit in enumerate(reached["cut_out"]) if not hit)
-    if reach is not None and flat is not None and any(grad_mask):
-        reach["no_grad"] = no_grad_params
-    if flat is not None:
-        parameters = {n_args: "<flat shard>"}
-    else:
-        parameters = {n_args + i: name for i, name in enumerate(slot_names)}
-    _check_no_writes(kind.name, joint_graph, len(metas), parameters, cut_out)
-    if flat is not None:
-        _recompute_cut_out(joint_graph, n_args)
+    return joint_graph, grad_mask, frozenset(i for i, hit in enumerate(reached["cut_out"]) if not hit)
+
+
+def _partition(joint_graph: fx.GraphModule, primals: list[torch.Tensor], tangents: list[torch.Tensor],
+               flat_index: int | None) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The forward and backward graphs of the min-cut partition; with a flat shard (primal
+    ``flat_index``), its cuts recomputed in backward and sunk to their first uses in forward."""
+    if flat_index is not None:
+        _recompute_cut_out(joint_graph, flat_index)
     # views of a primal (a weight's transpose) are replayed in backward instead of saved: the
     # op cannot return a view of its input, and the primal itself is saved by autograd anyway
     with torch._functorch.config.patch(recompute_views=True):
         fwd, bwd = min_cut_rematerialization_partition(joint_graph, (primals, tangents), num_fwd_outputs=len(tangents))
-    if flat is not None:
-        _sink_cut_out(fwd, n_args)
+    if flat_index is not None:
+        _sink_cut_out(fwd, flat_index)
+    return fwd, bwd
+
+
+def _template(kind: TracedKind, metas: tuple[TensorMeta, ...], fwd: fx.GraphModule, bwd: fx.GraphModule,
+              fake_mode: FakeTensorMode, primals: list[torch.Tensor], tangents: list[torch.Tensor],
+              grad_mask: list[bool], no_grad_params: frozenset[int]) -> UnitTemplate:
+    """The partitioned graphs made a custom op's (no output aliasing an input or another output),
+    lowered, and registered as a ``UnitTemplate``."""
     n_outputs = len(tangents)
     backward_sources, saved_primals = _own_outputs(fwd, n_outputs)
     _own_gradients(bwd)
     template_id = registry.next_template_id()
-    out_node = fwd.graph.output_node()
-    outputs = out_node.args[0]
+    outputs = fwd.graph.output_node().args[0]
     bwd_inputs = [n for n in bwd.graph.nodes if n.op == "placeholder"]
     assert len(bwd_inputs) == len(backward_sources) + n_outputs, (len(bwd_inputs), len(backward_sources))
     output_metas = [_meta(n.meta["val"]) for n in outputs]
@@ -211,8 +262,6 @@ def trace_unit(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_gra
     template = UnitTemplate(template_id, kind.kind, metas, n_outputs, output_metas, saved_primals, grad_mask,
                             grad_metas, fwd, bwd, backward_sources, run_forward, run_backward, no_grad_params)
     registry.register_template_as(template_id, template)
-    template.trace_seconds = time.perf_counter() - start
-    template.units = kind.units
     return template
 
 
