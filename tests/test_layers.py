@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                    "zerograph.unit_islands", "zerograph.templates",
                    "zerograph.template_keys"]),
     ("api", ["zerograph.plan", "zerograph.budget", "zerograph.api", "zerograph.replicas", "zerograph.hybrid",
-             "zerograph.plan_figures"]),
+             "zerograph.plan_figures", "zerograph.compile_setup", "zerograph.compiled_model"]),
     ("reporting", ["zerograph.stats", "zerograph.checkpoint", "zerograph.checkpoint_agreement", "zerograph.timeline",
                    "zerograph.traces", "zerograph.profile", "zerograph.optim", "zerograph.init",
                    "zerograph.dump*"]),

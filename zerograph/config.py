@@ -282,18 +282,23 @@ def check_stage_options(config: Config, stage: int, *, hybrid: bool = False) -> 
     """
     if stage == 0 and (config.gather_quantization or config.reduce_quantization):
         raise ConfigError("Config.gather_quantization and reduce_quantization need stage 1-3: stage 0 (DDP) "
-                          "all-reduces full gradients and gathers nothing")
+                          "all-reduces full gradients and gathers nothing; leave them None at stage 0")
     if hybrid and stage == 0:
-        raise ConfigError("a 2-D mesh (hybrid sharding) needs stage 1-3: stage 0 replicates every parameter")
+        raise ConfigError("a 2-D mesh (hybrid sharding) needs stage 1-3: stage 0 (DDP) replicates every parameter, "
+                          "so the shard dim has nothing to shard; pass process_group= (or a 1-D mesh) for DDP over "
+                          "all ranks")
     if config.secondary_partition_size is None:
         return
     if stage != 3:
         raise ConfigError(f"Config.secondary_partition_size (hpZ) needs stage 3, whose backward re-gathers "
-                          f"parameters; got stage {stage}")
+                          f"parameters; stage {stage} keeps them gathered or never gathers them: leave it None")
     if hybrid:
-        raise ConfigError("Config.secondary_partition_size (hpZ) and a 2-D mesh (hybrid sharding) do not combine")
+        raise ConfigError("Config.secondary_partition_size (hpZ) and a 2-D mesh (hybrid sharding) do not combine: "
+                          "use one or the other")
     if config.activations.budget_bytes is not None:
-        raise ConfigError("Config.secondary_partition_size (hpZ) with activation_budget_bytes is not supported yet")
+        raise ConfigError("Config.secondary_partition_size (hpZ) with activation_budget_bytes is not supported yet: "
+                          "a unit recomputed in backward would read the gathered parameters hpZ releases after "
+                          "forward; use one or the other")
 
 
 def check_stage(stage: object) -> int:

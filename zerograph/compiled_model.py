@@ -1,0 +1,183 @@
+"""What a compiled model gains: its ``forward`` through the captured graphs, the fallbacks when
+a unit template cannot serve a trace, and FSDP2's / DDP's gradient-sync switches.
+
+``compiled_class(cls)`` is the class ``zerograph.compile`` gives the model: ``cls`` with these
+methods (FSDP2's ``fully_shard`` swaps the class the same way).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
+from torch.utils._pytree import tree_map_only
+
+from . import loading
+from .errors import DynamicShapeTrace, TemplateUnavailable, ZeroGraphError
+from .policies import MixedPrecisionPolicy
+from .sharding import forget_shape_history, set_gathering, set_grad_mode, set_substituted
+from .state import STATE_ATTR, ZeroGraphState, state_of
+from .templates import every_unit_inline, refresh_unit_modes
+
+
+def compiled_class(cls: type) -> type:
+    """``cls`` with the compiled model's ``forward``, ``set_requires_gradient_sync``, ``no_sync``
+    and ``load_state_dict`` (full tensors or shards, ``loading.load_state_dict``); same name."""
+    return type(cls.__name__, (cls,), {"forward": compiled_forward,
+                                       "set_requires_gradient_sync": set_requires_gradient_sync,
+                                       "no_sync": no_sync, "load_state_dict": loading.load_state_dict})
+
+
+def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The compiled model's ``forward``: checks that its parameters are as compiled (and, built on
+    meta, given values), then runs the captured forward with the markers switched on, casting the
+    inputs as ``Config.mixed_precision`` asks. zerograph's own errors raised inside Dynamo reach
+    the caller unwrapped."""
+    state: ZeroGraphState = getattr(self, STATE_ATTR)
+    state.watch.check_unchanged()
+    substituted = False
+    for flat in state.runtime.flat_shards.values():
+        if not flat.check_views():  # a flattened parameter was frozen: Dynamo guards on the flat leaf only
+            state.watch.check_trainable()
+        substituted = flat.substituted() or substituted  # every unit's, each marks its modules
+    if state.uninitialised is not None:  # a meta-built model until every shard got values
+        state.uninitialised.check()
+        state.uninitialised = None
+    refresh_unit_modes(state.unit_kinds)
+    state.runtime.start_forward()
+    previous = set_gathering(True)
+    previous_substituted = set_substituted(substituted)
+    mode = state.runtime.grad_mode()
+    previous_mode = set_grad_mode(mode)  # read (and guarded on) by the trace
+    try:
+        args, kwargs = _cast_inputs(state.config.mixed_precision, args, kwargs)
+        out = _run_falling_back(state, self, args, kwargs)
+        state.runtime.flush_leftovers_after_backward(out, mode)
+        return out
+    except (BackendCompilerFailed, TorchRuntimeError) as exc:
+        # zerograph's own errors raised while Dynamo compiled (a changed requires_grad, a broken
+        # pass, a unit template that cannot be traced) reach the user as themselves, not wrapped
+        # in Dynamo's compiler or fake-tensor error
+        cause = own_error(exc)
+        if cause is not None:
+            raise cause from None
+        raise
+    finally:
+        set_gathering(previous)
+        set_substituted(previous_substituted)
+        set_grad_mode(previous_mode)
+
+
+def _run_falling_back(state: ZeroGraphState, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """The compiled forward; traced again each time a kind of unit cannot be a template
+    (``TemplateUnavailable``: its units now run inline), at most once per kind, and once with
+    every unit inline when a template met a dynamic shape (``DynamicShapeTrace``: that trace
+    only). Every rank meets the same failure in the same trace, so the ranks stay in step."""
+    inline_trace = contextlib.nullcontext()
+    if not state.captured.graphs:  # this model's first trace: static, whatever other models of its class saw
+        forget_shape_history(state.compiled_forward.__wrapped__)
+    # a retry runs again the graphs that ran before the failed trace (those before a graph break):
+    # their writes to buffers (a counter, running statistics) and their random numbers are undone
+    # first, so the retried forward is the one eager runs once
+    before = _ForwardSideEffects(model) if state.unit_kinds else None
+    # a kind falls back at most three times (in a training-flag mode, off its flat shards, to islands)
+    for _ in range(3 * len(state.unit_kinds) + 2):
+        try:
+            with inline_trace:
+                return state.compiled_forward(model, *args, **kwargs)
+        except Exception as exc:
+            error = own_error(exc)
+            if not isinstance(error, TemplateUnavailable):
+                raise
+            if before is not None:
+                before.undo()
+            if isinstance(error, DynamicShapeTrace):  # this trace again, every unit inline (no template is asked)
+                inline_trace = every_unit_inline()
+    raise AssertionError("unreachable: each retry makes one more kind of unit, or the whole trace, more inline")
+
+
+class _ForwardSideEffects:
+    """What a forward may change besides its outputs, kept before it runs: every buffer's value
+    and version, and the random number generators' states (CPU, and the accelerator's)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.buffers = [(b, b._version, b.detach().clone()) for b in model.buffers() if not b.is_meta]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def undo(self) -> None:
+        """Put back every buffer written since (its version moved) and the generators' states."""
+        with torch.no_grad():
+            for buffer, version, value in self.buffers:
+                if buffer._version != version:
+                    buffer.copy_(value)
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def own_error(exc: BaseException) -> ZeroGraphError | None:
+    """The ``ZeroGraphError`` behind Dynamo's wrapper ``exc`` (its inner exception, or down the
+    ``__cause__`` / ``__context__`` chain), or ``None``."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, ZeroGraphError):
+            return current
+        pending += [getattr(current, "inner_exception", None), current.__cause__, current.__context__]
+    return None
+
+
+def _cast_inputs(policy: MixedPrecisionPolicy, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The forward's floating-point tensor arguments cast to ``policy.param_dtype`` when
+    ``cast_forward_inputs`` says so (others untouched). Source: FSDP2's root pre-forward cast."""
+    dtype = policy.param_dtype
+    if dtype is None or not policy.cast_forward_inputs:
+        return args, kwargs
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
+
+
+def set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn gradient reduction across ranks on or off for the backwards of the following forwards.
+
+    The setting is read when a forward runs and fixes what its backward does. Off (gradient
+    accumulation without communication): backward runs no reduce-scatter or all-reduce; each rank
+    adds its full, unreduced gradients, in ``Config.reduce_dtype``, to buffers the runtime holds,
+    and the shards' ``.grad`` receive zeros (created if ``None``). Back on, while such buffers are
+    held, the backward adds them to its own gradients in the reductions' copy-in and reduces the
+    sum once, so a step of micro-batches costs one reduction. Run the last micro-batch of a step
+    with sync on, or ``.grad`` never receives the held gradients.
+
+    Memory: while gradients are unsynced every rank holds a full gradient of every trainable
+    parameter (Ψ elements in ``reduce_dtype``; ``zerograph.stats`` counts them under ``"grads"``),
+    as FSDP2 and DDP's ``no_sync`` do: stages 2-3 save gradient memory again only after the synced
+    backward.
+
+    Graphs: a Dynamo guard selects a graph per mode. A run that never turns sync off keeps one;
+    one that does adds an accumulating and a flushing one (each times the shape variants of
+    dynamic shapes, within Dynamo's recompile limit of 8). Every rank must switch alike;
+    otherwise ranks run different collectives, which the schedule check turns into an error
+    (``ScheduleMismatchError``, or ``CollectiveError`` after ``Config.timeout_s``), not a hang.
+
+    Source: FSDP2's ``FSDPModule.set_requires_gradient_sync``; DDP's ``no_sync``.
+    """
+    state_of(self).runtime.requires_gradient_sync = bool(requires_gradient_sync)
+
+
+@contextlib.contextmanager
+def no_sync(self: nn.Module):
+    """Context manager: ``set_requires_gradient_sync(False)`` inside, the previous setting after
+    (DDP's ``no_sync``). Backwards of forwards run inside it keep their gradients unreduced."""
+    runtime = state_of(self).runtime
+    previous = runtime.requires_gradient_sync
+    runtime.requires_gradient_sync = False
+    try:
+        yield
+    finally:
+        runtime.requires_gradient_sync = previous
