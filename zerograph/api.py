@@ -178,8 +178,8 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     runtime = Runtime(group, stage, layouts, unit_objs, timeout_s=config.timeout_s, device=device,
                       replicate_group=replicate_group, world_group=world_group, secondary_group=node_group)
     runtime.shards = {layout.key: model.get_parameter(layout.fqn) for layout in layouts}
-    runtime.gather_quantization = config.gather_quantization  # graph breaks' eager gathers quantize too
-    runtime.reduce_quantization = config.reduce_quantization  # and their reductions
+    runtime.eager.gather_quantization = config.gather_quantization  # graph breaks' eager gathers quantize too
+    runtime.eager.reduce_quantization = config.reduce_quantization  # and their reductions
     for name, param in originals.items():
         param._zerograph_replaced = name  # type: ignore[attr-defined]
     _install_optimizer_guard()
