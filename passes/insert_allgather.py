@@ -34,6 +34,9 @@ unaffected: the markers' backward (``reduce_grad``) reduces the full-precision g
 the dequantized weights. Other buckets (integer, bool, complex, fp64, or all shards below a
 block) gather as without quantization.
 
+The spliced tensor functions live in ``zerograph/collectives.py`` (``gather_fn``), which the
+runtime's eager fallback calls too: one copy of the gather, traced here, run there.
+
 Source: ZeRO (arXiv 1910.02054) section 5.3 (P_p); FSDP2's copy-in / all-gather / copy-out;
 SimpleFSDP (arXiv 2411.00284) for recompute-tagged gathers; FSDP2's ``MixedPrecisionPolicy``
 (cast before the all-gather, so a bf16 gather moves half the bytes of fp32); ZeRO++ (arXiv
@@ -43,20 +46,17 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED, from_wire, to_wire
-from zerograph.kernels.quantize import BLOCK, PACK_QUANTIZED, UNPACK_DEQUANTIZED, quantizes
+from zerograph.collectives import cast_fn, gather_fn
+from zerograph.kernels.ops import UNPACK_GATHERED
+from zerograph.kernels.quantize import UNPACK_DEQUANTIZED
 from zerograph.ops import UNSHARD
-from zerograph.sharding import ParamLayout
 from zerograph.vocab import TAG
 
 from ._fx import NodeOrder, bucket_tag, group_markers, hoist_before, is_alias_of_input, layout_template, splice
 from .context import PassContext, PassResult
 from .contract import contract
-
-funcol = torch.ops._c10d_functional
 
 
 def plan_gathers(graph: fx.Graph, ctx: PassContext) -> list[list[fx.Node]]:
@@ -66,82 +66,6 @@ def plan_gathers(graph: fx.Graph, ctx: PassContext) -> list[list[fx.Node]]:
     Deterministic across ranks: ordered by graph position, never by set or dict-of-id order.
     """
     return group_markers(graph.find_nodes(op="call_function", target=UNSHARD), ctx)
-
-
-def _copy_in(shards: tuple[torch.Tensor, ...], layouts: list[ParamLayout]) -> torch.Tensor:
-    """This rank's send buffer, ``(sum shard_numel,)`` in ``param_dtype`` (mixed precision sends
-    the compute dtype): each shard padded to ``chunk_rows``, flattened, concatenated.
-
-    A bucket of several parameters is one ``zerograph::pack_shards`` node (the Triton pack kernel
-    on CUDA: one read and one write per element instead of a cast, a pad and a cat); a single
-    parameter keeps the plain ops (often no copy at all)."""
-    if len(shards) > 1:
-        return PACK_SHARDS(list(shards), [layout.chunk_rows for layout in layouts], 1, layouts[0].param_dtype)
-    (shard,), (layout,) = shards, layouts
-    shard = shard.to(layout.param_dtype)
-    missing = layout.chunk_rows - shard.shape[0]
-    padded = F.pad(shard, [0, 0] * (shard.dim() - 1) + [0, missing]) if missing else shard
-    return padded.reshape(-1)
-
-
-def _copy_out(gathered: torch.Tensor, layouts: list[ParamLayout], world_size: int) -> list[torch.Tensor]:
-    """Every full parameter of the bucket from the gathered buffer ``(N * sum shard_numel,)``,
-    rank-major.
-
-    A bucket of several parameters is one ``zerograph::unpack_gathered`` node (the Triton unpack
-    kernel on CUDA): one new buffer, parameter-major and unpadded, of which each parameter is a
-    slice and a view, so the gathered buffer dies right after it (FSDP2's copy-out). A single
-    parameter keeps views of the gathered buffer: its rank chunks are whole rows of the buffer, so
-    the ``reshape`` and the ``[:rows]`` that drops the padding copy nothing."""
-    if len(layouts) > 1:
-        rows = [layout.shape[0] for layout in layouts]
-        flat = UNPACK_GATHERED(gathered, world_size, [layout.chunk_rows for layout in layouts], rows,
-                               [layout.row_numel for layout in layouts])  # (sum numel,)
-        outs, offset = [], 0
-        for layout in layouts:
-            outs.append(flat[offset : offset + layout.numel].view(layout.shape))
-            offset += layout.numel
-        return outs
-    (layout,) = layouts
-    block = gathered.view(world_size, -1)[:, : layout.shard_numel]  # (N, chunk_rows * row_numel)
-    full = block.reshape(world_size * layout.chunk_rows, *layout.shape[1:])
-    return [full[: layout.shape[0]]]
-
-
-def _quantized_gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str):
-    """qwZ: the copy-in quantizes each shard by blocks (``zerograph::pack_quantized``: int8 values
-    and fp32 scales in one uint8 send buffer, small shards raw), the all-gather moves those bytes,
-    the copy-out dequantizes each rank's chunk with its own scales into ``param_dtype``
-    (``zerograph::unpack_dequantized``), parameter-major, then a slice and a view per parameter."""
-    dtype = layouts[0].param_dtype
-    chunk_rows = [layout.chunk_rows for layout in layouts]
-
-    def gather(*shards: torch.Tensor) -> list[torch.Tensor]:
-        send = PACK_QUANTIZED(list(shards), chunk_rows, 1, dtype, BLOCK)  # (rank_bytes,) uint8
-        gathered = funcol.wait_tensor(funcol.all_gather_into_tensor(send, world_size, group_name))
-        flat = UNPACK_DEQUANTIZED(gathered, world_size, chunk_rows, [layout.shape[0] for layout in layouts],
-                                  [layout.row_numel for layout in layouts], dtype, BLOCK)  # (sum numel,)
-        outs, offset = [], 0
-        for layout in layouts:
-            outs.append(flat[offset : offset + layout.numel].view(layout.shape))
-            offset += layout.numel
-        return outs
-
-    return gather
-
-
-def _gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str, quantization: str | None = None):
-    if quantization is not None and quantizes([layout.shard_numel for layout in layouts], layouts[0].param_dtype):
-        return _quantized_gather_fn(layouts, world_size, group_name)
-
-    def gather(*shards: torch.Tensor) -> list[torch.Tensor]:
-        send = _copy_in(shards, layouts)  # (sum shard_numel,)
-        # complex and bool travel as reals / bytes (to_wire), come back as themselves
-        gathered = funcol.all_gather_into_tensor(to_wire(send), world_size, group_name)
-        gathered = from_wire(funcol.wait_tensor(gathered), send.dtype)  # (N * sum shard_numel,)
-        return _copy_out(gathered, layouts, world_size)
-
-    return gather
 
 
 @contract(requires=("markers",), provides=("gathers",))
@@ -163,7 +87,7 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         shard_of = {m.args[1]: m.args[0] for m in markers}
         for shard in shard_of.values():  # a shard's to_local view may sit after the unit's first use
             hoist_before(shard, first, order)
-        fulls = splice(graph, _gather_fn(layouts, ctx.world_size, ctx.group_name, ctx.gather_quantization),
+        fulls = splice(graph, gather_fn(layouts, ctx.world_size, ctx.group_name, ctx.gather_quantization),
                        [shard_of[k] for k in keys], before=first, tag=bucket_tag("gather", layouts),
                        template=("gather", layout_template(layouts), ctx.world_size, ctx.group_name,
                                  ctx.gather_quantization))
@@ -194,16 +118,9 @@ def _replace_by_local_copies(graph: fx.Graph, markers: list[fx.Node], ctx: PassC
         elif key in cast_of:
             full = cast_of[key]
         else:
-            full = cast_of[key] = splice(graph, _cast_fn(dtype), [shard], before=marker, template=("cast", dtype))
+            full = cast_of[key] = splice(graph, cast_fn(dtype), [shard], before=marker, template=("cast", dtype))
         marker.replace_all_uses_with(full)
         graph.erase_node(marker)
-
-
-def _cast_fn(dtype: torch.dtype):
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype)
-
-    return cast
 
 
 def _mark_recompute(fulls: list[fx.Node]) -> None:

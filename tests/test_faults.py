@@ -90,8 +90,8 @@ def test_mismatch_text_names_dtype_and_world_size_one_skips_the_check() -> None:
     empty = runtime.schedule(graph, "forward")
     assert isinstance(empty, CommSchedule) and empty.entries == () and empty.label.startswith("forward graph #")
     a = CommSchedule("x", "forward", (entry,), 0)
-    text = runtime._describe_mismatch(("forward graph #0", a.entries), 1,
-                                      ("forward graph #3", (ScheduleEntry("all_gather", 72, "bfloat16", (1,)),)))
+    text = runtime.schedule_check._describe_mismatch(("forward graph #0", a.entries), 1,
+                                                     ("forward graph #3", (ScheduleEntry("all_gather", 72, "bfloat16", (1,)),)))
     assert "rank 0 runs all_gather of 72 float32 elements for unit" in text
     assert "rank 1 runs all_gather of 72 bfloat16 elements" in text
     runtime.check_schedule(a)  # world size 1: nothing to compare, no collective
@@ -314,20 +314,20 @@ def test_a_peer_dying_during_save_is_a_collective_error(replica_run) -> None:
 def test_eager_collectives_translate_communication_failures(monkeypatch) -> None:
     """A frame Dynamo ran eagerly uses the runtime's eager collectives: a dead peer there is a
     ``CollectiveError`` naming the parameter (gloo's error chained), other errors pass unchanged."""
-    import zerograph.runtime as runtime_module
+    import zerograph.eager as eager_module
 
     runtime = runtime_of_model(zerograph.compile(torch.nn.Linear(4, 3), stage=3))
-    runtime.world_size = 2  # pretend a peer: the eager all-gather runs instead of the one-rank shortcut
+    runtime.topology.world_size = 2  # pretend a peer: the eager all-gather runs instead of the one-rank shortcut
     key = next(k for k, layout in runtime.layouts.items() if layout.fqn == "weight")
 
     def closed(*args, **kwargs):
         raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
 
-    monkeypatch.setattr(runtime_module, "all_gather_single", closed)
+    monkeypatch.setattr(eager_module, "gather_fn", lambda *a, **k: closed)
     with pytest.raises(CollectiveError, match=r"rank 0: the eager all_gather of 'weight' \(run outside a graph") as info:
-        runtime.unshard_eager(torch.zeros(2, 4), key)
+        runtime.eager.unshard(torch.zeros(2, 4), key)
     assert isinstance(info.value.__cause__, RuntimeError)
-    monkeypatch.setattr(runtime_module, "all_gather_single", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape")))
+    monkeypatch.setattr(eager_module, "gather_fn", lambda *a, **k: lambda *t: (_ for _ in ()).throw(RuntimeError("shape")))
     with pytest.raises(RuntimeError, match="shape") as info:
-        runtime.unshard_eager(torch.zeros(2, 4), key)
+        runtime.eager.unshard(torch.zeros(2, 4), key)
     assert not isinstance(info.value, zerograph.ZeroGraphError)

@@ -27,7 +27,7 @@ from .workers_hybrid import MESH_DIMS, hybrid_reload, hybrid_training
 ATOL = RTOL = 1e-5  # fp32, as tests/test_parity.py
 STEPS, LR, BATCH = 3, 1e-3, 8  # 2 samples per rank at world size 4
 # the uneven MLP pads every shard; the graph-break MLP reduces its last layer in an eager frame
-# (Runtime.reduce_grad_eager); GPT ties wte / lm_head. The last run is the one checkpointed.
+# (EagerCollectives.reduce_grad); GPT ties wte / lm_head. The last run is the one checkpointed.
 RUNS = (("mlp", 1), ("mlp", 2), ("mlp_break", 3), ("gpt", 3))
 FORMULA_RUNS = (("mlp", 1), ("mlp", 2), ("gpt", 3))
 

@@ -1,7 +1,7 @@
 """``zerograph::pack_shards`` and ``zerograph::unpack_gathered`` (zerograph.kernels.ops) and their
 use as the passes' copy-in and the all-gather's copy-out.
 
-- bitwise: the ops' CPU kernels, and the passes' ``_copy_in`` / ``_copy_out``, equal the copy-in
+- bitwise: the ops' CPU kernels, and the copy-in / copy-out of ``zerograph.collectives``, equal the copy-in
   and copy-out the passes traced before the ops existed (cast, ``F.pad``, ``reshape``, ``cat``;
   ``view``, column slice, ``reshape``, ``[:rows]``; copied below as ``old_*``), on odd shapes,
   empty and non-contiguous shards, padding, fp32 and bf16 (and a cast for the copy-in);
@@ -16,8 +16,6 @@ use as the passes' copy-in and the all-gather's copy-out.
 """
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,13 +25,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from tests import subprocess_checks
 from tests.subprocess_checks import assert_check_passed, start_checks, stop_checks
 from zerograph.buffer_pool import PACK_SHARDS_OUT
+from zerograph.collectives import gather_copy_in, gather_copy_out, reduce_copy_in
 from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED, pack_shards_numel, unpack_gathered_numel
 from zerograph.sharding import ParamLayout
 from zerograph.state import graphs_of, state_of
 
 # the pass modules (zerograph.passes re-exports each pass function under its module's name)
-insert_allgather = importlib.import_module("zerograph.passes.insert_allgather")
-insert_reduce_scatter = importlib.import_module("zerograph.passes.insert_reduce_scatter")
 
 # (full shape, world size) pairs: odd rows so the last ranks are short or empty, 1-D and 3-D
 SHAPES = [(7, 3), (5,), (1, 9), (4, 2, 3), (3, 5)]
@@ -115,9 +112,9 @@ def test_gather_copy_in_is_bitwise_the_old_one(src, dst, world):
         assert want.numel() == sum(layout.shard_numel for layout in layouts)
         op = PACK_SHARDS(shards, [layout.chunk_rows for layout in layouts], 1, dst)
         assert_bitwise(op, want)
-        assert_bitwise(insert_allgather._copy_in(tuple(shards), layouts), want)
+        assert_bitwise(gather_copy_in(tuple(shards), layouts), want)
         for i in range(len(shards)):  # single-parameter buckets keep the plain ops, same numbers
-            assert_bitwise(insert_allgather._copy_in((shards[i],), [layouts[i]]),
+            assert_bitwise(gather_copy_in((shards[i],), [layouts[i]]),
                            old_gather_copy_in([shards[i]], [layouts[i]]))
 
 
@@ -130,14 +127,14 @@ def test_reduce_copy_in_is_bitwise_the_old_one(src, dst, world):
     want = old_reduce_copy_in(grads, layouts, world, scatter=True)
     assert want.numel() == world * sum(layout.shard_numel for layout in layouts)
     assert_bitwise(PACK_SHARDS(grads, [layout.chunk_rows for layout in layouts], world, dst), want)
-    assert_bitwise(insert_reduce_scatter._copy_in(tuple(grads), layouts, world, True), want)
+    assert_bitwise(reduce_copy_in(tuple(grads), layouts, world, True), want)
     # all-reduce buckets (stage 0, 0-d parameters): flattened and concatenated
     with_scalar = grads + [torch.tensor(1.25, dtype=src)]
     flat_layouts = layouts + [ParamLayout(99, "s", 0, (), src, world, False, (1,) * world, 1, dst, dst)]
-    assert_bitwise(insert_reduce_scatter._copy_in(tuple(with_scalar), flat_layouts, world, False),
+    assert_bitwise(reduce_copy_in(tuple(with_scalar), flat_layouts, world, False),
                    old_reduce_copy_in(with_scalar, flat_layouts, world, scatter=False))
     for i in range(len(grads)):
-        assert_bitwise(insert_reduce_scatter._copy_in((grads[i],), [layouts[i]], world, True),
+        assert_bitwise(reduce_copy_in((grads[i],), [layouts[i]], world, True),
                        old_reduce_copy_in([grads[i]], [layouts[i]], world, scatter=True))
 
 
@@ -218,7 +215,7 @@ def test_gather_copy_out_is_bitwise_the_old_one(dtype, world):
     assert flat.shape == (sum(layout.numel for layout in layouts),) and flat.is_contiguous()
     for got, old in zip(split_params(flat, layouts), want):
         assert_bitwise(got, old)
-    outs = insert_allgather._copy_out(gathered, layouts, world)
+    outs = gather_copy_out(gathered, layouts, world)
     for got, old in zip(outs, want):
         assert_bitwise(got, old)
     # one allocation, not the gathered buffer: every parameter is a view of it, in order
@@ -228,7 +225,7 @@ def test_gather_copy_out_is_bitwise_the_old_one(dtype, world):
     assert [o.storage_offset() for o in outs] == [sum(lay.numel for lay in layouts[:i]) for i in range(len(layouts))]
     for i, layout in enumerate(layouts):  # a single parameter: views of the gathered buffer, same numbers
         alone = make_gathered([layout], world, dtype, seed=40 + i)
-        (got,) = insert_allgather._copy_out(alone, [layout], world)
+        (got,) = gather_copy_out(alone, [layout], world)
         assert_bitwise(got, old_gather_copy_out(alone, [layout], world)[0])
         assert got.untyped_storage().data_ptr() == alone.untyped_storage().data_ptr()
 

@@ -141,8 +141,8 @@ def _shard(model: nn.Module, stage: int, config: Config, placement: Placement,
                       replicate_group=placement.replicate_group, world_group=placement.world_group,
                       secondary_group=placement.node_group)
     runtime.shards = {layout.key: model.get_parameter(layout.fqn) for layout in layouts}
-    runtime.gather_quantization = config.gather_quantization  # graph breaks' eager gathers quantize too
-    runtime.reduce_quantization = config.reduce_quantization  # and their reductions
+    runtime.eager.gather_quantization = config.gather_quantization  # graph breaks' eager gathers quantize too
+    runtime.eager.reduce_quantization = config.reduce_quantization  # and their reductions
     return runtime, fresh
 
 

@@ -439,10 +439,10 @@ def _account(runtime: Runtime, gm: fx.GraphModule, compiled: Callable, backward:
         runtime.check_schedule(schedule)
         for kind, numel, itemsize, group_name in volume:
             dim, size = runtime.comm_dim(group_name)
-            runtime.current.add(kind, numel, itemsize, size, dim)
-        runtime.current.graphs.add(graph_id)
+            runtime.accounting.current.add(kind, numel, itemsize, size, dim)
+        runtime.accounting.current.graphs.add(graph_id)
         if backward:
-            runtime.backward_ran = True
+            runtime.accounting.backward_ran = True
         return runtime.run_graph(schedule, compiled, args)
 
     call._boxed_call = True  # type: ignore[attr-defined]

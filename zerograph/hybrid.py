@@ -4,7 +4,7 @@
 (FSDP2's HSDP, DeepSpeed's MiCS): the model is sharded over the shard dim exactly as over a 1-D
 process group of that size, and the ranks at the same shard coordinate (one per replica) hold the
 same shards. Gathers and reduce-scatters stay inside the shard group; each reduced gradient shard
-is all-reduced across the replicate group (``passes/insert_reduce_scatter.py``), so gradients are
+is all-reduced across the replicate group (``collectives.reduce_fn``, in graphs and eagerly), so gradients are
 averaged over all N = R x S ranks. This module only checks the mesh and names the two groups; the
 runtime and the passes do the rest.
 

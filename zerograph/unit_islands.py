@@ -33,12 +33,12 @@ class _GatheredOnEntry(torch.autograd.Function):
         ctx.keys, ctx.mode = keys, mode
         ctx.set_materialize_grads(False)
         runtime = registry.runtime_of(keys[0])
-        return tuple(runtime.unshard_eager(shard, key) for shard, key in zip(shards, keys))
+        return tuple(runtime.eager.unshard(shard, key) for shard, key in zip(shards, keys))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         runtime = registry.runtime_of(ctx.keys[0])
-        reached = runtime.reached_on_any_rank([grad is not None for grad in grads], ctx.keys[0])
+        reached = runtime.eager.reached_on_any_rank([grad is not None for grad in grads], ctx.keys[0])
         out: list[torch.Tensor | None] = [None, None]
         for grad, key, hit in zip(grads, ctx.keys, reached):
             if not hit:
@@ -47,7 +47,7 @@ class _GatheredOnEntry(torch.autograd.Function):
             if grad is None:
                 layout = registry.layout_of(key)
                 grad = torch.zeros(layout.shape, dtype=layout.param_dtype, device=runtime.device)
-            out.append(runtime.reduce_grad_eager(grad.contiguous(), key, ctx.mode))
+            out.append(runtime.eager.reduce_grad(grad.contiguous(), key, ctx.mode))
         return tuple(out)
 
 

@@ -1,0 +1,102 @@
+"""Gradient accumulation without sync: the full gradients a ``no_sync`` backward holds back.
+
+With ``requires_gradient_sync`` off (FSDP2's ``set_requires_gradient_sync``, DDP's ``no_sync``)
+a backward reduces nothing: each full gradient is added to a buffer here, in ``reduce_dtype``
+(``accumulate``, what ``zerograph::accumulate_unsynced`` runs), and the shard's ``.grad`` gets
+zeros. The next synced backward adds the held sum to each gradient before its one reduction
+(``take``, what ``zerograph::take_unsynced`` runs); what no gradient of it took is reduced once
+its backward ends (``flush_leftovers_after_backward``). ``GradientBuffers.grad_mode`` says which
+of the three a forward's backward does (``sharding.GRAD_MODES``); each traces its own graph.
+
+Layer: execution.
+
+Source: FSDP2's ``set_requires_gradient_sync`` (unsharded gradients accumulated in the reduce
+dtype) and its post-backward final callback.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .accounting import StepAccounting
+from .sharding import ParamLayout
+from .topology import Topology
+from .vocab import GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC
+
+
+class GradientBuffers:
+    """The held full gradients of one compiled model on this rank.
+
+    Attributes:
+        requires_gradient_sync: ``False``: backward keeps full gradients here (no_sync).
+        unsynced: key -> full gradient summed while unsynced, in ``reduce_dtype``.
+        reduce_leftover: ``(full gradient, key) -> None``: reduce one held gradient into its
+            shard's ``.grad`` (set by the runtime, which knows the shards).
+    """
+
+    def __init__(self, layouts: Mapping[int, ParamLayout], topology: Topology, accounting: StepAccounting,
+                 reduce_leftover: Callable[[torch.Tensor, int], None]):
+        self.layouts = layouts  # every key a marker may carry (the runtime's marker_layouts)
+        self.topology = topology
+        self.accounting = accounting
+        self.reduce_leftover = reduce_leftover
+        self.requires_gradient_sync = True
+        self.unsynced: dict[int, torch.Tensor] = {}
+
+    def grad_mode(self) -> str:
+        """What the next forward's backward does with full gradients (``sharding.GRAD_MODES``):
+        keep them here while sync is off, add the kept ones before reducing once it is back on,
+        else reduce them (the only mode, and graph, of a run that never turns sync off)."""
+        if not self.requires_gradient_sync:
+            return GRAD_ACCUMULATE
+        return GRAD_FLUSH if self.unsynced else GRAD_SYNC
+
+    def unsynced_bytes(self) -> int:
+        """Bytes of full gradients held while gradient sync is off (Ψ in ``reduce_dtype`` at most)."""
+        return sum(t.numel() * t.element_size() for t in self.unsynced.values())
+
+    def accumulate(self, grad: torch.Tensor, key: int) -> torch.Tensor:
+        """Add a full gradient to ``key``'s unsynced buffer, in ``reduce_dtype`` (FSDP2 also
+        accumulates unsharded gradients in the reduce dtype). No collective. Returns zeros of the
+        local shard shape in the parameter's dtype: the shard's gradient for this micro-batch."""
+        layout = self.layouts[key]
+        self.accounting.backward_ran = True
+        held = self.unsynced.get(key)
+        if held is None:
+            # a contiguous copy of our own: the graph may reuse grad's storage
+            self.unsynced[key] = grad.to(layout.reduce_dtype, copy=True, memory_format=torch.contiguous_format)
+        else:
+            held.add_(grad)
+        return grad.new_zeros(layout.local_shape(self.topology.rank), dtype=layout.dtype)
+
+    def take(self, grad: torch.Tensor, key: int) -> torch.Tensor:
+        """``grad`` plus ``key``'s unsynced buffer, in ``reduce_dtype`` (a new tensor); forgets the buffer."""
+        out = grad.to(self.layouts[key].reduce_dtype, copy=True, memory_format=torch.contiguous_format)
+        held = self.unsynced.pop(key, None)
+        return out if held is None else out.add_(held)
+
+    def flush_leftovers_after_backward(self, outputs: Any, grad_mode: str) -> None:
+        """After a flushing forward (``grad_mode`` ``"flush"``: sync back on while unsynced
+        gradients are held; any other mode returns at once): make its backward, once done, reduce
+        the held gradients that no gradient of it took (a parameter used in the unsynced
+        micro-batches, e.g. a head, but not in this one), each into its shard's ``.grad``, so
+        ``.grad`` holds the rank-averaged sum of every micro-batch, as DDP's ``no_sync`` gives,
+        and nothing is carried into the next step. The flushing graph cannot: it reduces the
+        parameters whose gradients it produces. Rank-agreed: every rank held the same keys
+        (ranks that ran other graphs fail the schedule check first), reduced in key order.
+        Source: FSDP2's post-backward final callback (``Variable._execution_engine.queue_callback``
+        from a hook on the forward's outputs)."""
+        if grad_mode != GRAD_FLUSH or not self.unsynced or not torch.is_grad_enabled():
+            return
+        tensors = [t for t in torch.utils._pytree.tree_leaves(outputs)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads: torch.autograd.Variable._execution_engine.queue_callback(
+                    self._reduce_leftovers), mode="any")
+
+    def _reduce_leftovers(self) -> None:
+        for key in sorted(self.unsynced):
+            self.reduce_leftover(self.unsynced.pop(key), key)
