@@ -108,7 +108,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     """
     stage = check_stage(stage)
     config = check_arguments(model, stage, config, process_group, mesh)
-    placement = place(model, stage, config, process_group, mesh, device)
+    placement = place(model, config, process_group, mesh, device)
     sync_replicas(model, placement.world_group, placement.device)  # all start from rank 0's values, as with DDP
     units = find_units(model, config.unit_classes)
     warn_large_units(model, units, stage)  # before sharding: the blocks' classes are still their own

@@ -80,7 +80,7 @@ class Placement:
         return 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
 
 
-def place(model: nn.Module, stage: int, config: Config, process_group: dist.ProcessGroup | None,
+def place(model: nn.Module, config: Config, process_group: dist.ProcessGroup | None,
           mesh: DeviceMesh | None, device: torch.device | str | int | None) -> Placement:
     """Resolve ``compile``'s ``process_group`` / ``mesh`` / ``device`` into a ``Placement``,
     creating the default process group when none is initialised (torchrun's environment, or one
@@ -98,8 +98,8 @@ def place(model: nn.Module, stage: int, config: Config, process_group: dist.Proc
     hybrid = mesh is not None
     replicate_group = None
     if hybrid:  # ``group`` becomes the shard group
-        group, replicate_group = hybrid_groups(mesh, stage, device)
-    node_group = secondary_group(group, config.secondary_partition_size, stage, hybrid, config.timeout_s)
+        group, replicate_group = hybrid_groups(mesh, device)
+    node_group = secondary_group(group, config.secondary_partition_size, config.timeout_s)
     return Placement(device, meta_built, group, mesh if hybrid else DeviceMesh.from_group(group, device.type),
                      replicate_group, dist.group.WORLD if hybrid else group, node_group)
 

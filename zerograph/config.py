@@ -294,7 +294,7 @@ def check_stage_options(config: Config, stage: int, *, hybrid: bool = False) -> 
                           f"parameters; stage {stage} keeps them gathered or never gathers them: leave it None")
     if hybrid:
         raise ConfigError("Config.secondary_partition_size (hpZ) and a 2-D mesh (hybrid sharding) do not combine: "
-                          "use one or the other")
+                          "hybrid sharding already keeps every all-gather inside the shard group; use one or the other")
     if config.activations.budget_bytes is not None:
         raise ConfigError("Config.secondary_partition_size (hpZ) with activation_budget_bytes is not supported yet: "
                           "a unit recomputed in backward would read the gathered parameters hpZ releases after "

@@ -28,14 +28,14 @@ REPLICATE_NAMES = ("replicate", "dp_replicate")
 SHARD_NAMES = ("shard", "dp_shard")
 
 
-def hybrid_groups(mesh: DeviceMesh, stage: int, device: torch.device) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """``(shard group, replicate group)`` of this rank in the 2-D ``mesh``, after checking it.
+def hybrid_groups(mesh: DeviceMesh, device: torch.device) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """``(shard group, replicate group)`` of this rank in the 2-D ``mesh``, after checking it (the
+    stage it may serve is ``config.check_stage_options``'s: stages 1-3).
 
     Raises:
         ConfigError: ``mesh`` is not 2-D; its dims are named, but not ``(replicate, shard)`` in
             that order (see ``REPLICATE_NAMES`` / ``SHARD_NAMES``); its device type is not the
-            model's; ``stage`` is 0 (DDP replicates everything, there is nothing for a shard dim
-            to shard: pass ``process_group`` or a 1-D mesh); its shard dim has one rank while
+            model's; its shard dim has one rank while
             the replicate dim has more (nothing is sharded: that is stage 0 over the world).
         ProcessGroupError: the mesh does not span the default process group (its size is not
             the world size), or this rank is not in it.
@@ -52,10 +52,6 @@ def hybrid_groups(mesh: DeviceMesh, stage: int, device: torch.device) -> tuple[d
     if mesh.device_type != device.type:
         raise ConfigError(f"the mesh is on {mesh.device_type!r} but the model's shards live on {device.type!r}: "
                           "build the mesh for the model's device type (CPU with gloo, CUDA with NCCL)")
-    if stage == 0:
-        raise ConfigError("stage 0 (DDP) replicates every parameter, so a 2-D mesh's shard dim has nothing to "
-                          "shard: pass process_group= (or a 1-D mesh) for DDP over all ranks, or choose stage 1-3 "
-                          "for hybrid sharding")
     world = dist.get_world_size()
     if mesh.size() != world:
         raise ProcessGroupError(f"the mesh has {mesh.size()} ranks ({mesh}) but the default process group has "
@@ -70,28 +66,21 @@ def hybrid_groups(mesh: DeviceMesh, stage: int, device: torch.device) -> tuple[d
     return mesh.get_group(1), mesh.get_group(0)
 
 
-def secondary_group(group: dist.ProcessGroup, size: int | None, stage: int, hybrid: bool,
-                    timeout_s: float) -> dist.ProcessGroup | None:
+def secondary_group(group: dist.ProcessGroup, size: int | None, timeout_s: float) -> dist.ProcessGroup | None:
     """hpZ's node group of this rank: ranks ``[k*M, (k+1)*M)`` of ``group`` (in its rank order)
     that hold this rank, M = ``size`` (``Config.secondary_partition_size``); ``None`` when
     ``size`` is ``None``. Every rank of ``group`` creates every node group, in one order (what
-    ``dist.new_group`` requires).
+    ``dist.new_group`` requires). Where hpZ applies (stage 3, no 2-D mesh, no activation budget)
+    is ``config.check_stage_options``'s.
 
     Source: ZeRO++ (arXiv 2306.10209) section 3.2: the secondary partition spans one node.
 
     Raises:
-        ConfigError: a stage other than 3 (only stage 3 re-gathers parameters in backward); a 2-D
-            mesh (hybrid sharding already keeps gathers inside the shard group); M not a divisor
-            of the world size N, or M = N (the node is the world: plain stage 3).
+        ConfigError: M not a divisor of the world size N, or M = N (the node is the world:
+            plain stage 3).
     """
     if size is None:
         return None
-    if stage != 3:
-        raise ConfigError(f"Config.secondary_partition_size (hpZ) applies to stage 3, whose backward re-gathers "
-                          f"parameters; stage {stage} keeps them gathered or never gathers them: leave it None")
-    if hybrid:
-        raise ConfigError("Config.secondary_partition_size (hpZ) with a 2-D mesh: hybrid sharding already keeps "
-                          "every all-gather inside the shard group; use one or the other")
     n = dist.get_world_size(group)
     if n % size or size >= n:
         raise ConfigError(f"Config.secondary_partition_size must divide the world size {n} and be smaller than it "
