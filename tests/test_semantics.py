@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from .distributed import run_as_rank, spawn
-from .workers_semantics import CASES, NOT_RUN, run_case, semantics_runs
+from .workers_semantics import BUILDS, CASES, NOT_RUN, run_case, semantics_runs
 
-STAGES = (0, 1, 2, 3)
 TOLERANCE = 1e-5
 
 # what each (case, templates) may answer instead of eager's numbers: the error class and words of it
@@ -21,7 +20,7 @@ REFUSALS = {("rank-divergent routing", False): ("ScheduleMismatchError", "unit_t
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    return spawn(semantics_runs, 2, STAGES, timeout_s=1800)[0]
+    return spawn(semantics_runs, 2, timeout_s=1800)[0]
 
 
 def _compare(ours: object, theirs: object, path: str) -> list[str]:
@@ -44,9 +43,9 @@ def _compare(ours: object, theirs: object, path: str) -> list[str]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("templates", [True, False], ids=["unit_templates", "per_parameter"])
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage, templates", BUILDS,
+                         ids=[f"{stage}-{'unit_templates' if t else 'per_parameter'}" for stage, t in BUILDS])
 def test_feature_matches_eager_or_is_refused_by_name(runs, stage, case, templates):
     if (case, templates, stage) in NOT_RUN:
         pytest.skip("per-parameter build, stage 0: data-dependent graph breaks in a unit are caught only by "

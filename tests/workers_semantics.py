@@ -371,6 +371,12 @@ CASES: dict[str, Case] = {
 # per-parameter build's ranks run different graphs, and their backward all-reduces then wait for
 # the collective timeout (a CollectiveError) and leave the ranks out of step for the next case
 NOT_RUN = {("rank-divergent routing", False, 0)}
+# (stage, unit_templates) of the matrix: the default build (templates, flat shards, islands) at every
+# stage; the per-parameter build (Config(unit_templates=False)) at its two ends, stage 0 (replicated
+# parameters, gradients all-reduced) and stage 3 (gathered in forward and again in backward,
+# gradients reduce-scattered). Its stages 1-2 put together pieces of those two (a forward gather,
+# a reduce-scatter) that the same per-parameter hooks and markers serve; a cell costs a compile.
+BUILDS = ((0, True), (1, True), (2, True), (3, True), (0, False), (3, False))
 # refused, by name: the captured graphs decided which gradients are reduced (in process, fake world)
 REFUSED_CASES: dict[str, Case] = {
     "requires_grad flips": Case(prepare=lambda model: model.blocks[0].fc1.requires_grad_(False), step=_flip_step),
@@ -427,20 +433,19 @@ def run_case(rank: int, world: int, name: str, stage: int, templates: bool) -> d
     return {"ours": ours, "reference": _train(case, reference, batch, False)}
 
 
-def semantics_runs(rank: int, world: int, stages: tuple[int, ...] = (0, 1, 2, 3),
+def semantics_runs(rank: int, world: int, builds: tuple[tuple[int, bool], ...] = BUILDS,
                    names: tuple[str, ...] | None = None) -> dict:
-    """Every case of ``names`` (default all) at each of ``stages``, with and without unit
-    templates: ``{(stage, name, templates): result or traceback}``. One process pair for every
-    stage: the templates traced for one stage serve the others with the same shard layout."""
+    """Every case of ``names`` (default all) in each of ``builds`` (``(stage, templates)``):
+    ``{(stage, name, templates): result or traceback}``. One process pair for every build: the
+    templates traced for one stage serve the others with the same shard layout."""
     out: dict = {}
-    for stage in stages:
+    for stage, templates in builds:
         for name in names or tuple(CASES):
-            for templates in (True, False):
-                if (name, templates, stage) in NOT_RUN:
-                    continue
-                try:
-                    out[stage, name, templates] = run_case(rank, world, name, stage, templates)
-                except Exception:
-                    out[stage, name, templates] = traceback.format_exc()
+            if (name, templates, stage) in NOT_RUN:
+                continue
+            try:
+                out[stage, name, templates] = run_case(rank, world, name, stage, templates)
+            except Exception:
+                out[stage, name, templates] = traceback.format_exc()
     dist.barrier()
     return out
