@@ -194,14 +194,15 @@ def _xdist_scope(nodeid: str) -> str:
     (``SPAWN_LANE``), run in order by one worker, while the other worker takes the in-process
     tests file by file (``_xdist_group``). At most one such spawn runs at a time, so 2 cores hold
     its 2 ranks and one in-process test instead of two spawns' 4 ranks. A test marked
-    ``own_scope`` (the Llama example, whose ranks import transformers and compile two models) is
-    a scope of its own (``OWN_SCOPE``), one test, which ``--dist loadfile`` hands out after the
+    ``own_scope`` (the Llama example, whose ranks import transformers and compile two models; the
+    semantics matrix's per-parameter builds) is a scope of its own (``OWN_SCOPE``), one test
+    function with its parametrizations, which ``--dist loadfile`` hands out after the
     larger scopes: the in-process worker, which otherwise finishes its queue well before the
     spawn lane, runs it at its end, beside the lane's last spawns."""
     path, _, rest = nodeid.partition("::")
     name = rest.split("[", 1)[0]
-    if name in _own_scope_tests(path):
-        return f"{OWN_SCOPE}:{nodeid}"
+    if name in _own_scope_tests(path):  # every parametrization of it: its module fixtures run once
+        return f"{OWN_SCOPE}:{path}::{name}"
     if name in _spawning_tests(path):
         return SPAWN_LANE
     return _xdist_group(path)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from .distributed import run_as_rank, spawn
-from .workers_semantics import BUILDS, CASES, NOT_RUN, run_case, semantics_runs
+from .workers_semantics import CASES, DEFAULT_BUILDS, NOT_RUN, PER_PARAMETER_BUILDS, run_case, semantics_runs
 
 TOLERANCE = 1e-5
 
@@ -20,7 +20,16 @@ REFUSALS = {("rank-divergent routing", False): ("ScheduleMismatchError", "unit_t
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    return spawn(semantics_runs, 2, timeout_s=1800)[0]
+    return spawn(semantics_runs, 2, DEFAULT_BUILDS, timeout_s=1800)[0]
+
+
+@pytest.fixture(scope="module")
+def per_parameter_runs() -> dict:
+    return spawn(semantics_runs, 2, PER_PARAMETER_BUILDS, timeout_s=1800)[0]
+
+
+def _ids(builds: tuple[tuple[int, bool], ...]) -> list[str]:
+    return [f"{stage}-{'unit_templates' if templates else 'per_parameter'}" for stage, templates in builds]
 
 
 def _compare(ours: object, theirs: object, path: str) -> list[str]:
@@ -44,9 +53,23 @@ def _compare(ours: object, theirs: object, path: str) -> list[str]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("stage, templates", BUILDS,
-                         ids=[f"{stage}-{'unit_templates' if t else 'per_parameter'}" for stage, t in BUILDS])
+@pytest.mark.parametrize("stage, templates", DEFAULT_BUILDS, ids=_ids(DEFAULT_BUILDS))
 def test_feature_matches_eager_or_is_refused_by_name(runs, stage, case, templates):
+    _check(runs, stage, case, templates)
+
+
+# its own spawn, in a scope of its own: the in-process lane runs it beside the spawn lane's end
+@pytest.mark.distributed
+@pytest.mark.own_scope
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("stage, templates", PER_PARAMETER_BUILDS, ids=_ids(PER_PARAMETER_BUILDS))
+def test_per_parameter_build_matches_eager_or_is_refused_by_name(per_parameter_runs, stage, case, templates):
+    _check(per_parameter_runs, stage, case, templates)
+
+
+def _check(runs: dict, stage: int, case: str, templates: bool) -> None:
+    """The cell ``(stage, case, templates)`` of ``runs``: eager's numbers to ``TOLERANCE``, or the
+    refusal ``REFUSALS`` names for it."""
     if (case, templates, stage) in NOT_RUN:
         pytest.skip("per-parameter build, stage 0: data-dependent graph breaks in a unit are caught only by "
                     "the collective timeout (docs/semantics.md); the default build runs such a unit as an island")

@@ -376,7 +376,9 @@ NOT_RUN = {("rank-divergent routing", False, 0)}
 # parameters, gradients all-reduced) and stage 3 (gathered in forward and again in backward,
 # gradients reduce-scattered). Its stages 1-2 put together pieces of those two (a forward gather,
 # a reduce-scatter) that the same per-parameter hooks and markers serve; a cell costs a compile.
-BUILDS = ((0, True), (1, True), (2, True), (3, True), (0, False), (3, False))
+DEFAULT_BUILDS = ((0, True), (1, True), (2, True), (3, True))
+PER_PARAMETER_BUILDS = ((0, False), (3, False))
+BUILDS = DEFAULT_BUILDS + PER_PARAMETER_BUILDS
 # refused, by name: the captured graphs decided which gradients are reduced (in process, fake world)
 REFUSED_CASES: dict[str, Case] = {
     "requires_grad flips": Case(prepare=lambda model: model.blocks[0].fc1.requires_grad_(False), step=_flip_step),
