@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import zerograph
-from zerograph import capture
+from zerograph import lowering
 from zerograph.islands import lower_islands
 from zerograph.models.gpt import GPT, GPTConfig
 from zerograph.state import graphs_of
@@ -115,8 +115,8 @@ def test_distinct_islands_do_not_grow_with_depth(monkeypatch) -> None:
     def no_inductor(*args):
         raise AssertionError("Inductor was asked to lower a graph that calls templates")
 
-    monkeypatch.setattr(capture, "_inductor", no_inductor)
-    monkeypatch.setattr(capture, "_inductor_island", no_inductor)
+    monkeypatch.setattr(lowering, "_inductor", no_inductor)
+    monkeypatch.setattr(lowering, "_inductor_island", no_inductor)
     found = {}
     for blocks in (2, 8):
         with fake_rank(2):
@@ -127,7 +127,7 @@ def test_distinct_islands_do_not_grow_with_depth(monkeypatch) -> None:
             record = graphs_of(model)[0]
             for kind in ("forward", "backward"):
                 inputs = [n.meta["val"] for n in record[kind].graph.find_nodes(op="placeholder")]
-                lowered, counts = capture._lower("inductor", record[kind], inputs, kind, with_islands=False)
+                lowered, counts = lowering.lower("inductor", record[kind], inputs, kind, with_islands=False)
                 assert counts is None and lowered._boxed_call, kind  # the graph's own Python, boxed
                 split, islands, compiled = lower_islands(record[kind], kind, _Recorder())
                 assert _call_sequence(split) == _call_sequence(record[kind]), (blocks, kind)

@@ -4,7 +4,7 @@ With ``Config.unit_templates`` a unit's body is already lowered by Inductor once
 (``unit_trace``), so what the model's graph still holds per unit is glue: the unit's
 all-gather and wait, its ``unit_forward`` / ``unit_backward`` call and the outputs it hands
 over, a gradient's pre-divide and its reduce-scatter. Handing that whole graph to Inductor
-(``capture._lower``'s other path) costs Inductor's lowering, scheduling and code generation for
+(``lowering.lower``'s other path) costs Inductor's lowering, scheduling and code generation for
 every unit's glue: at 32 GPT blocks it was most of the first step's growth with depth.
 
 Here the graph is split instead into *islands*: maximal runs of consecutive ATen ops with at
@@ -141,7 +141,7 @@ def lower_islands(gm: fx.GraphModule, kind: str, compile_island: IslandCompiler)
             fake values (``meta["val"]``); left unchanged.
         kind: ``"forward"``, ``"backward"`` or ``"inference"``, handed to ``compile_island``.
         compile_island: ``(island, fake inputs, kind) -> boxed callable`` returning the island's
-            outputs as a list (``capture._inductor_island``: Inductor's ``compile_fx_inner``); an
+            outputs as a list (``lowering._inductor_island``: Inductor's ``compile_fx_inner``); an
             island returns a tuple, also of one tensor.
 
     Returns:

@@ -27,7 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import registry
-from .capture import parameter_write_error
+from .parameter_writes import parameter_write_error
 from .passes._fx import sink_to_first_use
 from .sharding import set_tracing_unit
 
@@ -393,7 +393,7 @@ def _slot_name(module: nn.Module, slot: tuple[nn.Module, str]) -> str:
 def _check_no_writes(name: str, joint: fx.GraphModule, n_primals: int, parameters: dict[int, str],
                      cut_out: dict[StorageWeakRef, str] | None = None) -> None:
     """Refuse a body that writes a primal in place: a parameter with ``ShardingError`` (as
-    ``capture.check_no_parameter_writes`` refuses it inline: the write would be lost), anything
+    ``parameter_writes.check_no_parameter_writes`` refuses it inline: the write would be lost), anything
     else (an argument, a buffer: a batch norm's statistics) with ``ValueError``, which makes the
     kind run inline. ``parameters``: primal index -> the parameter's name in the unit;
     ``cut_out``: storages of parameters cut out of a flat shard -> their names (writes refused too)."""
