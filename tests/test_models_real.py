@@ -93,7 +93,7 @@ def test_eval_returns_to_sharded_baseline(runs, stage: int) -> None:
     inference graphs are reused between training steps (at most one per grad mode)."""
     for result in stage_results(runs, stage):
         assert all(all(point["baseline"]) for point in result["evals"])
-        assert ["backward", "forward", "joint"] in result["graph_kinds"]  # training ran as graphs too
+        assert ["backward", "forward", "joint", "partitioned"] in result["graph_kinds"]  # training ran as graphs too
         graphs = result["inference_graphs"]
         assert 1 <= len(graphs) <= 2, result["graph_kinds"]
         for graph in graphs:

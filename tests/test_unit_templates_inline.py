@@ -79,7 +79,7 @@ def test_a_dynamic_shape_leaves_the_static_graphs_their_templates() -> None:
     evaluate()
     records = graphs_of(model)
     assert [sorted(k for k in r if k != "dynamo") for r in records] == [
-        ["inference"], ["backward", "forward", "joint"], ["backward", "forward", "joint"]]
+        ["inference"], ["backward", "forward", "joint", "partitioned"], ["backward", "forward", "joint", "partitioned"]]
     templated = [any(n.target is UNIT_FORWARD for n in r["inference" if "inference" in r else "forward"].graph.nodes)
                  for r in records]
     assert templated == [True, True, False]
@@ -266,7 +266,7 @@ def test_a_kind_falls_back_in_training_only_and_keeps_its_eval_template() -> Non
     assert list(kind.inline_modes) == [train_mode] and "in place" in kind.inline_modes[train_mode]
     assert [key[1:] for key in kind.templates] == [(0, 0)]  # the eval template, input without gradient
     graph_kinds = [sorted(k for k in record if k != "dynamo") for record in graphs_of(model)]
-    assert graph_kinds == [["inference"], ["backward", "forward", "joint"]]
+    assert graph_kinds == [["inference"], ["backward", "forward", "joint", "partitioned"]]
 
 
 class _Writer(nn.Module):

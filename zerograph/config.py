@@ -281,8 +281,9 @@ def check_stage_options(config: Config, stage: int, *, hybrid: bool = False) -> 
         ConfigError: naming the option and what to do.
     """
     if stage == 0 and (config.gather_quantization or config.reduce_quantization):
-        raise ConfigError("Config.gather_quantization and reduce_quantization need stage 1-3: stage 0 (DDP) "
-                          "all-reduces full gradients and gathers nothing; leave them None at stage 0")
+        raise ConfigError("Config.gather_quantization and reduce_quantization need stage 1-3: they quantize the "
+                          "all-gathers and reduce-scatters of stages 1-3, and stage 0 (DDP) all-reduces full "
+                          "gradients and gathers nothing; leave them None at stage 0")
     if hybrid and stage == 0:
         raise ConfigError("a 2-D mesh (hybrid sharding) needs stage 1-3: stage 0 (DDP) replicates every parameter, "
                           "so the shard dim has nothing to shard; pass process_group= (or a 1-D mesh) for DDP over "
