@@ -60,3 +60,14 @@ def test_a_failed_system_is_reported_not_faked():
                         "systems": {"fsdp2-compile": failed}}]}
     table = format_table(result)
     assert "failed" in table and "boom" in table
+
+
+def test_zerograph_memory_is_the_cli_of_the_side_by_side_and_refuses_bad_flags(capsys) -> None:
+    """``zerograph memory`` parses the example's flags and refuses an unknown model or a width the
+    heads do not divide before it starts any process (exit status 2, one line naming it)."""
+    from zerograph import cli
+
+    assert cli.main(["memory", "--models", "gpt,bert", "--world-size", "8"]) == 2
+    assert "unknown model(s) / system(s): ['bert']" in capsys.readouterr().err
+    assert cli.main(["memory", "--models", "gpt", "--gpt", "100x2:1x8", "--heads", "16"]) == 2
+    assert "width 100 is not a multiple of --heads 16" in capsys.readouterr().err

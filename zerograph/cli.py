@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_inspect(subparsers)
     add_bench(subparsers)
+    add_memory(subparsers)
     return parser
 
 
@@ -48,6 +49,16 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(parser)
     parser.set_defaults(handler=bench.run)
+
+
+def add_memory(subparsers: argparse._SubParsersAction) -> None:
+    from .bench import side_by_side_cli  # imported on use, as the bench
+
+    parser = subparsers.add_parser("memory", help="peak memory of one rank: zerograph vs FSDP2 vs FSDP2 + compile",
+                                   description=side_by_side_cli.__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    side_by_side_cli.add_arguments(parser)
+    parser.set_defaults(handler=side_by_side_cli.run)
 
 
 # ---------------------------------------------------------------------------------------------
