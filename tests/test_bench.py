@@ -182,7 +182,7 @@ def test_priming_runs_one_model_per_kind_and_leaves_no_bytes_held():
     from .distributed import fake_rank
 
     defaults = Config()
-    specs = bench.parse_systems("zerograph-s3,zerograph-s1-nopool,zerograph-s3-noov",
+    specs = bench.parse_systems("zerograph-s3,zerograph-s1-pool,zerograph-s3-noov",
                                 defaults.prefetch_depth, defaults.bucket_bytes)
     first_pool = next(buffer_pool._POOL_IDS)
     def runtimes() -> list:  # type(), not isinstance(): a dead weakref.proxy in gc's list raises on isinstance
@@ -200,14 +200,14 @@ def test_priming_runs_one_model_per_kind_and_leaves_no_bytes_held():
 
 
 def test_system_names_parse():
-    spec = bench.parse_system("zerograph-s3-noov-nopool-pf2-bb65536-inductor", prefetch_depth=1, bucket_bytes=0)
+    spec = bench.parse_system("zerograph-s3-noov-pool-pf2-bb65536-inductor", prefetch_depth=1, bucket_bytes=0)
     config = spec.config
     assert (spec.kind, spec.stage, config.prefetch_depth, config.bucket_bytes, config.lowering) == (
         "zerograph", 3, 2, 65536, "inductor")
-    assert config.disabled_passes == ("prefetch", "schedule_overlap", "buffer_reuse")
+    assert config.disabled_passes == ("prefetch", "schedule_overlap") and config.pool_comm_buffers
     default = bench.parse_system("zerograph-s1", prefetch_depth=3, bucket_bytes=1024).config
     assert (default.prefetch_depth, default.bucket_bytes, default.disabled_passes, default.lowering) == (
-        3, 1024, (), "eager")
+        3, 1024, (), "eager") and not default.pool_comm_buffers
     assert default.unit_templates == Config().unit_templates  # what no modifier sets is Config's default
     assert bench.parse_system("fsdp2-compile", 1, 0).compiled
     quantized = bench.parse_system("zerograph-s3-qw-qg", 1, 0).config

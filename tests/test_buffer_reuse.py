@@ -16,10 +16,11 @@ from .workers import pooled_trainings
 
 STEPS = 3
 MODEL = "gpt_deep"  # 8 blocks: enough units for the in-flight bound to mean something
-# the default build (a flat shard per unit) at depths 1 and 2, the pass disabled, and the
-# per-parameter build (which pools each bucket's send buffers too)
-CONFIGS = (zerograph.Config(prefetch_depth=1), zerograph.Config(prefetch_depth=2),
-           zerograph.Config(disabled_passes=("buffer_reuse",)), zerograph.Config(prefetch_depth=1, unit_templates=False))
+# the default build (a flat shard per unit) at depths 1 and 2 with the pool asked for, the default
+# Config (no pool: the allocator serves comm buffers), and the per-parameter build with the pool
+# (which pools each bucket's send buffers too)
+CONFIGS = (zerograph.Config(prefetch_depth=1, pool_comm_buffers=True), zerograph.Config(prefetch_depth=2, pool_comm_buffers=True),
+           zerograph.Config(), zerograph.Config(prefetch_depth=1, unit_templates=False, pool_comm_buffers=True))
 POOLED = (0, 1, 3)  # the runs with the pass on
 
 
@@ -55,7 +56,7 @@ def test_no_comm_buffer_is_allocated_after_the_first_step() -> None:
             assert run["allocations"][0] > 0
             assert run["allocations"] == [run["allocations"][0]] * STEPS
             assert run["pool_bytes"] == [run["pool_bytes"][0]] * STEPS
-        assert rank_runs[2]["allocations"] == [0] * STEPS  # the pass disabled: nothing pooled
+        assert rank_runs[2]["allocations"] == [0] * STEPS  # the default: nothing pooled
 
 
 @pytest.mark.distributed

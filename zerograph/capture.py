@@ -86,7 +86,7 @@ class ZeroGraphBackend:
                            tuple(runtime.units), schedule=config.schedule, memory=config.memory,
                            activations=dataclasses.replace(config.activations, group=None),
                            activation_group=config.activations.group_for_passes(),
-                           buffer_pool=_pool_for(self.lowering, runtime),
+                           buffer_pool=_pool_for(self.lowering, runtime, config),
                            replicate_group=(None if runtime.replicate_group is None
                                             else (runtime.replicate_group_name, runtime.replicate_size)),
                            gather_quantization=config.gather_quantization,
@@ -195,11 +195,12 @@ def _offloading(joint: fx.GraphModule) -> contextlib.AbstractContextManager:
     return torch._functorch.config.patch(**known)
 
 
-def _pool_for(lowering: str, runtime: Runtime) -> int | None:
-    """The buffer pool ``buffer_reuse`` may use: the runtime's under the eager lowering; none under
-    Inductor, which plans its own buffers and hands a dead buffer's storage to a later one, so a
-    pooled slot could end up as the storage of a tensor that outlives the graph (a gradient)."""
-    return runtime.buffer_pool.id if lowering == "eager" else None
+def _pool_for(lowering: str, runtime: Runtime, config: Config) -> int | None:
+    """The buffer pool ``buffer_reuse`` may use: the runtime's under the eager lowering when
+    ``MemoryPolicy.pool_comm_buffers`` asks for it; none under Inductor, which plans its own
+    buffers and hands a dead buffer's storage to a later one, so a pooled slot could end up as the
+    storage of a tensor that outlives the graph (a gradient)."""
+    return runtime.buffer_pool.id if lowering == "eager" and config.memory.pool_comm_buffers else None
 
 
 def _account(runtime: Runtime, gm: fx.GraphModule, compiled: Callable, backward: bool, graph_id: int) -> Callable:

@@ -45,6 +45,7 @@ FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
     "unshard_budget_bytes": ("memory", "unshard_budget_bytes"),
     "reshard_root_after_forward": ("memory", "reshard_root_after_forward"),
     "memory_budget_bytes": ("memory", "budget_bytes"),
+    "pool_comm_buffers": ("memory", "pool_comm_buffers"),
     "activation_budget_bytes": ("activations", "budget_bytes"),
     "activation_offload": ("activations", "offload"),
     "activation_group": ("activations", "group"),

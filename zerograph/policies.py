@@ -141,21 +141,31 @@ class MemoryPolicy:
             saved activations are not known at ``compile``). ``compile`` keeps the largest
             ``prefetch_depth`` up to the schedule's whose plan fits, and raises ``ConfigError``
             with the plan's parts when even ``prefetch_depth=0`` does not. ``None``: no budget.
+        pool_comm_buffers: ``True``: under the eager lowering, every comm buffer that dies inside
+            its graph comes from a pool of slots allocated in the first step and held across
+            steps (``buffer_reuse``; ZeRO-R's constant-size buffers and defragmentation, C_B and
+            M_D): no comm buffer is allocated after the first step, but the slots stay allocated
+            where the step peaks with no collective in flight (the start of backward, the
+            optimizer step). ``False`` (the default): the allocator serves comm buffers and each
+            is freed after its last use, as FSDP2's are; the lower peak. Inductor plans its own
+            buffers: no pool there either way.
 
-    Source: DeepCompile's selective unsharding (arXiv 2504.09983); FSDP2's ``reshard_after_forward``.
+    Source: DeepCompile's selective unsharding (arXiv 2504.09983); FSDP2's ``reshard_after_forward``;
+    ZeRO-R (arXiv 1910.02054) sections 6.2-6.3 for the pool.
     """
 
     unshard_budget_bytes: int = 0
     reshard_root_after_forward: bool = True
     budget_bytes: int | None = None
+    pool_comm_buffers: bool = False
 
     def __post_init__(self) -> None:
         check_count("MemoryPolicy", "unshard_budget_bytes", self.unshard_budget_bytes, "bytes", minimum=0)
         if self.budget_bytes is not None:
             check_count("MemoryPolicy", "budget_bytes", self.budget_bytes, "bytes", minimum=1)
-        if not isinstance(self.reshard_root_after_forward, bool):
-            raise ConfigError(f"MemoryPolicy.reshard_root_after_forward must be a bool, "
-                              f"got {self.reshard_root_after_forward!r}")
+        for name in ("reshard_root_after_forward", "pool_comm_buffers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"MemoryPolicy.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)

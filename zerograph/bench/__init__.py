@@ -12,12 +12,12 @@ agree across systems.
 described in ``clusters.json`` (or ``local``: this machine, as a self-consistency check).
 
 Systems (``--systems``, comma-separated):
-    zerograph-s<0-3>[-noov][-nopool][-keeproot][-pf<K>][-bb<BYTES>][-inductor][-islands][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>]
+    zerograph-s<0-3>[-noov][-pool][-keeproot][-pf<K>][-bb<BYTES>][-inductor][-islands][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>]
         ``zerograph.compile`` at that stage with a ``Config``: each modifier sets one ``Config``
         keyword (``systems.MODIFIERS``) on the bench's base, and ``Config`` checks the result;
         ``-noov`` disables ``config.OVERLAP_PASSES`` (every
-        wait right after its start); ``-nopool`` disables ``buffer_reuse`` (comm buffers from the
-        allocator each step instead of a pool held across steps); ``-keeproot`` sets
+        wait right after its start); ``-pool`` sets ``Config.pool_comm_buffers=True`` (comm buffers
+        from a pool held across steps instead of the allocator's); ``-keeproot`` sets
         ``Config.reshard_root_after_forward=False`` (the root unit stays gathered from forward
         to backward, as FSDP2 keeps its root); ``-pf``/``-bb`` override ``--prefetch-depth`` /
         ``--bucket-bytes``; ``-inductor`` lowers with Inductor instead of running FX eagerly;

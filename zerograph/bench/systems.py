@@ -31,7 +31,7 @@ from .workloads import Workload
 # number written after the modifier (``-bb65536``). ``disabled_passes`` accumulates.
 MODIFIERS: dict[str, tuple[str, Any]] = {
     "noov": ("disabled_passes", OVERLAP_PASSES),      # every wait right after its start
-    "nopool": ("disabled_passes", ("buffer_reuse",)),  # comm buffers from the allocator each step
+    "pool": ("pool_comm_buffers", True),  # comm buffers from a pool held across steps (buffer_reuse)
     "keeproot": ("reshard_root_after_forward", False),
     "pf": ("prefetch_depth", int),
     "bb": ("bucket_bytes", int),
