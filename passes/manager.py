@@ -100,7 +100,9 @@ def check_disabled_passes(disabled: Sequence[str]) -> None:
     for kind in GRAPH_KINDS:
         problem = pipeline_problem(kind, pipeline(kind), disabled)
         if problem is not None:
-            raise ConfigError(f"Config.disabled_passes={tuple(disabled)} cannot run: {problem}")
+            raise ConfigError(f"Config.disabled_passes={tuple(disabled)} cannot run: {problem}. A pass that "
+                              "provides what the pipeline needs is required: leave it enabled (it does nothing "
+                              "on a graph it does not apply to)")
 
 
 def run_pipeline(graphs: Graphs, ctx: PassContext, passes: Sequence[Pass], *,

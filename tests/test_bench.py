@@ -200,11 +200,16 @@ def test_priming_runs_one_model_per_kind_and_leaves_no_bytes_held():
 
 
 def test_system_names_parse():
-    spec = bench.parse_system("zerograph-s3-noov-pool-pf2-bb65536-inductor", prefetch_depth=1, bucket_bytes=0)
+    spec = bench.parse_system("zerograph-s3-noov-pf2-bb65536-inductor", prefetch_depth=1, bucket_bytes=0)
     config = spec.config
     assert (spec.kind, spec.stage, config.prefetch_depth, config.bucket_bytes, config.lowering) == (
         "zerograph", 3, 2, 65536, "inductor")
-    assert config.disabled_passes == ("prefetch", "schedule_overlap") and config.pool_comm_buffers
+    assert config.disabled_passes == ("prefetch", "schedule_overlap") and not config.pool_comm_buffers
+    assert bench.parse_system("zerograph-s3-pool", 1, 0).config.pool_comm_buffers
+    with pytest.raises(ConfigError, match="lowering='inductor' plans its own buffers"):
+        bench.parse_system("zerograph-s3-pool-inductor", 1, 0)
+    with pytest.raises(ConfigError, match="-nopool is gone"):
+        bench.parse_system("zerograph-s3-nopool", 1, 0)
     default = bench.parse_system("zerograph-s1", prefetch_depth=3, bucket_bytes=1024).config
     assert (default.prefetch_depth, default.bucket_bytes, default.disabled_passes, default.lowering) == (
         3, 1024, (), "eager") and not default.pool_comm_buffers

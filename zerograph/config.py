@@ -183,6 +183,9 @@ class Config:
         if self.inductor_islands and self.lowering == "eager":
             raise ConfigError("Config.inductor_islands asks Inductor to lower the compute between units, but "
                               "lowering='eager' runs no Inductor; use lowering='inductor' or 'auto'")
+        if self.memory.pool_comm_buffers and self.lowering == "inductor":
+            raise ConfigError("Config.pool_comm_buffers pools the eager lowering's comm buffers, but "
+                              "lowering='inductor' plans its own buffers; use lowering='eager' or leave the pool off")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise ConfigError(f"Config.timeout_s must be positive seconds, got {self.timeout_s!r}")
         cost_model = self.activations.cost_model

@@ -313,7 +313,7 @@ def format_table(result: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 1 + "---:|" * (len(head) - 1)]
     notes = []
     for row in result["rows"]:
-        cells = [row["label"], f"{row['plan']['psi'] / 1e6:.0f}M"]
+        cells = [row["label"], f"{row['plan']['psi']:,}"]
         peaks = {}
         for system in systems:
             r = row["systems"].get(system, {})

@@ -53,7 +53,8 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [n for n in names if n not in MODELS] + [s for s in systems if s not in SYSTEMS]
     if bad:
-        print(f"zerograph memory: unknown model(s) / system(s): {bad}", file=sys.stderr)
+        print(f"zerograph memory: unknown model(s) / system(s): {bad}; models: {', '.join(MODELS)}; "
+              f"systems: {', '.join(SYSTEMS)}", file=sys.stderr)
         return 2
     specs = {}
     for name in names:

@@ -105,7 +105,9 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
         return SystemSpec(name, "fsdp2", compiled=name == "fsdp2-compile")
     match = _ZEROGRAPH_NAME.match(name)
     if not match:
-        raise ConfigError(f"unknown system {name!r}: expected {GRAMMAR}, ddp, fsdp2 or fsdp2-compile")
+        removed = (" (-nopool is gone: comm buffers come from the allocator by default; -pool asks for the pool)"
+                   if "-nopool" in name else "")
+        raise ConfigError(f"unknown system {name!r}: expected {GRAMMAR}, ddp, fsdp2 or fsdp2-compile{removed}")
     stage = int(match["stage"])
     mods = [re.fullmatch(r"([a-z]+)(\d*)", mod).groups() for mod in match["mods"].split("-")[1:]]
     repeated = sorted({m for m, _ in mods if [k for k, _ in mods].count(m) > 1})
