@@ -192,7 +192,9 @@ def _activation_root(node: fx.Node) -> fx.Node | None:
 
 def regions(graph: fx.Graph, units: Sequence[Unit]) -> tuple[dict[int, _Region], set[fx.Node]]:
     """Each non-root unit's forward nodes, and the roots of the activations outside every unit."""
-    backward = backward_nodes(graph)
+    # the output node returns the gradients, so backward_nodes counts it in backward; a forward
+    # value it returns (the loss) goes to the caller, not to backward: it is not saved
+    backward = backward_nodes(graph) - set(graph.find_nodes(op="output"))
     owner: dict[fx.Node, int | None] = {}
     for node in graph.nodes:
         if node.op != "call_function" or node in backward or TAG in node.meta:
