@@ -44,21 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
 def add_bench(subparsers: argparse._SubParsersAction) -> None:
     from . import bench  # imported on use: the benchmark pulls in DDP / FSDP2
 
-    parser = subparsers.add_parser("bench", help="compare stages and schedules with DDP and FSDP2",
-                                   description=bench.__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench.add_arguments(parser)
-    parser.set_defaults(handler=bench.run)
+    _add_tool(subparsers, "bench", "compare stages and schedules with DDP and FSDP2", bench)
 
 
 def add_memory(subparsers: argparse._SubParsersAction) -> None:
     from .bench import side_by_side_cli  # imported on use, as the bench
 
-    parser = subparsers.add_parser("memory", help="peak memory of one rank: zerograph vs FSDP2 vs FSDP2 + compile",
-                                   description=side_by_side_cli.__doc__,
+    _add_tool(subparsers, "memory", "peak memory of one rank: zerograph vs FSDP2 vs FSDP2 + compile", side_by_side_cli)
+
+
+def _add_tool(subparsers: argparse._SubParsersAction, name: str, help_text: str, module) -> None:
+    """Subcommand ``name`` served by ``module``: its docstring, ``add_arguments(parser)`` and ``run(args)``."""
+    parser = subparsers.add_parser(name, help=help_text, description=module.__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    side_by_side_cli.add_arguments(parser)
-    parser.set_defaults(handler=side_by_side_cli.run)
+    module.add_arguments(parser)
+    parser.set_defaults(handler=module.run)
 
 
 # ---------------------------------------------------------------------------------------------
