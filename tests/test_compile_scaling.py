@@ -102,11 +102,12 @@ def _compile_look_alikes(blocks: int) -> torch.nn.Module:
 
 
 def _traces_and_code(blocks: int, monkeypatch: pytest.MonkeyPatch, limit: int,
-                     build=None, first_in_process: bool = True) -> tuple[int, dict[str, str]]:
+                     build=None, first_in_process: bool = True, keep: dict | None = None) -> tuple[int, dict[str, str]]:
     """Splice traces (``make_fx`` calls) and the final graphs' code of a stage-3 GPT of ``blocks``
     blocks (or ``build(blocks)``'s model), with at most ``limit`` templates kept per compile (0:
     every splice traces); as the first compile of a process (no traced splice kept from an
-    earlier one) unless ``first_in_process`` is False."""
+    earlier one) unless ``first_in_process`` is False. ``keep`` gets the graphs, the dump's
+    report (built in the fake world) and the splices the compile kept (``_fx._RECIPES``)."""
     traces = 0
     real = _fx.make_fx
 
@@ -120,33 +121,52 @@ def _traces_and_code(blocks: int, monkeypatch: pytest.MonkeyPatch, limit: int,
     if first_in_process:
         monkeypatch.setattr(_fx, "_RECIPES", collections.OrderedDict())
     with fake_rank(2):
-        record = graphs_of((build or _compile_gpt)(blocks))[0]
+        model = (build or _compile_gpt)(blocks)
+        record = graphs_of(model)[0]
         # the buffer pool's number differs from model to model; all else must match
         code = {kind: re.sub(r"pool_buffer\.default\(\d+,", "pool_buffer.default(POOL,", record[kind].code)
                 for kind in ("forward", "backward")}
+        if keep is not None:
+            report = build_report(runtime_of_model(model), state_of(model).captured, None)
+            keep.update(record=record, report=report, text=summary_markdown(report), recipes=_fx._RECIPES)
     return traces, code
 
 
-@pytest.mark.slow  # two GPTs of 4 blocks, each compiled twice: about 8 CPU s
-def test_identical_blocks_share_splice_traces_and_graphs_are_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A GPT of 4 blocks traces as many splice replacements as one of 2 (each block's all-gather
+@pytest.fixture(scope="module")
+def first_gpt_compile() -> dict:
+    """The stage-3 GPT of 2 blocks as the first compile of the process, once for the three tests
+    that read it (each compiled it before): its splice traces and final code, and what ``keep``
+    of ``_traces_and_code`` holds."""
+    kept: dict = {}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        kept["traces"], kept["code"] = _traces_and_code(2, monkeypatch, _fx.TEMPLATE_LIMIT, keep=kept)
+    return kept
+
+
+@pytest.mark.slow  # two GPTs of 3 blocks
+def test_identical_blocks_share_splice_traces_and_graphs_are_unchanged(first_gpt_compile,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPT of 3 blocks traces as many splice replacements as one of 2 (each block's all-gather
     and reduce-scatter are copies of one template), and its final graphs are exactly those built
     without templates."""
-    traces_2, _ = _traces_and_code(2, monkeypatch, _fx.TEMPLATE_LIMIT)
-    traces_4, code_4 = _traces_and_code(4, monkeypatch, _fx.TEMPLATE_LIMIT)
-    untemplated_4, plain_code_4 = _traces_and_code(4, monkeypatch, 0)
-    assert traces_4 == traces_2, (traces_2, traces_4)
+    blocks = 3  # two blocks past the first: each would trace its own splices without templates
+    traces_2 = first_gpt_compile["traces"]
+    traces, code = _traces_and_code(blocks, monkeypatch, _fx.TEMPLATE_LIMIT)
+    untemplated, plain_code = _traces_and_code(blocks, monkeypatch, 0)
+    assert traces == traces_2, (traces_2, traces)
     # without templates every block after the first traces its gather and its reduction anew
-    assert untemplated_4 >= traces_4 + 2 * 3, (traces_4, untemplated_4)
-    assert code_4 == plain_code_4
+    assert untemplated >= traces + 2 * (blocks - 1), (traces, untemplated)
+    assert code == plain_code
 
 
-def test_a_second_compile_in_the_process_traces_no_splice_and_builds_the_same_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_second_compile_in_the_process_traces_no_splice_and_builds_the_same_graphs(
+        first_gpt_compile, monkeypatch: pytest.MonkeyPatch) -> None:
     """The splices of a later compile of the same model re-run the first compile's traced ops on
     their own fake values (``_fx._retraced``): no ``make_fx`` call, and the final graphs equal
     those of the first compile, which traced every template."""
-    first_traces, first_code = _traces_and_code(2, monkeypatch, _fx.TEMPLATE_LIMIT)
-    assert first_traces > 0 and _fx._RECIPES  # what the first compile kept
+    first_traces, first_code = first_gpt_compile["traces"], first_gpt_compile["code"]
+    assert first_traces > 0 and first_gpt_compile["recipes"]  # what the first compile kept
+    monkeypatch.setattr(_fx, "_RECIPES", first_gpt_compile["recipes"])  # and only that
     traces, code = _traces_and_code(2, monkeypatch, _fx.TEMPLATE_LIMIT, first_in_process=False)
     assert traces == 0
     assert code == first_code
@@ -162,17 +182,13 @@ def test_look_alike_blocks_get_their_own_splices(monkeypatch: pytest.MonkeyPatch
     assert traces < untemplated
 
 
-def test_summary_shows_each_pass_time_per_graph() -> None:
-    with fake_rank(2):
-        model = _compile_gpt(2)
-        record = graphs_of(model)[0]
-        for kind in ("joint", "partitioned", "forward", "backward"):
-            times = record[kind].meta[PASS_TIMES]
-            assert list(times["seconds"]) == [p.__name__ for p in pipeline(kind)]
-            if kind != "partitioned":  # the pair's graphs go on into the forward / backward pipelines
-                assert times["nodes_out"] == len(record[kind].graph.nodes)
-        report = build_report(runtime_of_model(model), state_of(model).captured, None)
-        text = summary_markdown(report)
+def test_summary_shows_each_pass_time_per_graph(first_gpt_compile) -> None:
+    record, report, text = (first_gpt_compile[k] for k in ("record", "report", "text"))
+    for kind in ("joint", "partitioned", "forward", "backward"):
+        times = record[kind].meta[PASS_TIMES]
+        assert list(times["seconds"]) == [p.__name__ for p in pipeline(kind)]
+        if kind != "partitioned":  # the pair's graphs go on into the forward / backward pipelines
+            assert times["nodes_out"] == len(record[kind].graph.nodes)
     assert "## Compile time of the passes" in text
     assert [(r["kind"], list(r["seconds"])) for r in report["passes"]] == [
         (kind, [p.__name__ for p in pipeline(kind)]) for kind in ("joint", "partitioned", "forward", "backward")]
