@@ -11,6 +11,9 @@ after the next unit's gather had started, so three units were alive there.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 
@@ -26,6 +29,10 @@ from zerograph.state import state_of
 from .distributed import fake_rank
 
 WORLD = 8
+# the "small" sizes with 3 blocks instead of 4: a root and three blocks, the fewest in which a
+# third unit alive at once would show (``_check``)
+GPT_CONFIG = dataclasses.replace(GPT_SIZES["small"], n_layer=3)
+LLAMA_CONFIG = dataclasses.replace(LLAMA_SIZES["small"], n_layers=3)
 
 
 def _step(model: torch.nn.Module, vocab: int, seq: int) -> zerograph.Stats:
@@ -56,7 +63,7 @@ def _check(model: torch.nn.Module, stats: zerograph.Stats) -> None:
 def test_llama_inline_blocks_hold_at_most_two_units_and_the_root() -> None:
     """torchtitan's Llama (layers in a ModuleDict; its complex RoPE input keeps templates off): each
     block bucket is unpacked (``unpack_gathered``), the path that held three units."""
-    cfg = LLAMA_SIZES["small"]
+    cfg = LLAMA_CONFIG
     with fake_rank(WORLD):
         torch.manual_seed(0)
         with torch.device("meta"):
@@ -68,17 +75,24 @@ def test_llama_inline_blocks_hold_at_most_two_units_and_the_root() -> None:
         _check(model, stats)
 
 
+@functools.lru_cache(maxsize=None)
+def _gpt_step(templates: bool) -> tuple[torch.nn.Module, zerograph.Stats]:
+    """The small GPT at stage 3, one step as rank 0 of a fake world of ``WORLD``, with unit
+    templates (the default build) or without; the default build's once for the two tests below."""
+    cfg = GPT_CONFIG
+    with fake_rank(WORLD):
+        torch.manual_seed(0)
+        model = zerograph.compile(GPT(cfg), stage=3, config=zerograph.Config(unit_templates=templates))
+        return model, _step(model, cfg.vocab_size, cfg.block_size)
+
+
 @pytest.mark.parametrize("templates", [True, False], ids=["templates", "per-parameter"])
 def test_gpt_holds_at_most_two_units_and_the_root(templates: bool) -> None:
     """The GPT (blocks in a ModuleList) with unit templates (flat shards: the gathered buffer is
     viewed, not unpacked) and without (per-parameter buckets, unpacked)."""
-    cfg = GPT_SIZES["small"]
-    with fake_rank(WORLD):
-        torch.manual_seed(0)
-        model = zerograph.compile(GPT(cfg), stage=3, config=zerograph.Config(unit_templates=templates))
-        stats = _step(model, cfg.vocab_size, cfg.block_size)
-        assert bool(state_of(model).runtime.flat_shards) == templates
-        _check(model, stats)
+    model, stats = _gpt_step(templates)
+    assert bool(state_of(model).runtime.flat_shards) == templates
+    _check(model, stats)
 
 
 def test_template_cuts_parameters_out_of_the_flat_shard_at_their_uses() -> None:
@@ -87,31 +101,28 @@ def test_template_cuts_parameters_out_of_the_flat_shard_at_their_uses() -> None:
     the forward body stay well below the unit's bytes (before: every parameter copied at once)."""
     from zerograph.unit_trace import _CUTTING_OPS
 
-    cfg = GPT_SIZES["small"]
-    with fake_rank(WORLD):
-        torch.manual_seed(0)
-        model = zerograph.compile(GPT(cfg), stage=3)
-        _step(model, cfg.vocab_size, cfg.block_size)
-        # this model's templates only: the registry also holds other tests' (a weak, process-wide table)
-        templates = [t for kind in state_of(model).unit_kinds for t in kind.templates.values()]
-        assert templates
-        for template in templates:
-            graph = template.forward_graph.graph
-            nodes = list(graph.nodes)
-            flat = max((n for n in nodes if n.op == "placeholder"), key=lambda n: n.meta["val"].numel())
-            cuts, stack = [], [flat]
-            while stack:
-                for user in stack.pop().users:
-                    if user.target in _CUTTING_OPS and user not in cuts:
-                        cuts.append(user)
-                        stack.append(user)
-            copies = [n for n in cuts if n.target is torch.ops.aten.clone.default]
-            pos = {n: i for i, n in enumerate(nodes)}
-            last = {c: pos[c] for c in copies}
-            for node in nodes:  # a copy lives to the last read of it or of a view of it
-                for inp in node.all_input_nodes:
-                    root = storage_root(inp)
-                    if root in last:
-                        last[root] = max(last[root], pos[node])
-            alive = max(sum(c.meta["val"].numel() for c in copies if pos[c] <= i <= last[c]) for i in range(len(nodes)))
-            assert len(copies) > 2 and alive <= flat.meta["val"].numel() // 2, (alive, flat.meta["val"].numel())
+    assert zerograph.Config().unit_templates  # the default build: _gpt_step(True)
+    model, _ = _gpt_step(True)
+    # this model's templates only: the registry also holds other tests' (a weak, process-wide table)
+    templates = [t for kind in state_of(model).unit_kinds for t in kind.templates.values()]
+    assert templates
+    for template in templates:
+        graph = template.forward_graph.graph
+        nodes = list(graph.nodes)
+        flat = max((n for n in nodes if n.op == "placeholder"), key=lambda n: n.meta["val"].numel())
+        cuts, stack = [], [flat]
+        while stack:
+            for user in stack.pop().users:
+                if user.target in _CUTTING_OPS and user not in cuts:
+                    cuts.append(user)
+                    stack.append(user)
+        copies = [n for n in cuts if n.target is torch.ops.aten.clone.default]
+        pos = {n: i for i, n in enumerate(nodes)}
+        last = {c: pos[c] for c in copies}
+        for node in nodes:  # a copy lives to the last read of it or of a view of it
+            for inp in node.all_input_nodes:
+                root = storage_root(inp)
+                if root in last:
+                    last[root] = max(last[root], pos[node])
+        alive = max(sum(c.meta["val"].numel() for c in copies if pos[c] <= i <= last[c]) for i in range(len(nodes)))
+        assert len(copies) > 2 and alive <= flat.meta["val"].numel() // 2, (alive, flat.meta["val"].numel())
