@@ -7,6 +7,7 @@ themselves. Worlds of one, or rank 0 of a fake world of 2 for the collective sch
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -54,6 +55,49 @@ def _symbolic(graph: torch.fx.Graph) -> bool:
     return False
 
 
+def _gpt_on_lengths(config: GPTConfig, templates: bool, lengths: tuple[int, ...],
+                    evaluate_around: bool = False) -> nn.Module:
+    """Rank 0 of a fake world of 2: ``config``'s GPT at stage 3, one training step at each of
+    ``lengths``. With ``evaluate_around``: a GPT of other shapes trained first (Dynamo keeps shape
+    history per code location), and an eval at the first length before and after the steps."""
+    with fake_rank(2):
+        if evaluate_around:
+            other = zerograph.compile(GPT(GPTConfig(n_layer=1, n_embd=8, n_head=2, block_size=4)), 3,
+                                      config=TEMPLATES)
+            other(*[torch.randint(0, 256, (3, 4))] * 2).backward()
+        torch.manual_seed(0)
+        model = zerograph.compile(GPT(config), 3, config=zerograph.Config(unit_templates=templates))
+        first = torch.randint(0, 256, (2, lengths[0]))
+
+        def evaluate() -> None:
+            model.eval()
+            with torch.no_grad():
+                model(first, first)
+            model.train()
+
+        if evaluate_around:
+            evaluate()
+        for length in lengths:
+            idx = first if length == lengths[0] else torch.randint(0, 256, (2, length))
+            model(idx, idx).backward()
+        if evaluate_around:
+            evaluate()
+    return model
+
+
+def _inline_gpt_config(dropout: float = 0.0) -> GPTConfig:
+    return GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=16, dropout=dropout)
+
+
+@functools.lru_cache(maxsize=None)
+def _templated_gpt_on_two_lengths() -> nn.Module:
+    """The templated GPT at lengths 16 then 8 (dynamic), evaluated around its steps: one compile
+    of each graph for test_a_dynamic_shape_leaves_the_static_graphs_their_templates and the
+    dynamic-shapes case of test_units_that_run_inline_gather_again_in_backward (its evals add an
+    inference graph, no backward one)."""
+    return _gpt_on_lengths(_inline_gpt_config(), True, (16, 8), evaluate_around=True)
+
+
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_a_dynamic_shape_leaves_the_static_graphs_their_templates() -> None:
     """A length change makes Dynamo trace a dynamic graph, in which every unit runs inline; the
@@ -61,22 +105,9 @@ def test_a_dynamic_shape_leaves_the_static_graphs_their_templates() -> None:
     first length after it is not traced again (the fallback set a flag every graph guarded on,
     so each was traced once more). A GPT of other shapes trained first in this process: Dynamo
     keeps shape history per code location, and the model's first graph is static all the same
-    (before, it was traced with symbolic sizes, and so without templates)."""
-    other = zerograph.compile(GPT(GPTConfig(n_layer=1, n_embd=8, n_head=2, block_size=4)), 3, config=TEMPLATES)
-    other(*[torch.randint(0, 256, (3, 4))] * 2).backward()
-    model = zerograph.compile(GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=16)), 3, config=TEMPLATES)
-    long, short = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 8))
-
-    def evaluate() -> None:
-        model.eval()
-        with torch.no_grad():
-            model(long, long)
-        model.train()
-
-    evaluate()
-    model(long, long).backward()
-    model(short, short).backward()  # dynamic
-    evaluate()
+    (before, it was traced with symbolic sizes, and so without templates). Rank 0 of a fake
+    world of 2 (``_templated_gpt_on_two_lengths``)."""
+    model = _templated_gpt_on_two_lengths()
     records = graphs_of(model)
     assert [sorted(k for k in r if k != "dynamo") for r in records] == [
         ["inference"], ["backward", "forward", "joint", "partitioned"], ["backward", "forward", "joint", "partitioned"]]
@@ -208,21 +239,19 @@ def test_units_that_run_inline_gather_again_in_backward(why: str) -> None:
     and a rank on the dynamic inline one ran different collectives (``ScheduleMismatchError``).
     Rank 0 of a fake world of 2: every backward graph's schedule equals the untemplated build's,
     which gathers each block again."""
-    config = GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=16, dropout=0.1 if why == "dropout" else 0.0)
+    config = _inline_gpt_config(dropout=0.1 if why == "dropout" else 0.0)
     lengths = (16, 8) if why == "dynamic shapes" else (16,)
     schedules = {}
     for templates in (False, True):
-        with fake_rank(2):
-            torch.manual_seed(0)
-            model = zerograph.compile(GPT(config), 3, config=zerograph.Config(unit_templates=templates))
-            for length in lengths:
-                idx = torch.randint(0, 256, (2, length))
-                model(idx, idx).backward()
-            schedules[templates] = [schedule_of(record["backward"].graph, "backward", "").entries
-                                    for record in graphs_of(model) if "backward" in record]
-            if templates:
-                (kind,) = state_of(model).unit_kinds
-                assert kind.inline_reason is not None and kind.flat_shards  # inline, on flat shards
+        if templates and why == "dynamic shapes":
+            model = _templated_gpt_on_two_lengths()
+        else:
+            model = _gpt_on_lengths(config, templates, lengths)
+        schedules[templates] = [schedule_of(record["backward"].graph, "backward", "").entries
+                                for record in graphs_of(model) if "backward" in record]
+        if templates:
+            (kind,) = state_of(model).unit_kinds
+            assert kind.inline_reason is not None and kind.flat_shards  # inline, on flat shards
     assert len(schedules[True]) == len(lengths) and schedules[True] == schedules[False]
     for entries in schedules[True]:
         assert {e.units for e in entries if e.kind == "all_gather"} == {(0,), (1,), (2,)}
