@@ -14,6 +14,7 @@ import zerograph
 from zerograph.capture import _offloading, measured_bytes
 from zerograph.costmodel import CostModel, nominal_cost_model
 from zerograph.dump import node_comments
+from zerograph.models.gpt import GPT, GPTConfig
 from zerograph.passes.activation_partition import (
     ACTIVATION,
     KEEP,
@@ -34,16 +35,19 @@ from zerograph.policies import ActivationPolicy
 from zerograph.sharding import Unit
 
 from .distributed import spawn
-from .models import DEEP_GPT, build, global_batch, reference_training
+from .models import global_batch, reference_training
 from .test_parity import LR, check_parity
 from .workers_activation import SLOW_COMPUTE, activation_runs
 
 STEPS = 2
-UNITS = (Unit(0, "", ()),) + tuple(Unit(i + 1, f"blocks.{i}", ()) for i in range(DEEP_GPT.n_layer))
+# the in-process plans' GPT (compiled three times): 4 blocks, enough for a half budget that
+# recomputes some blocks and keeps others; 8 (gpt_deep) only made each graph twice as long
+PLANNED_GPT = GPTConfig(block_size=16, n_layer=4, n_head=2, n_embd=16)
+UNITS = (Unit(0, "", ()),) + tuple(Unit(i + 1, f"blocks.{i}", ()) for i in range(PLANNED_GPT.n_layer))
 
 
 def compile_single(budget: int | None, offload: bool = False) -> dict:
-    """The deep GPT under plain ``torch.compile`` (one process, no sharding) with only this pass on
+    """A GPT of 4 blocks under plain ``torch.compile`` (one process, no sharding) with only this pass on
     the joint graph: its plan, the joint and forward graphs, and the measured saved bytes of one
     forward (on the device, and offloaded to the host)."""
     seen: dict = {}
@@ -76,8 +80,9 @@ def compile_single(budget: int | None, offload: bool = False) -> dict:
         return aot_module_simplified(gm, example_inputs, fw_compiler=forward_compiler,
                                      bw_compiler=lambda g, _: make_boxed_func(g), partition_fn=partition)
 
-    model = build("gpt_deep")
-    loss = torch.compile(model, backend=backend)(*global_batch("gpt_deep", 0, 2))
+    torch.manual_seed(0)
+    model = GPT(PLANNED_GPT)
+    loss = torch.compile(model, backend=backend)(*global_batch("gpt", 0, 2))
     loss.backward()
     seen["loss"] = loss.item()
     seen["grads"] = {n: p.grad for n, p in model.named_parameters()}
@@ -102,15 +107,15 @@ def single(budget: int | None, offload: bool = False) -> dict:
 def test_plan_keeps_within_budget_and_never_recomputes_the_root() -> None:
     free = single(None)
     plan = plan_activations(free["joint"].graph, UNITS, free["saved_bytes"] // 2, nominal_cost_model())
-    assert [u.unit for u in plan.units] == list(range(1, DEEP_GPT.n_layer + 1))  # the root unit is never planned
+    assert [u.unit for u in plan.units] == list(range(1, PLANNED_GPT.n_layer + 1))  # the root unit is never planned
     assert plan.unconstrained_bytes >= free["saved_bytes"]  # an upper bound of what the partitioner saves
     assert plan.planned_bytes <= plan.budget_bytes < plan.unconstrained_bytes
-    assert 0 < len(plan.recomputed) < DEEP_GPT.n_layer
+    assert 0 < len(plan.recomputed) < PLANNED_GPT.n_layer
     for unit in plan.units:
         assert unit.freed_bytes > 0 and unit.recompute_flops > 0 and unit.recompute_s > 0
         assert unit.decision in (KEEP, RECOMPUTE)
     everything = plan_activations(free["joint"].graph, UNITS, 0, nominal_cost_model())
-    assert everything.recomputed == list(range(1, DEEP_GPT.n_layer + 1))
+    assert everything.recomputed == list(range(1, PLANNED_GPT.n_layer + 1))
     assert everything.planned_bytes >= everything.root_bytes
     assert plan_activations(free["joint"].graph, UNITS, 10**9, nominal_cost_model()).recomputed == []
     cost = CostModel(world_size=1, flops_per_s=1e9, bytes_per_s=1e9, op_overhead_s=1e-6, collectives={})
@@ -133,9 +138,9 @@ def test_pass_tags_units_like_checkpoint_and_keeps_numbers() -> None:
     ids = {n.meta["ac_graph_id"] for n in tagged}
     assert ids == set(range(1, len(tight["plan"].recomputed) + 1))  # one region per unit, as checkpoint's
     notes = [n.meta[ACTIVATION]["note"] for n in tight["joint"].graph.nodes if "note" in n.meta.get(ACTIVATION, {})]
-    assert len(notes) == DEEP_GPT.n_layer and any("recompute in backward" in t for t in notes)
+    assert len(notes) == PLANNED_GPT.n_layer and any("recompute in backward" in t for t in notes)
     comments = [c for lines in node_comments(tight["joint"].graph, UNITS).values() for c in lines]
-    assert sum("activations of unit" in c for c in comments) == DEEP_GPT.n_layer  # the dump prints them
+    assert sum("activations of unit" in c for c in comments) == PLANNED_GPT.n_layer  # the dump prints them
 
 
 def test_budget_none_changes_nothing() -> None:
@@ -199,7 +204,7 @@ def test_plan_prefers_the_cheapest_option_and_falls_back_to_one_that_frees_more(
     assert loose.decided(PARTITION) and not loose.recomputed  # cheapest first, and one unit is enough
     assert all(u.partition_s > 0 and u.offload_s is None for u in loose.units)
     tight = plan_activations(joint, UNITS, 0, SLOW_COMPUTE, group_size=2)
-    assert tight.recomputed == list(range(1, DEEP_GPT.n_layer + 1)) and not tight.decided(PARTITION)
+    assert tight.recomputed == list(range(1, PLANNED_GPT.n_layer + 1)) and not tight.decided(PARTITION)
     assert tight.planned_bytes < loose.planned_bytes
     both = plan_activations(joint, UNITS, 0, SLOW_COMPUTE, offload=True, group_size=2)
     for unit in both.units:  # out of budget, each unit ends with the option that frees the most
