@@ -4,7 +4,8 @@ Each check compiles the tiny GPT (2 blocks + the root unit) as rank 0 of a fake 
 process (``zerograph.fake_world``), trains one step and looks at where the passes put every
 collective's start and wait relative to the compute that needs it, and at a profiled second step.
 Parity with all passes on is covered by test_parity (the default pipeline); here also with a byte
-cap and a deeper prefetch (spawned gloo ranks).
+cap and a deeper prefetch (spawned gloo ranks), whose rank 0's graphs the checks of those
+schedules read (a graph of rank 0 of a real world is the fake world's).
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ from zerograph.vocab import TAG
 from .distributed import run_as_rank, spawn
 from .models import build, global_batch, rank_slice, reference_training
 from .test_parity import LR, STEPS, check_parity
-from .workers import train
+from .training import train_steps
 
-# nine compiles in this process (about 40 s of CPU) before the first check: outside `make test-fast`
+# six compiles in this process before the first check: outside `make test-fast`
 pytestmark = pytest.mark.slow
 
 
@@ -58,18 +59,27 @@ def schedule_facts(gm: fx.GraphModule) -> dict:
     return {"collectives": collectives, "first_compute": first_compute}
 
 
-def one_step_facts(stage: int, config_kwargs: dict, rank: int, world_size: int) -> dict:
+def model_facts(model: torch.nn.Module) -> dict:
+    """``schedule_facts`` of the forward and backward of ``model``'s first graph, its units, and
+    how many of its parameters are sharded."""
+    record = graphs_of(model)[0]
+    runtime = runtime_of_model(model)
+    return {"forward": schedule_facts(record["forward"]), "backward": schedule_facts(record["backward"]),
+            "units": [u.name for u in runtime.units],
+            "sharded_params": sum(1 for layout in runtime.layouts.values() if layout.sharded)}
+
+
+def one_step_facts(stage: int, config_kwargs: dict, rank: int, world_size: int, profiled: bool) -> dict:
+    """With ``profiled``, also a profiled second step (``measured``)."""
     torch._dynamo.reset()  # one process compiles many models of one class: stay under Dynamo's recompile limit
     model = zerograph.compile(build("gpt"), stage=stage, config=zerograph.Config(**config_kwargs))
     batch = rank_slice(global_batch("gpt", 0, 4), rank, world_size)
     model(*batch).backward()
-    record = graphs_of(model)[0]
-    runtime = runtime_of_model(model)
-    measured = zerograph.measure(lambda: model(*batch).backward(), warmup=0)  # a profiled second step
-    return {"forward": schedule_facts(record["forward"]), "backward": schedule_facts(record["backward"]),
-            "units": [u.name for u in runtime.units],
-            "sharded_params": sum(1 for layout in runtime.layouts.values() if layout.sharded),
-            "measured": {"overlap_s": measured.overlap_s(), "collectives": measured.collective_counts()}}
+    facts = model_facts(model)
+    if profiled:
+        measured = zerograph.measure(lambda: model(*batch).backward(), warmup=0)
+        facts["measured"] = {"overlap_s": measured.overlap_s(), "collectives": measured.collective_counts()}
+    return facts
 
 
 SCHEDULES = {
@@ -81,13 +91,19 @@ SCHEDULES = {
     "no_bucketing": {"disabled_passes": ("bucketing",), "unit_templates": False},
     "cap_all": {"bucket_bytes": 1 << 30},
 }
-RUNS = [(3, "default"), (3, "depth2"), (3, "no_overlap"), (3, "no_bucketing"), (3, "cap_all"),
-        (3, "deep_unbounded"), (2, "deep_unbounded"), (1, "deep_unbounded"), (2, "default")]
+# the in-process runs; the stage-3 runs under PARITY_SCHEDULES are read off the parity spawn's rank 0
+RUNS = [(3, "default"), (3, "no_overlap"), (3, "deep_unbounded"), (2, "deep_unbounded"), (1, "deep_unbounded"),
+        (2, "default")]
+PARITY_SCHEDULES = ("depth2", "cap_all", "no_bucketing", "no_overlap")
+
+
+# the runs whose profiled second step test_measured_step_has_collectives_in_flight_while_compute_runs reads
+PROFILED = {(3, "default"), (3, "no_overlap")}
 
 
 def all_facts(rank: int, world_size: int) -> dict:
     """Every (stage, schedule) the tests read, compiled one after another in one process group."""
-    return {run: one_step_facts(run[0], SCHEDULES[run[1]], rank, world_size) for run in RUNS}
+    return {run: one_step_facts(run[0], SCHEDULES[run[1]], rank, world_size, run in PROFILED) for run in RUNS}
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,14 +115,43 @@ def facts(stage: int, schedule: str) -> dict:
     return _all_facts()[(stage, schedule)]
 
 
+def train_under_schedules(rank: int, world_size: int, schedules: tuple[str, ...]) -> dict:
+    """Stage 3 under each schedule in turn: ``STEPS`` AdamW steps of the tiny GPT (losses, full
+    parameters) and ``model_facts`` of its graphs."""
+    results = {}
+    for name in schedules:
+        torch._dynamo.reset()
+        model = zerograph.compile(build("gpt"), stage=3, config=zerograph.Config(**SCHEDULES[name]))
+        _, losses = train_steps(model, lambda step, model=model: model(
+            *rank_slice(global_batch("gpt", step, 4), rank, world_size)), STEPS, LR)
+        results[name] = {"losses": losses, "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+                         **model_facts(model)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def spawned() -> list[dict]:
+    """Two gloo ranks, ``train_under_schedules`` over ``PARITY_SCHEDULES`` (one spawn for the
+    parity test and the structure tests that read a schedule's graphs off rank 0)."""
+    return spawn(train_under_schedules, 2, PARITY_SCHEDULES)
+
+
 def gathers_in_use_order(graph: dict) -> list[dict]:
     return sorted((c for c in graph["collectives"] if c["role"] == "gather"), key=lambda c: c["wait"])
 
 
-@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_prefetch_starts_gather_before_compute_of_unit_depth_places_earlier(kind: str, depth: int) -> None:
-    graph = facts(3, "default" if depth == 1 else "depth2")[kind]
+def test_prefetch_starts_gather_before_compute_of_unit_depth_places_earlier(kind: str) -> None:
+    _check_prefetch(facts(3, "default")[kind], 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_prefetch_depth_2_starts_gathers_two_units_earlier(spawned, kind: str) -> None:
+    _check_prefetch(spawned[0]["depth2"][kind], 2)
+
+
+def _check_prefetch(graph: dict, depth: int) -> None:
     gathers = gathers_in_use_order(graph)
     assert len(gathers) == 3  # root unit + 2 blocks, each gathered again in backward
     for i in range(depth, len(gathers)):
@@ -158,7 +203,7 @@ def test_reduction_waits_respect_the_inflight_bound(stage: int) -> None:
         assert current["between"] > 0, current  # overlapped with compute
 
 
-def test_bucketing_one_collective_per_unit_per_parameter_or_per_cap() -> None:
+def test_bucketing_one_collective_per_unit() -> None:
     per_unit = facts(3, "default")
     n_units = len(per_unit["units"])
     for kind in ("forward", "backward"):
@@ -166,30 +211,26 @@ def test_bucketing_one_collective_per_unit_per_parameter_or_per_cap() -> None:
         assert sorted(c["units"][0] for c in gathers) == list(range(n_units))
     reduces = [c for c in per_unit["backward"]["collectives"] if c["role"] == "reduce"]
     assert sorted(c["units"][0] for c in reduces) == list(range(n_units))
-    per_param = facts(3, "no_bucketing")
+
+
+@pytest.mark.distributed
+def test_bucketing_off_one_collective_per_parameter_and_a_cap_above_the_model_one_bucket(spawned) -> None:
+    per_param = spawned[0]["no_bucketing"]
     gathers = [c for c in per_param["forward"]["collectives"] if c["role"] == "gather"]
     assert len(gathers) == per_param["sharded_params"]
-    capped = facts(3, "cap_all")  # a cap above the model's size: one bucket of every unit
+    capped = spawned[0]["cap_all"]  # a cap above the model's size: one bucket of every unit
+    n_units = len(capped["units"])
+    assert n_units == 3  # the root unit and the two blocks
     for kind in ("forward", "backward"):
         gathers = [c for c in capped[kind]["collectives"] if c["role"] == "gather"]
         assert len(gathers) == 1 and sorted(gathers[0]["units"]) == list(range(n_units))
 
 
-def train_under_schedules(rank: int, world_size: int, schedules: tuple[str, ...]) -> dict:
-    results = {}
-    for name in schedules:
-        torch._dynamo.reset()
-        results[name] = train(rank, world_size, "gpt", 3, STEPS, 4, LR, zerograph.Config(**SCHEDULES[name]))
-    return results
-
-
 @pytest.mark.distributed
-def test_parity_under_other_schedules() -> None:
+def test_parity_under_other_schedules(spawned) -> None:
     """Loss and parameters match single-process eager to 1e-5 under each schedule (the default
     one is test_parity's)."""
-    schedules = ("depth2", "cap_all", "no_bucketing", "no_overlap")
-    results = spawn(train_under_schedules, 2, schedules)
     reference = reference_training("gpt", STEPS, 4, LR)
-    for by_schedule in results:
-        for name in schedules:
+    for by_schedule in spawned:
+        for name in PARITY_SCHEDULES:
             check_parity(by_schedule[name], reference)
