@@ -25,25 +25,28 @@ from .workers_meta import (
     gpt_init_passes,
     llama_meta_init,
     meta_gpt,
-    meta_parity,
+    meta_parity_and_llama,
     meta_parity_and_memory,
     ordinary_llama,
     run_script,
 )
 
 STAGES = [0, 1, 2, 3]
-# training after a meta init costs a torch.compile per spawn: once, sharded (stage 3) at world 4.
-# The init and the loads are bitwise at every stage; test_parity covers training at every stage.
-TRAIN_WORLD, TRAIN_STAGE = 4, 3
+# training after a meta init costs a torch.compile per rank: once, sharded (stage 3), at world 2
+# (a compile on 2 ranks, not 4; UNEVEN_GPT's shards are padded at world 2 as at 4). The init and
+# the loads are bitwise at every stage and both world sizes; test_parity covers training at every stage.
+TRAIN_WORLD, TRAIN_STAGE = 2, 3
+LLAMA_STEPS = 2
 
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory) -> dict[int, list[dict]]:
-    """Two spawns: world 2, and world 4 followed by the memory measurement in the same ranks (which
-    fix glibc's mmap threshold first: ``workers_meta.fix_mmap_threshold``)."""
-    return {2: spawn(meta_parity, 2, STAGES, [], str(tmp_path_factory.mktemp("w2")), timeout_s=500),
-            4: spawn(meta_parity_and_memory, 4, STAGES, [TRAIN_STAGE], str(tmp_path_factory.mktemp("w4")),
-                     timeout_s=700)}
+    """Two spawns: world 2 with the GPT's and torchtitan's Llama's training after a meta init, and
+    world 4 followed by the memory measurement in the same ranks (which fix glibc's mmap threshold
+    first: ``workers_meta.fix_mmap_threshold``)."""
+    return {2: spawn(meta_parity_and_llama, 2, STAGES, [TRAIN_STAGE], str(tmp_path_factory.mktemp("w2")),
+                     LLAMA_STEPS, timeout_s=600),
+            4: spawn(meta_parity_and_memory, 4, STAGES, [], str(tmp_path_factory.mktemp("w4")), timeout_s=700)}
 
 
 @pytest.mark.distributed
@@ -77,8 +80,9 @@ def test_training_after_meta_init_matches_the_ordinary_model(parity_runs) -> Non
 
 
 @pytest.mark.distributed
-def test_torchtitan_llama_meta_init_trains_as_the_ordinary_build_on_two_ranks() -> None:
-    for result in spawn(llama_meta_init, 2, 2, timeout_s=300):
+def test_torchtitan_llama_meta_init_trains_as_the_ordinary_build_on_two_ranks(parity_runs) -> None:
+    for result in (rank["llama"] for rank in parity_runs[2]):
+        assert len(result["losses"]) == LLAMA_STEPS
         assert result["left"] == [] and result["rows_differ"] == []
         assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-5, abs=1e-5)
 
@@ -199,9 +203,11 @@ def test_meta_model_with_buffers_initialises_to_the_ordinary_build_and_refuses_u
 def test_torchtitan_llama_meta_init_reassigning_its_rope_buffer_equals_the_ordinary_build(rank) -> None:
     """Layers in a ModuleDict (a unit each), ``freqs_cis`` a non-persistent complex buffer that the
     root's init re-assigns: counted as written, copied into the buffer compile allocated, and each
-    rank's rows bitwise the ordinary build's. Rank ``rank`` of a fake world of 2 (rank 0 then runs
-    a forward, no longer refused)."""
-    result = run_as_rank(llama_meta_init, 2, 0, rank == 0, rank=rank)
+    rank's rows bitwise the ordinary build's. Rank ``rank`` of a fake world of 2, without a
+    forward: that the model then runs (no longer refused) is checked on two gloo ranks by
+    test_torchtitan_llama_meta_init_trains_as_the_ordinary_build_on_two_ranks, whose ranks train
+    it after this same ``llama_meta_init``."""
+    result = run_as_rank(llama_meta_init, 2, 0, False, rank=rank)
     assert result["left"] == []  # was ['freqs_cis']: the re-assigned buffer looked never written
     assert result["rows_differ"] == []
     assert result["buffer_kept"] and result["buffer_equal"]

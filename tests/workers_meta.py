@@ -282,6 +282,17 @@ def meta_parity_and_memory(rank: int, world_size: int, stages: list[int], train_
     return out
 
 
+def meta_parity_and_llama(rank: int, world_size: int, stages: list[int], train_stages: list[int], directory: str,
+                          llama_steps: int) -> dict:
+    """``meta_parity``, then ``llama_meta_init`` with ``llama_steps`` of training in the same ranks
+    (one spawn instead of two: a process start and the ranks' first compile cost more than the
+    checks)."""
+    out = meta_parity(rank, world_size, stages, train_stages, directory)
+    torch._dynamo.reset()
+    out["llama"] = llama_meta_init(rank, world_size, llama_steps)
+    return out
+
+
 def run_script(rank: int, world_size: int, script: str, argv: list[str]) -> tuple[object, str]:
     """Run ``script`` as ``__main__`` with ``argv``, as torchrun runs it on this rank (``spawn(...,
     init_group=False)`` gives the environment) -> (its exit code, what it printed)."""
