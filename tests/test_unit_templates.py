@@ -7,6 +7,7 @@ kind); look-alike blocks and untraceable blocks in a world of one."""
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import operator
 import types
@@ -24,30 +25,30 @@ from zerograph.ops import UNIT_BACKWARD, UNIT_CALL, UNIT_CALL_BACKWARD, UNIT_FOR
 from zerograph.runtime import schedule_of
 from zerograph.state import graphs_of, runtime_of_model, state_of
 
-from .distributed import fake_rank, spawn
+from .distributed import fake_rank
 from .models import reference_training
 from .test_parity import LR, STEPS, check_parity
-from .workers import train_stages
 from .workers_classes import unused_case
 
 TEMPLATES = zerograph.Config(unit_templates=True)
 
 
-@pytest.mark.distributed
-def test_templated_units_match_single_process_at_stages_0_and_3() -> None:
+@pytest.mark.parametrize("stage", [0, 3])
+def test_templated_units_match_single_process_at_stages_0_and_3(training_run, stage: int) -> None:
     """Two gloo ranks, the tiny GPT, three AdamW steps: losses and parameters equal eager
-    training on the global batch, and its two blocks were traced once."""
-    results = spawn(train_stages, 2, "gpt", (0, 3), STEPS, 4, LR, TEMPLATES)
+    training on the global batch, and its two blocks were traced once. Templates are the default
+    build's (``TEMPLATES`` is ``Config()``), so these are the session's ``training_run`` spawns,
+    shared with tests/test_parity.py, not a spawn of their own."""
+    assert TEMPLATES == zerograph.Config()
     reference = reference_training("gpt", STEPS, 4, LR)
-    for per_rank in results:
-        for stage, result in per_rank.items():
-            check_parity(result, reference)
-            assert result["templates"] == 1, stage
-            facts = result["graphs"][0]
-            if stage == 3:
-                assert {g["unit"] for g in facts["forward"]["gathers"]} >= {1, 2}  # each block's all-gather
-                assert "reduce_scatter" in facts["backward"]["collectives"]
-                assert facts["forward"]["saved_gathered"] == []  # released after forward, gathered again
+    for result in training_run("gpt", stage):
+        check_parity(result, reference)
+        assert result["templates"] == 1, stage
+        facts = result["graphs"][0]
+        if stage == 3:
+            assert {g["unit"] for g in facts["forward"]["gathers"]} >= {1, 2}  # each block's all-gather
+            assert "reduce_scatter" in facts["backward"]["collectives"]
+            assert facts["forward"]["saved_gathered"] == []  # released after forward, gathered again
 
 
 def _gpt(blocks: int, templates: bool) -> nn.Module:
@@ -59,24 +60,31 @@ def _gpt(blocks: int, templates: bool) -> nn.Module:
     return model
 
 
+@functools.lru_cache(maxsize=None)
+def _gpt_of_8(templates: bool) -> nn.Module:
+    """Rank 0 of a fake world of 2: the stage-3 GPT of 8 identical blocks after one step (the
+    templated build compiled once for the two tests that read it)."""
+    with fake_rank(2):
+        return _gpt(8, templates)
+
+
 def test_the_traces_see_one_node_per_unit_and_the_partitioned_graphs_hand_each_units_activations_over() -> None:
     """Until the partition a block is one ``unit_call`` with one output (the joint holds no
     ``unit_forward`` and none of its 16 outputs); after it, the forward holds one ``unit_forward``
     per block, the backward one ``unit_backward`` per block that reads exactly its own block's
     saved activations (the blocks' backwards in reverse order), handed over as forward outputs in
     the backward's input order, and no saved tensor goes unread."""
-    with fake_rank(2):
-        model = _gpt(3, templates=True)
-        record = graphs_of(model)[0]
-        (template,) = state_of(model).captured.templates
+    model = _gpt_of_8(templates=True)
+    record = graphs_of(model)[0]
+    (template,) = state_of(model).captured.templates
     joint, fwd, bwd = (record[kind].graph for kind in ("joint", "forward", "backward"))
     joint_targets = [n.target for n in joint.nodes]
-    assert joint_targets.count(UNIT_CALL) == 3 and joint_targets.count(UNIT_CALL_BACKWARD) == 3
+    assert joint_targets.count(UNIT_CALL) == 8 and joint_targets.count(UNIT_CALL_BACKWARD) == 8
     assert UNIT_FORWARD not in joint_targets and UNIT_BACKWARD not in joint_targets
     assert not any(n.target in (UNIT_CALL, UNIT_CALL_BACKWARD) for g in (fwd, bwd) for n in g.nodes)
     forwards = [n for n in fwd.nodes if n.target is UNIT_FORWARD]
     backwards = [n for n in bwd.nodes if n.target is UNIT_BACKWARD]
-    assert len(forwards) == len(backwards) == 3
+    assert len(forwards) == len(backwards) == 8
     saved_inputs = [n for n in bwd.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     outputs = list(fwd.output_node().args[0])
     handed = outputs[len(outputs) - len(saved_inputs):]
@@ -232,16 +240,14 @@ def test_eight_identical_blocks_trace_one_template_and_keep_the_schedule() -> No
     """A GPT of 8 blocks compiles the block's forward and backward once (one template, one
     unit_forward / unit_backward per block), and the forward's and backward's collectives, in
     order, with their sizes, dtypes and units, are exactly the untemplated build's."""
-    with fake_rank(2):
-        model = _gpt(8, templates=True)
-        templates = state_of(model).captured.templates
-        record = graphs_of(model)[0]
-        schedules = {kind: schedule_of(record[kind].graph, kind, "").entries for kind in ("forward", "backward")}
-        calls = {kind: sum(n.target in (UNIT_FORWARD, UNIT_BACKWARD) for n in record[kind].graph.nodes)
-                 for kind in ("forward", "backward")}
-    with fake_rank(2):
-        plain = graphs_of(_gpt(8, templates=False))[0]
-        plain_schedules = {kind: schedule_of(plain[kind].graph, kind, "").entries for kind in ("forward", "backward")}
+    model = _gpt_of_8(templates=True)
+    templates = state_of(model).captured.templates
+    record = graphs_of(model)[0]
+    schedules = {kind: schedule_of(record[kind].graph, kind, "").entries for kind in ("forward", "backward")}
+    calls = {kind: sum(n.target in (UNIT_FORWARD, UNIT_BACKWARD) for n in record[kind].graph.nodes)
+             for kind in ("forward", "backward")}
+    plain = graphs_of(_gpt_of_8(templates=False))[0]
+    plain_schedules = {kind: schedule_of(plain[kind].graph, kind, "").entries for kind in ("forward", "backward")}
     assert len(templates) == 1
     assert calls == {"forward": 8, "backward": 8}
     assert schedules == plain_schedules
