@@ -159,7 +159,9 @@ def test_config_validates_budget() -> None:
 def test_half_budget_at_world_size_2_matches_unconstrained_and_eager(stage: int) -> None:
     """The issue's measurement: world size 2, the tiny GPT; budget = half of the measured
     unconstrained saved-activation bytes per rank (both blocks are recomputed: the root unit's
-    logits and log-softmax are a third of the unconstrained bytes)."""
+    logits and log-softmax are a third of the unconstrained bytes). Stage 2 on each rank's slice
+    of the batch; stage 3 on the whole batch, every rank (the unconstrained run of
+    test_partition_and_offload_at_world_size_2, so that the spawn compiles it once)."""
     reference = reference_training("gpt", STEPS, 4, LR)
     for rank in world_size_2():
         run = rank[stage]
