@@ -66,16 +66,6 @@ def train_configs(rank: int, world_size: int, name: str, stage: int, steps: int,
     return out
 
 
-def train_stages(rank: int, world_size: int, name: str, stages: tuple[int, ...], steps: int, batch_size: int,
-                 lr: float, config: zerograph.Config) -> dict:
-    """``train`` at each of ``stages`` under ``config`` in this process group: ``{stage: result}``."""
-    out = {}
-    for stage in stages:
-        torch._dynamo.reset()
-        out[stage] = train(rank, world_size, name, stage, steps, batch_size, lr, config)
-    return out
-
-
 def graph_facts(record: dict[str, fx.GraphModule]) -> dict:
     """What the structure tests check, as plain data (graphs do not cross processes)."""
     facts = {}
