@@ -75,10 +75,9 @@ def test_llama_inline_blocks_hold_at_most_two_units_and_the_root() -> None:
         _check(model, stats)
 
 
-@functools.lru_cache(maxsize=None)
 def _gpt_step(templates: bool) -> tuple[torch.nn.Module, zerograph.Stats]:
     """The small GPT at stage 3, one step as rank 0 of a fake world of ``WORLD``, with unit
-    templates (the default build) or without; the default build's once for the two tests below."""
+    templates (the default build) or without."""
     cfg = GPT_CONFIG
     with fake_rank(WORLD):
         torch.manual_seed(0)
@@ -86,23 +85,29 @@ def _gpt_step(templates: bool) -> tuple[torch.nn.Module, zerograph.Stats]:
         return model, _step(model, cfg.vocab_size, cfg.block_size)
 
 
+@pytest.fixture(scope="module")
+def gpt_step():
+    """``_gpt_step``, each build once for this file's tests (the default build's for two)."""
+    return functools.lru_cache(maxsize=None)(_gpt_step)
+
+
 @pytest.mark.parametrize("templates", [True, False], ids=["templates", "per-parameter"])
-def test_gpt_holds_at_most_two_units_and_the_root(templates: bool) -> None:
+def test_gpt_holds_at_most_two_units_and_the_root(gpt_step, templates: bool) -> None:
     """The GPT (blocks in a ModuleList) with unit templates (flat shards: the gathered buffer is
     viewed, not unpacked) and without (per-parameter buckets, unpacked)."""
-    model, stats = _gpt_step(templates)
+    model, stats = gpt_step(templates)
     assert bool(state_of(model).runtime.flat_shards) == templates
     _check(model, stats)
 
 
-def test_template_cuts_parameters_out_of_the_flat_shard_at_their_uses() -> None:
+def test_template_cuts_parameters_out_of_the_flat_shard_at_their_uses(gpt_step) -> None:
     """A templated unit's body cuts each parameter out of its gathered flat shard (a copy where
     ranks' rows interleave); cut at their uses, not all at the top, the copies alive at once in
     the forward body stay well below the unit's bytes (before: every parameter copied at once)."""
     from zerograph.unit_trace import _CUTTING_OPS
 
-    assert zerograph.Config().unit_templates  # the default build: _gpt_step(True)
-    model, _ = _gpt_step(True)
+    assert zerograph.Config().unit_templates  # the default build: gpt_step(True)
+    model, _ = gpt_step(True)
     # this model's templates only: the registry also holds other tests' (a weak, process-wide table)
     templates = [t for kind in state_of(model).unit_kinds for t in kind.templates.values()]
     assert templates

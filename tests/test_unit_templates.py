@@ -60,21 +60,25 @@ def _gpt(blocks: int, templates: bool) -> nn.Module:
     return model
 
 
-@functools.lru_cache(maxsize=None)
 def _gpt_of_8(templates: bool) -> nn.Module:
-    """Rank 0 of a fake world of 2: the stage-3 GPT of 8 identical blocks after one step (the
-    templated build compiled once for the two tests that read it)."""
+    """Rank 0 of a fake world of 2: the stage-3 GPT of 8 identical blocks after one step."""
     with fake_rank(2):
         return _gpt(8, templates)
 
 
-def test_the_traces_see_one_node_per_unit_and_the_partitioned_graphs_hand_each_units_activations_over() -> None:
+@pytest.fixture(scope="module")
+def gpt_of_8():
+    """``_gpt_of_8``, each build once for this file's tests (the templated one's for two)."""
+    return functools.lru_cache(maxsize=None)(_gpt_of_8)
+
+
+def test_the_traces_see_one_node_per_unit_and_the_partitioned_graphs_hand_each_units_activations_over(gpt_of_8) -> None:
     """Until the partition a block is one ``unit_call`` with one output (the joint holds no
     ``unit_forward`` and none of its 16 outputs); after it, the forward holds one ``unit_forward``
     per block, the backward one ``unit_backward`` per block that reads exactly its own block's
     saved activations (the blocks' backwards in reverse order), handed over as forward outputs in
     the backward's input order, and no saved tensor goes unread."""
-    model = _gpt_of_8(templates=True)
+    model = gpt_of_8(True)
     record = graphs_of(model)[0]
     (template,) = state_of(model).captured.templates
     joint, fwd, bwd = (record[kind].graph for kind in ("joint", "forward", "backward"))
@@ -236,17 +240,17 @@ def test_units_whose_gradients_are_none_or_their_inputs_train_like_eager(build) 
 
 
 @pytest.mark.slow
-def test_eight_identical_blocks_trace_one_template_and_keep_the_schedule() -> None:
+def test_eight_identical_blocks_trace_one_template_and_keep_the_schedule(gpt_of_8) -> None:
     """A GPT of 8 blocks compiles the block's forward and backward once (one template, one
     unit_forward / unit_backward per block), and the forward's and backward's collectives, in
     order, with their sizes, dtypes and units, are exactly the untemplated build's."""
-    model = _gpt_of_8(templates=True)
+    model = gpt_of_8(True)
     templates = state_of(model).captured.templates
     record = graphs_of(model)[0]
     schedules = {kind: schedule_of(record[kind].graph, kind, "").entries for kind in ("forward", "backward")}
     calls = {kind: sum(n.target in (UNIT_FORWARD, UNIT_BACKWARD) for n in record[kind].graph.nodes)
              for kind in ("forward", "backward")}
-    plain = graphs_of(_gpt_of_8(templates=False))[0]
+    plain = graphs_of(gpt_of_8(False))[0]
     plain_schedules = {kind: schedule_of(plain[kind].graph, kind, "").entries for kind in ("forward", "backward")}
     assert len(templates) == 1
     assert calls == {"forward": 8, "backward": 8}

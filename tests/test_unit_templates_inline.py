@@ -7,7 +7,6 @@ themselves. Worlds of one, or rank 0 of a fake world of 2 for the collective sch
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
@@ -89,8 +88,8 @@ def _inline_gpt_config(dropout: float = 0.0) -> GPTConfig:
     return GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=16, dropout=dropout)
 
 
-@functools.lru_cache(maxsize=None)
-def _templated_gpt_on_two_lengths() -> nn.Module:
+@pytest.fixture(scope="module")
+def templated_gpt_on_two_lengths() -> nn.Module:
     """The templated GPT at lengths 16 then 8 (dynamic), evaluated around its steps: one compile
     of each graph for test_a_dynamic_shape_leaves_the_static_graphs_their_templates and the
     dynamic-shapes case of test_units_that_run_inline_gather_again_in_backward (its evals add an
@@ -99,15 +98,15 @@ def _templated_gpt_on_two_lengths() -> nn.Module:
 
 
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
-def test_a_dynamic_shape_leaves_the_static_graphs_their_templates() -> None:
+def test_a_dynamic_shape_leaves_the_static_graphs_their_templates(templated_gpt_on_two_lengths) -> None:
     """A length change makes Dynamo trace a dynamic graph, in which every unit runs inline; the
     graphs traced before, for static shapes, keep their templates and stay valid: an eval at the
     first length after it is not traced again (the fallback set a flag every graph guarded on,
     so each was traced once more). A GPT of other shapes trained first in this process: Dynamo
     keeps shape history per code location, and the model's first graph is static all the same
     (before, it was traced with symbolic sizes, and so without templates). Rank 0 of a fake
-    world of 2 (``_templated_gpt_on_two_lengths``)."""
-    model = _templated_gpt_on_two_lengths()
+    world of 2 (``templated_gpt_on_two_lengths``)."""
+    model = templated_gpt_on_two_lengths
     records = graphs_of(model)
     assert [sorted(k for k in r if k != "dynamo") for r in records] == [
         ["inference"], ["backward", "forward", "joint", "partitioned"], ["backward", "forward", "joint", "partitioned"]]
@@ -231,7 +230,7 @@ def test_dropout_blocks_run_inline() -> None:
 
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 @pytest.mark.parametrize("why", ["dropout", "dynamic shapes"])
-def test_units_that_run_inline_gather_again_in_backward(why: str) -> None:
+def test_units_that_run_inline_gather_again_in_backward(request: pytest.FixtureRequest, why: str) -> None:
     """At stage 3 a kind that runs inline reads its parameters out of its units' gathered flat
     shards. Those cuts are copies (a reshape of a column slice), which the partitioner used to
     save for backward: the units kept their gathered parameters from forward to backward (ZeRO-3's
@@ -244,7 +243,7 @@ def test_units_that_run_inline_gather_again_in_backward(why: str) -> None:
     schedules = {}
     for templates in (False, True):
         if templates and why == "dynamic shapes":
-            model = _templated_gpt_on_two_lengths()
+            model = request.getfixturevalue("templated_gpt_on_two_lengths")
         else:
             model = _gpt_on_lengths(config, templates, lengths)
         schedules[templates] = [schedule_of(record["backward"].graph, "backward", "").entries
