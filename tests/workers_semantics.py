@@ -360,10 +360,11 @@ def _flip_step(model, x, opt, i, compiled, record):
 CASES: dict[str, Case] = {
     "hooks, param groups, clip_grad_norm_": Case(prepare=_hooks_before_compile, after_compile=_hooks_after_compile,
                                                  optimizer=_param_groups, step=_clip_step),
-    "optimizer in backward": Case(after_compile=_optimizer_in_backward, optimizer=lambda model: None),
     "functional_call, stateless, swapped values, state_dict": Case(step=_substituted_step),
     "parametrize, weight_norm, frozen, checkpoint": Case(prepare=_reparametrized_frozen_checkpointed),
-    "tied and shared parameters": Case(build=Tied),
+    # the tied weight's post-accumulate-grad hook steps it once per backward, with its uses' summed gradient
+    "tied and shared parameters, optimizer in backward": Case(build=Tied, after_compile=_optimizer_in_backward,
+                                                              optimizer=lambda model: None),
     "unused parameters, no_sync": Case(build=UnusedNet, step=_no_sync_step),
     "in-place buffer updates, RNN modules": Case(build=BufferNet, step=_eval_step),
     "rank-divergent routing": Case(build=lambda: Net(MoEBlock)),
