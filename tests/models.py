@@ -10,6 +10,7 @@ from zerograph.models.gpt import GPT, GPTConfig
 
 TINY_GPT = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=16)
 DEEP_GPT = GPTConfig(block_size=16, n_layer=8, n_head=2, n_embd=16)  # units small beside Ψ
+MID_GPT = GPTConfig(block_size=16, n_layer=4, n_head=2, n_embd=16)  # more blocks than prefetch depth 2 keeps in flight
 
 
 class UnevenMLP(nn.Module):
@@ -68,6 +69,8 @@ def build(name: str) -> nn.Module:
         return CheckpointedGPT(TINY_GPT)
     if name == "gpt_deep":
         return GPT(DEEP_GPT)
+    if name == "gpt_mid":
+        return GPT(MID_GPT)
     if name == "mlp":
         return UnevenMLP()
     if name == "mlp_break":

@@ -15,7 +15,9 @@ from .test_parity import LR, check_parity
 from .workers import pooled_trainings
 
 STEPS = 3
-MODEL = "gpt_deep"  # 8 blocks: enough units for the in-flight bound to mean something
+# 4 blocks: more gathered units than the depth + 1 slots of depth 2, so the in-flight bound is one
+# (8 blocks bound nothing more, at twice the compile, most of it the per-parameter build's)
+MODEL = "gpt_mid"
 # the default build (a flat shard per unit) at depths 1 and 2 with the pool asked for, the default
 # Config (no pool: the allocator serves comm buffers), and the per-parameter build with the pool
 # (which pools each bucket's send buffers too)

@@ -5,6 +5,8 @@ rank 0 of a fake world of 4 (``tests.distributed.run_as_rank``: the graphs and c
 rank's, and no values are checked)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -15,6 +17,13 @@ from .models import build, reference_training
 from .test_parity import LR, STEPS, check_parity
 from .workers import train_runs
 from .workers_hybrid import hpz_graph_facts
+
+
+@functools.lru_cache(maxsize=None)
+def graph_facts(name: str = "gpt", templates: bool = True, bucketing: bool = True) -> dict:
+    """``hpz_graph_facts`` as rank 0 of a fake world of 4 in nodes of 2, once per build: tests that
+    read the same build share its compile."""
+    return run_as_rank(hpz_graph_facts, 4, 2, name, templates, bucketing)
 
 
 @pytest.mark.distributed
@@ -37,7 +46,7 @@ def test_hpz_matches_single_process_on_two_nodes_of_two() -> None:
 def test_hpz_backward_gathers_inside_the_node() -> None:
     """Backward runs no all-gather over the 4 ranks: each re-gather is over the rank's node of 2,
     counted on its own dim; forward still gathers over all 4."""
-    facts = run_as_rank(hpz_graph_facts, 4, 2)
+    facts = graph_facts()
     assert facts["world_gathers_in_backward"] == 0
     assert facts["node_gathers_in_backward"]
     assert all(same and size == 2 for same, size in facts["node_gathers_in_backward"])
@@ -56,7 +65,7 @@ def test_hpz_without_bucketing_cuts_each_piece_after_its_wait(name: str) -> None
     (it read the collective's buffer before the wait, which the pass manager refused), and
     backward re-gathers every unit over the node only. Checkpointed, some parameters gathered
     alone (a bias) are read in backward only by the recomputed forward: they get a piece too."""
-    facts = run_as_rank(hpz_graph_facts, 4, 2, name, True, False)
+    facts = graph_facts(name, True, False)
     assert facts["world_gathers_in_backward"] == 0
     assert all(same and size == 2 for same, size in facts["node_gathers_in_backward"])
     assert facts["node_gathers_of_saved_pieces"] == facts["pieces_saved"] == len(facts["node_gathers_in_backward"]) > 0
@@ -70,8 +79,8 @@ def test_hpz_with_activation_checkpointing_saves_pieces_not_gathered_blocks(temp
     gathered block, which stage 3 forbids), and backward re-gathers it over the node only, the
     same bytes per group and the same pieces as without the checkpoint; with templated units and
     with the per-parameter build."""
-    facts = run_as_rank(hpz_graph_facts, 4, 2, "gpt_checkpointed", templates)
-    plain = run_as_rank(hpz_graph_facts, 4, 2, "gpt", templates)
+    facts = graph_facts("gpt_checkpointed", templates)
+    plain = graph_facts("gpt", templates)
     assert facts["world_gathers_in_backward"] == 0
     assert all(same and size == 2 for same, size in facts["node_gathers_in_backward"])
     assert facts["node_gathers_of_saved_pieces"] == facts["pieces_saved"] == plain["pieces_saved"] > 0

@@ -1,5 +1,5 @@
 """Model patterns of issue 7 (shared, frozen and unused parameters, several forwards per backward,
-gradient clipping) at stages 1-3 on 2 ranks match single-process eager AdamW on the global batch.
+gradient clipping) at stages 1 and 3 on 2 ranks match single-process eager AdamW on the global batch.
 
 The spawn is the expensive part (about 1 min on 2 cores), so the module runs ONE spawn for every
 pattern the selected tests need; in it each rank compiles and trains a fresh model per pattern and
@@ -16,7 +16,11 @@ import torch
 from .distributed import spawn
 from .pattern_models import PATTERNS, STEPS, build, reference, train_patterns
 
-STAGES = (1, 2, 3)
+# Stage 2 is not run: zerograph's runtime has no stage branch, and stage 2's graphs are stage 1's
+# (sharded, one forward gather kept for backward) but for where insert_reduce_scatter places each
+# reduce-scatter, after its bucket's last gradient, which is stage 3's placement; a pattern's
+# gradients, states and collective volumes do not depend on it. test_parity trains stage 2 against eager.
+STAGES = (1, 3)
 WORLD_SIZE = 2
 ATOL = RTOL = 1e-5
 

@@ -210,7 +210,6 @@ def precision_runs(rank: int, world_size: int, stages: tuple[int, ...]) -> dict:
     out: dict = {}
     for stage in stages:
         out["gpt", stage] = _guarded(train_gpt, rank, world_size, stage, MIXED)
-        out["gpt_fp32", stage] = _guarded(train_gpt, rank, world_size, stage, zerograph.Config())
         out["bn", stage] = _guarded(train_mixed, rank, world_size, "bn", stage)
     out["mlp_break", 3] = _guarded(train_mixed, rank, world_size, "mlp_break", 3)
     return out
