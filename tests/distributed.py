@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import zerograph
-from tests import forkserver
+from tests import forkserver, guard_probe  # noqa: F401  (guard_probe: Dynamo's latency probe off in the ranks)
 
 # CPU seconds of the ranks forked from the forkserver: they are its children, not this process's,
 # so tests/cpu_durations.py adds this to the children's CPU it reads from getrusage

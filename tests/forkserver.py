@@ -28,7 +28,7 @@ PRELOAD = ("torch", "torch.fx", "torch.distributed", "torch.distributed.tensor",
            "torch._dynamo", "torch._functorch.aot_autograd", "torch._functorch.partitioners",
            "torch.fx.experimental.symbolic_shapes", "torch.utils.flop_counter", "torch._inductor.compile_fx",
            "numpy", "networkx")
-WARM = ("tests.warm_rank",)
+WARM = ("tests.guard_probe", "tests.warm_rank")
 COLD_FIRST = ("tests.interpret_triton",)
 
 _started_warm: bool | None = None  # how this process's server was (or will be) started; None: not yet
