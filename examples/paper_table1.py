@@ -11,10 +11,12 @@ optimizer tensors, plus the gathered full parameters and unreduced gradients ali
 liveness of the graphs that ran) and those it holds between steps (the storages of its shards,
 their ``.grad`` and the optimizer's state, read off the tensors), beside ``zerograph.plan``'s
 formula and the paper's figure, plus the step's peak RSS growth (which adds activations and the
-allocator's slack).
+allocator's slack) beside ``zerograph.plan``'s predicted step peak (``Plan.step_peak_bytes``, with
+the saved activations of this micro-batch). Run it with ``MALLOC_MMAP_THRESHOLD_=65536`` so glibc
+returns freed buffers at once and the resident set follows the live tensors.
 
-Usage (about 5 minutes on 2 CPU cores for the default 7.5B at N = 64, stage 3):
-    python examples/paper_table1.py --params 7.5e9 --world-size 64 --stages 3 --tokens 256
+Usage (about 5 minutes on 2 idle CPU cores for the default 7.5B at N = 64, stage 3):
+    MALLOC_MMAP_THRESHOLD_=65536 python examples/paper_table1.py --params 7.5e9 --world-size 64 --stages 3 --tokens 256
 
 Source: Rajbhandari et al., "ZeRO", arXiv 1910.02054, Table 1 (7.5B parameters, N = 64:
 120 / 31.4 / 16.6 / 1.88 GB for DP / P_os / P_os+g / P_os+g+p) and section 5's formulas.
@@ -72,7 +74,11 @@ def measure(cfg: GPTConfig, stage: int, world_size: int, tokens: int, seed: int,
     with torch.device("meta"):
         model = GPT(cfg)
     psi = sum(p.numel() for p in model.parameters())
-    planned = zerograph.plan(model, stage, world_size, param_dtype=param_dtype)
+    seq = min(cfg.block_size, tokens)
+    shape = (max(1, tokens // seq), seq)
+    tokens_meta = torch.zeros(shape, dtype=torch.long, device="meta")
+    planned = zerograph.plan(model, stage, world_size, param_dtype=param_dtype,
+                             example_inputs=(tokens_meta, tokens_meta))
     need = planned.total_with_overheads
     if need > 0.8 * available_bytes():
         raise SystemExit(f"stage {stage}: zerograph.plan needs {need / GB:.1f} GB of model states per rank, "
@@ -86,8 +92,7 @@ def measure(cfg: GPTConfig, stage: int, world_size: int, tokens: int, seed: int,
         zerograph.init_weights(model)
         init_s = time.perf_counter() - start
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)  # foreach would copy per group
-        seq = min(cfg.block_size, tokens)
-        x = torch.randint(cfg.vocab_size, (max(1, tokens // seq), seq))
+        x = torch.randint(cfg.vocab_size, shape)
         start = time.perf_counter()
         loss = model(x, x)
         loss.backward()
@@ -106,6 +111,7 @@ def measure(cfg: GPTConfig, stage: int, world_size: int, tokens: int, seed: int,
         "stage": stage, "world_size": world_size, "psi": psi, "tokens": x.numel(), "fake_world": stats.fake_world,
         "measured_bytes": peak, "held_between_steps_bytes": states, "plan_bytes": dict(planned.bytes_per_rank),
         "plan_total_with_overheads": planned.total_with_overheads,
+        "plan_step_peak_bytes": planned.step_peak_bytes, "plan_step_peak_breakdown": dict(planned.step_peak_breakdown),
         "paper_gb": PAPER_7_5B_N64_GB[stage] if world_size == 64 and abs(psi - 7.5e9) < 0.1e9 else None,
         "peak_rss_growth_bytes": peak_rss_bytes() - rss_before, "init_s": init_s, "step_s": step_s,
         "step_tflops": flops / step_s / 1e12,
@@ -137,17 +143,19 @@ def main() -> None:
           f"{rows[0]['tokens']} tokens; rank 0 of N = {args.world_size} "
           f"(fake world: collectives move no data; memory and compute are this rank's own)")
     print(f"{'stage':>5}  {'between GB':>10}  {'plan GB':>8}  {'paper GB':>8}  {'between/plan':>12}  "
-          f"{'step peak GB':>12}  {'plan+overheads GB':>17}  {'peak RSS +GB':>12}  {'step s':>7}  {'TFLOP/s':>7}")
+          f"{'peak RSS +GB':>12}  {'plan peak GB':>12}  {'plan/RSS':>8}  {'step s':>7}  {'TFLOP/s':>7}")
     for r in rows:
-        measured, planned = r["measured_bytes"]["total"], r["plan_bytes"]["total"]
+        planned = r["plan_bytes"]["total"]
         paper = f"{r['paper_gb']:.2f}" if r["paper_gb"] is not None else "-"
         between = r["held_between_steps_bytes"]["total"]
-        overheads = r["plan_total_with_overheads"]
+        rss, plan_peak = r["peak_rss_growth_bytes"], r["plan_step_peak_bytes"]
         print(f"{r['stage']:>5}  {between / GB:>10.3f}  {planned / GB:>8.3f}  {paper:>8}  {between / planned:>12.3f}  "
-              f"{measured / GB:>12.3f}  {overheads / GB:>17.3f}  {r['peak_rss_growth_bytes'] / GB:>12.2f}  "
+              f"{rss / GB:>12.3f}  {plan_peak / GB:>12.3f}  {plan_peak / rss:>8.2f}  "
               f"{r['step_s']:>7.1f}  {r['step_tflops']:>7.3f}")
-        print("       step peak: " + ", ".join(f"{k} {v / GB:.3f}" for k, v in r["measured_bytes"].items() if k != "total")
-              + " GB; plan: " + ", ".join(f"{k} {v / GB:.3f}" for k, v in r["plan_bytes"].items() if k != "total") + " GB")
+        print("       model states at the step's peak (liveness): "
+              + ", ".join(f"{k} {v / GB:.3f}" for k, v in r["measured_bytes"].items() if k != "total")
+              + " GB; plan's step peak: "
+              + ", ".join(f"{k} {v / GB:.3f}" for k, v in r["plan_step_peak_breakdown"].items()) + " GB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "gpt": cfg.__dict__, "rows": rows}, f, indent=1)
