@@ -85,7 +85,7 @@ def test_example_inputs_errors():
         plan(None, 3, 4, psi=100, example_inputs=(torch.empty(1),))
     with pytest.raises(ConfigError, match="sequence"):
         plan(meta_stack(), 3, 4, example_inputs=torch.empty(2, 8))
-    with pytest.raises(ConfigError, match="failed on the meta device"):
+    with pytest.raises(ConfigError, match="failed on fake tensors"):
         plan(meta_stack(), 3, 4, example_inputs=(torch.empty(2, 5, device="meta"),))  # wrong width
 
 

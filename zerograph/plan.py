@@ -305,7 +305,7 @@ def _units(model: nn.Module | None, psi: int | None, unit_numels: Sequence[int] 
     if unit_classes is not None:
         raise ConfigError("unit_classes= needs a model; with psi= give unit_numels=")
     if example_inputs is not None:
-        raise ConfigError("example_inputs= needs a model (the activations come from running its forward on meta)")
+        raise ConfigError("example_inputs= needs a model (the activations come from running its forward on fake tensors)")
     return _psi_params(_check_count("psi", psi, minimum=1), unit_numels)
 
 
@@ -345,30 +345,38 @@ def saved_activation_bytes(model: nn.Module, example_inputs: Sequence[object],
                            param_dtype: torch.dtype | None = None) -> int:
     """Bytes of the tensors autograd saves for backward in one ``model(*example_inputs)``.
 
-    Runs the forward on the meta device (no storage allocated, no values read): each parameter
-    and buffer is replaced by a meta tensor of its shape (floating parameters in ``param_dtype``
-    when given, as mixed precision computes), tensor inputs by meta tensors of theirs (floating
-    ones in ``param_dtype``), through ``torch.func.functional_call``; a
-    ``saved_tensors_hooks`` pack hook records every saved tensor's storage, each counted once,
-    leaving out the parameters' and buffers' own storages (stage 3 saves only shards of them and
-    gathers again). This is eager autograd's saved set; a compiled step (AOTAutograd's min-cut
+    Runs the forward on fake tensors (``FakeTensorMode``: no storage allocated, no values read)
+    of the device the model will run on (the first of the inputs' and parameters' devices that
+    is not ``meta``; ``cpu`` when all are): each parameter and buffer is replaced by a fake
+    tensor of its shape (floating parameters in ``param_dtype`` when given, as mixed precision
+    computes), tensor inputs by fake tensors of theirs (floating ones in ``param_dtype``), through
+    ``torch.func.functional_call``; a ``saved_tensors_hooks`` pack hook records every saved
+    tensor's storage, each counted once, leaving out the parameters' and buffers' own storages
+    (stage 3 saves only shards of them and gathers again). Not ``meta``: there attention takes
+    the math path and saves the (B, heads, T, T) probabilities that CPU's and CUDA's fused
+    kernels do not (issue 42). This is eager autograd's saved set; a compiled step (AOTAutograd's min-cut
     partition) may save less by recomputing cheap ops, so it is an upper estimate of what
     ``zerograph.stats(...).saved_activation_bytes`` reports.
 
     Raises:
-        ConfigError: ``example_inputs`` is not a sequence, or the forward fails on meta (a model
-            that reads tensor values, e.g. ``.item()``), with the error it raised.
+        ConfigError: ``example_inputs`` is not a sequence, or the forward fails on fake tensors (a
+            model that reads tensor values, e.g. ``.item()``), with the error it raised.
     """
     if isinstance(example_inputs, (str, bytes, torch.Tensor)) or not isinstance(example_inputs, Sequence):
         raise ConfigError(f"example_inputs must be a sequence of model arguments, got {type(example_inputs).__name__}")
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def to_meta(t: torch.Tensor, cast: bool) -> torch.Tensor:
+    device = _run_device(model, example_inputs)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def to_fake(t: torch.Tensor, cast: bool) -> torch.Tensor:
         dtype = param_dtype if cast and param_dtype is not None and t.is_floating_point() else t.dtype
-        return torch.empty(t.shape, dtype=dtype, device="meta").requires_grad_(t.requires_grad and cast)
+        with fake_mode:
+            return torch.empty(t.shape, dtype=dtype, device=device).requires_grad_(t.requires_grad and cast)
 
-    state = {name: to_meta(p, True) for name, p in model.named_parameters()}
-    state.update({name: to_meta(b, False) for name, b in model.named_buffers()})
-    args = [to_meta(a, True).requires_grad_(False) if isinstance(a, torch.Tensor) else a for a in example_inputs]
+    state = {name: to_fake(p, True) for name, p in model.named_parameters()}
+    state.update({name: to_fake(b, False) for name, b in model.named_buffers()})
+    args = [to_fake(a, True).requires_grad_(False) if isinstance(a, torch.Tensor) else a for a in example_inputs]
     own = {t.untyped_storage()._cdata for t in state.values()}
     saved: dict[int, int] = {}
 
@@ -379,12 +387,18 @@ def saved_activation_bytes(model: nn.Module, example_inputs: Sequence[object],
         return t
 
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fake_mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             torch.func.functional_call(model, state, tuple(args), tie_weights=True, strict=False)
-    except Exception as exc:  # any failure of a user's forward on meta
-        raise ConfigError(f"example_inputs: the model's forward failed on the meta device, so its activations "
+    except Exception as exc:  # any failure of a user's forward on fake tensors
+        raise ConfigError(f"example_inputs: the model's forward failed on fake tensors, so its activations "
                           f"cannot be estimated ({type(exc).__name__}: {exc}); leave example_inputs out") from exc
     return sum(saved.values())
+
+
+def _run_device(model: nn.Module, example_inputs: Sequence[object]) -> torch.device:
+    """The first device of the inputs and parameters that is not ``meta``, else ``cpu``."""
+    tensors = [a for a in example_inputs if isinstance(a, torch.Tensor)] + list(model.parameters())
+    return next((t.device for t in tensors if t.device.type != "meta"), torch.device("cpu"))
 
 
 # ----------------------------------------------------------------------------- parameter discovery
