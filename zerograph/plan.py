@@ -37,6 +37,7 @@ from torch import nn
 
 from .config import STAGES
 from .errors import ConfigError
+from .plan_activations import compiled_saved_activation_bytes, saved_activation_bytes  # noqa: F401 (re-exported)
 from .plan_figures import (
     UnitSizes,
     comm_bytes_per_dim,
@@ -116,8 +117,9 @@ class Plan:
         secondary_partition_bytes: hpZ: the secondary partition each rank holds from forward to
             backward, 1/M of every unit's padded parameters in ``param_dtype`` (rounded up);
             counted in ``total_with_overheads``. 0 without hpZ.
-        activation_bytes: saved activations of one step's forward, estimated from
-            ``example_inputs`` (``saved_activation_bytes``); ``None`` when none were given.
+        activation_bytes: saved activations of one step's compiled forward, estimated from
+            ``example_inputs`` (``plan_activations.compiled_saved_activation_bytes``: the min-cut
+            partition of the model's joint graph); ``None`` when none were given.
         step_peak_bytes: the predicted peak of bytes alive on one rank during a training step, the
             sum of ``step_peak_breakdown``.
         step_peak_breakdown: ``"model_states"`` (``bytes_per_rank["total"] + padding_bytes``, plus
@@ -263,7 +265,7 @@ def plan(
     sizes = unit_sizes(len(unit_names), params, world_size, pad=stage >= 1 and model is not None)
     activations = None
     if example_inputs is not None:
-        activations = saved_activation_bytes(model, example_inputs, param_dtype)
+        activations = compiled_saved_activation_bytes(model, example_inputs, param_dtype)
     settings = dict(stage=stage, world_size=world_size, optimizer=optimizer, param_dtype=param_dtype,
                     master_dtype=master_dtype, prefetch_depth=prefetch_depth, replicas=replicas,
                     secondary_partition_size=secondary_partition_size)
@@ -339,66 +341,6 @@ def _plan_of(settings: dict, n_buffers: int, bucket_bytes: int | None, unit_name
         secondary_partition_bytes=extra["secondary_partition"], activation_bytes=activations,
         step_peak_bytes=sum(breakdown.values()), step_peak_breakdown=types.MappingProxyType(breakdown),
         peak_notes=tuple(notes))
-
-
-def saved_activation_bytes(model: nn.Module, example_inputs: Sequence[object],
-                           param_dtype: torch.dtype | None = None) -> int:
-    """Bytes of the tensors autograd saves for backward in one ``model(*example_inputs)``.
-
-    Runs the forward on fake tensors (``FakeTensorMode``: no storage allocated, no values read)
-    of the device the model will run on (the first of the inputs' and parameters' devices that
-    is not ``meta``; ``cpu`` when all are): each parameter and buffer is replaced by a fake
-    tensor of its shape (floating parameters in ``param_dtype`` when given, as mixed precision
-    computes), tensor inputs by fake tensors of theirs (floating ones in ``param_dtype``), through
-    ``torch.func.functional_call``; a ``saved_tensors_hooks`` pack hook records every saved
-    tensor's storage, each counted once, leaving out the parameters' and buffers' own storages
-    (stage 3 saves only shards of them and gathers again). Not ``meta``: there attention takes
-    the math path and saves the (B, heads, T, T) probabilities that CPU's and CUDA's fused
-    kernels do not (issue 42). This is eager autograd's saved set; a compiled step (AOTAutograd's min-cut
-    partition) may save less by recomputing cheap ops, so it is an upper estimate of what
-    ``zerograph.stats(...).saved_activation_bytes`` reports.
-
-    Raises:
-        ConfigError: ``example_inputs`` is not a sequence, or the forward fails on fake tensors (a
-            model that reads tensor values, e.g. ``.item()``), with the error it raised.
-    """
-    if isinstance(example_inputs, (str, bytes, torch.Tensor)) or not isinstance(example_inputs, Sequence):
-        raise ConfigError(f"example_inputs must be a sequence of model arguments, got {type(example_inputs).__name__}")
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    device = _run_device(model, example_inputs)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-
-    def to_fake(t: torch.Tensor, cast: bool) -> torch.Tensor:
-        dtype = param_dtype if cast and param_dtype is not None and t.is_floating_point() else t.dtype
-        with fake_mode:
-            return torch.empty(t.shape, dtype=dtype, device=device).requires_grad_(t.requires_grad and cast)
-
-    state = {name: to_fake(p, True) for name, p in model.named_parameters()}
-    state.update({name: to_fake(b, False) for name, b in model.named_buffers()})
-    args = [to_fake(a, True).requires_grad_(False) if isinstance(a, torch.Tensor) else a for a in example_inputs]
-    own = {t.untyped_storage()._cdata for t in state.values()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in own:
-            saved[storage._cdata] = storage.nbytes()
-        return t
-
-    try:
-        with fake_mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            torch.func.functional_call(model, state, tuple(args), tie_weights=True, strict=False)
-    except Exception as exc:  # any failure of a user's forward on fake tensors
-        raise ConfigError(f"example_inputs: the model's forward failed on fake tensors, so its activations "
-                          f"cannot be estimated ({type(exc).__name__}: {exc}); leave example_inputs out") from exc
-    return sum(saved.values())
-
-
-def _run_device(model: nn.Module, example_inputs: Sequence[object]) -> torch.device:
-    """The first device of the inputs and parameters that is not ``meta``, else ``cpu``."""
-    tensors = [a for a in example_inputs if isinstance(a, torch.Tensor)] + list(model.parameters())
-    return next((t.device for t in tensors if t.device.type != "meta"), torch.device("cpu"))
 
 
 # ----------------------------------------------------------------------------- parameter discovery

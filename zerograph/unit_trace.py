@@ -35,6 +35,13 @@ from .unit_saved import rebase_saved_views
 if TYPE_CHECKING:
     from torch import nn
 
+# the min-cut partitioner's options for a template (``zerograph.plan`` estimates with the same):
+# views of a primal (a weight's transpose) are replayed in backward instead of saved (the op cannot
+# return a view of its input, and autograd saves the primal anyway); an op of the partitioner's
+# cheap list (pointwise, views; never a matmul, attention or collective) is recomputed in backward
+# even where its output is materialized there (a GPT's gelu: its input is saved, not both, issue 42)
+PARTITION_OPTIONS = {"recompute_views": True, "ban_recompute_materialized_backward": False}
+
 UNIT_ATTR = "_zerograph_unit"  # a templated unit's (kind, parameter slots, buffer slots, keys, modules, flat shard)
 
 # (shape, stride, dtype) of one tensor; a template is traced per tuple of these of its primals
@@ -236,9 +243,7 @@ def _partition(joint_graph: fx.GraphModule, primals: list[torch.Tensor], tangent
     backward and sunk to their first uses in forward."""
     if flat_index is not None:
         _recompute_cut_out(joint_graph, flat_index)
-    # views of a primal (a weight's transpose) are replayed in backward instead of saved: the
-    # op cannot return a view of its input, and the primal itself is saved by autograd anyway
-    with torch._functorch.config.patch(recompute_views=True):
+    with torch._functorch.config.patch(**PARTITION_OPTIONS):
         fwd, bwd = min_cut_rematerialization_partition(joint_graph, (primals, tangents), num_fwd_outputs=len(tangents))
     # the partitioner prices a saved view by its own size; one storage handed over once (issue 42)
     rebase_saved_views(fwd, bwd, len(tangents))
