@@ -31,7 +31,8 @@ def test_a_templated_gpt_block_saves_no_more_bytes_than_eager() -> None:
     returns for backward (each once) plus its input when the backward reads it, against the
     storages eager autograd saves in the same block (parameters left out of both). Before
     issue 42 the template saved q as a view of the whole qkv projection, k and v as clones, and
-    the attention output twice (18 widths of (B, T, C) against eager's 16)."""
+    the attention output twice (18 widths of (B, T, C) against eager's 16); now the qkv
+    projection and the attention output once each, and gelu's input without its output (12)."""
     cfg = GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32)
     idx = torch.randint(0, cfg.vocab_size, (2, 32))
     with fake_rank(2):

@@ -24,11 +24,14 @@ to the views its op list leaves out (``transpose``, ``detach``, ``_unsafe_view``
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,8 @@ def rebase_saved_views(fwd: fx.GraphModule, bwd: fx.GraphModule, n_outputs: int)
     for gm in (fwd, bwd):
         gm.graph.lint()
         gm.recompile()
+    log.debug("saved views: %d re-viewed from their base in backward, %d saved as compact copies",
+              len(rebased), len(copied))
     return SavedViews(tuple(rebased), tuple(copied))
 
 
