@@ -37,6 +37,7 @@ from torch import nn
 
 from .config import STAGES
 from .errors import ConfigError
+from .plan_activations import compiled_saved_activation_bytes, saved_activation_bytes  # noqa: F401 (re-exported)
 from .plan_figures import (
     UnitSizes,
     comm_bytes_per_dim,
@@ -116,8 +117,9 @@ class Plan:
         secondary_partition_bytes: hpZ: the secondary partition each rank holds from forward to
             backward, 1/M of every unit's padded parameters in ``param_dtype`` (rounded up);
             counted in ``total_with_overheads``. 0 without hpZ.
-        activation_bytes: saved activations of one step's forward, estimated from
-            ``example_inputs`` (``saved_activation_bytes``); ``None`` when none were given.
+        activation_bytes: saved activations of one step's compiled forward, estimated from
+            ``example_inputs`` (``plan_activations.compiled_saved_activation_bytes``: the min-cut
+            partition of the model's joint graph); ``None`` when none were given.
         step_peak_bytes: the predicted peak of bytes alive on one rank during a training step, the
             sum of ``step_peak_breakdown``.
         step_peak_breakdown: ``"model_states"`` (``bytes_per_rank["total"] + padding_bytes``, plus
@@ -263,7 +265,7 @@ def plan(
     sizes = unit_sizes(len(unit_names), params, world_size, pad=stage >= 1 and model is not None)
     activations = None
     if example_inputs is not None:
-        activations = saved_activation_bytes(model, example_inputs, param_dtype)
+        activations = compiled_saved_activation_bytes(model, example_inputs, param_dtype)
     settings = dict(stage=stage, world_size=world_size, optimizer=optimizer, param_dtype=param_dtype,
                     master_dtype=master_dtype, prefetch_depth=prefetch_depth, replicas=replicas,
                     secondary_partition_size=secondary_partition_size)
@@ -305,7 +307,7 @@ def _units(model: nn.Module | None, psi: int | None, unit_numels: Sequence[int] 
     if unit_classes is not None:
         raise ConfigError("unit_classes= needs a model; with psi= give unit_numels=")
     if example_inputs is not None:
-        raise ConfigError("example_inputs= needs a model (the activations come from running its forward on meta)")
+        raise ConfigError("example_inputs= needs a model (the activations come from running its forward on fake tensors)")
     return _psi_params(_check_count("psi", psi, minimum=1), unit_numels)
 
 
@@ -339,52 +341,6 @@ def _plan_of(settings: dict, n_buffers: int, bucket_bytes: int | None, unit_name
         secondary_partition_bytes=extra["secondary_partition"], activation_bytes=activations,
         step_peak_bytes=sum(breakdown.values()), step_peak_breakdown=types.MappingProxyType(breakdown),
         peak_notes=tuple(notes))
-
-
-def saved_activation_bytes(model: nn.Module, example_inputs: Sequence[object],
-                           param_dtype: torch.dtype | None = None) -> int:
-    """Bytes of the tensors autograd saves for backward in one ``model(*example_inputs)``.
-
-    Runs the forward on the meta device (no storage allocated, no values read): each parameter
-    and buffer is replaced by a meta tensor of its shape (floating parameters in ``param_dtype``
-    when given, as mixed precision computes), tensor inputs by meta tensors of theirs (floating
-    ones in ``param_dtype``), through ``torch.func.functional_call``; a
-    ``saved_tensors_hooks`` pack hook records every saved tensor's storage, each counted once,
-    leaving out the parameters' and buffers' own storages (stage 3 saves only shards of them and
-    gathers again). This is eager autograd's saved set; a compiled step (AOTAutograd's min-cut
-    partition) may save less by recomputing cheap ops, so it is an upper estimate of what
-    ``zerograph.stats(...).saved_activation_bytes`` reports.
-
-    Raises:
-        ConfigError: ``example_inputs`` is not a sequence, or the forward fails on meta (a model
-            that reads tensor values, e.g. ``.item()``), with the error it raised.
-    """
-    if isinstance(example_inputs, (str, bytes, torch.Tensor)) or not isinstance(example_inputs, Sequence):
-        raise ConfigError(f"example_inputs must be a sequence of model arguments, got {type(example_inputs).__name__}")
-
-    def to_meta(t: torch.Tensor, cast: bool) -> torch.Tensor:
-        dtype = param_dtype if cast and param_dtype is not None and t.is_floating_point() else t.dtype
-        return torch.empty(t.shape, dtype=dtype, device="meta").requires_grad_(t.requires_grad and cast)
-
-    state = {name: to_meta(p, True) for name, p in model.named_parameters()}
-    state.update({name: to_meta(b, False) for name, b in model.named_buffers()})
-    args = [to_meta(a, True).requires_grad_(False) if isinstance(a, torch.Tensor) else a for a in example_inputs]
-    own = {t.untyped_storage()._cdata for t in state.values()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in own:
-            saved[storage._cdata] = storage.nbytes()
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            torch.func.functional_call(model, state, tuple(args), tie_weights=True, strict=False)
-    except Exception as exc:  # any failure of a user's forward on meta
-        raise ConfigError(f"example_inputs: the model's forward failed on the meta device, so its activations "
-                          f"cannot be estimated ({type(exc).__name__}: {exc}); leave example_inputs out") from exc
-    return sum(saved.values())
 
 
 # ----------------------------------------------------------------------------- parameter discovery

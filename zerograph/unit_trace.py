@@ -30,9 +30,17 @@ from . import registry
 from .parameter_writes import parameter_write_error
 from .passes._fx import sink_to_first_use
 from .sharding import set_tracing_unit
+from .unit_saved import rebase_saved_views
 
 if TYPE_CHECKING:
     from torch import nn
+
+# the min-cut partitioner's options for a template (``zerograph.plan`` estimates with the same):
+# views of a primal (a weight's transpose) are replayed in backward instead of saved (the op cannot
+# return a view of its input, and autograd saves the primal anyway); an op of the partitioner's
+# cheap list (pointwise, views; never a matmul, attention or collective) is recomputed in backward
+# even where its output is materialized there (a GPT's gelu: its input is saved, not both, issue 42)
+PARTITION_OPTIONS = {"recompute_views": True, "ban_recompute_materialized_backward": False}
 
 UNIT_ATTR = "_zerograph_unit"  # a templated unit's (kind, parameter slots, buffer slots, keys, modules, flat shard)
 
@@ -230,14 +238,15 @@ def _joint(body: _Body, primals: list[torch.Tensor], tangents: list[torch.Tensor
 
 def _partition(joint_graph: fx.GraphModule, primals: list[torch.Tensor], tangents: list[torch.Tensor],
                flat_index: int | None) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """The forward and backward graphs of the min-cut partition; with a flat shard (primal
-    ``flat_index``), its cuts recomputed in backward and sunk to their first uses in forward."""
+    """The forward and backward graphs of the min-cut partition, each saved storage handed over
+    once (``unit_saved``); with a flat shard (primal ``flat_index``), its cuts recomputed in
+    backward and sunk to their first uses in forward."""
     if flat_index is not None:
         _recompute_cut_out(joint_graph, flat_index)
-    # views of a primal (a weight's transpose) are replayed in backward instead of saved: the
-    # op cannot return a view of its input, and the primal itself is saved by autograd anyway
-    with torch._functorch.config.patch(recompute_views=True):
+    with torch._functorch.config.patch(**PARTITION_OPTIONS):
         fwd, bwd = min_cut_rematerialization_partition(joint_graph, (primals, tangents), num_fwd_outputs=len(tangents))
+    # the partitioner prices a saved view by its own size; one storage handed over once (issue 42)
+    rebase_saved_views(fwd, bwd, len(tangents))
     if flat_index is not None:
         _sink_cut_out(fwd, flat_index)
     return fwd, bwd
