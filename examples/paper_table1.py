@@ -76,13 +76,15 @@ def measure(cfg: GPTConfig, stage: int, world_size: int, tokens: int, seed: int,
     psi = sum(p.numel() for p in model.parameters())
     seq = min(cfg.block_size, tokens)
     shape = (max(1, tokens // seq), seq)
-    tokens_meta = torch.zeros(shape, dtype=torch.long, device="meta")
-    planned = zerograph.plan(model, stage, world_size, param_dtype=param_dtype,
-                             example_inputs=(tokens_meta, tokens_meta))
+    planned = zerograph.plan(model, stage, world_size, param_dtype=param_dtype)
     need = planned.total_with_overheads
     if need > 0.8 * available_bytes():
         raise SystemExit(f"stage {stage}: zerograph.plan needs {need / GB:.1f} GB of model states per rank, "
                          f"this machine has {available_bytes() / GB:.1f} GB available; refusing to allocate\n{planned}")
+    # the step peak's activations trace the model's joint graph: only for a model that will run
+    tokens_meta = torch.zeros(shape, dtype=torch.long, device="meta")
+    planned = zerograph.plan(model, stage, world_size, param_dtype=param_dtype,
+                             example_inputs=(tokens_meta, tokens_meta))
     config = zerograph.Config(param_dtype=param_dtype, reduce_dtype=param_dtype)
     rss_before = peak_rss_bytes()
     with zerograph.fake_world(world_size, rank=0):
