@@ -8,10 +8,12 @@ math path and saves the (B, heads, T, T) probabilities that CPU's and CUDA's fus
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
@@ -86,8 +88,6 @@ def compiled_saved_activation_bytes(model: nn.Module, example_inputs: Sequence[o
     with _refused("joint trace"), fake_mode:
         tangents = [torch.empty_like(o) for o in call(primals)]
         graph = make_fx(joint)(primals, tangents)
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
     with _refused("partition"), torch._functorch.config.patch(**PARTITION_OPTIONS):
         fwd, _ = min_cut_rematerialization_partition(graph, (primals, tangents), num_fwd_outputs=len(tangents))
     saved: dict[int, int] = {}
@@ -119,17 +119,13 @@ def _fake_call(model: nn.Module, example_inputs: Sequence[object], param_dtype: 
     return fake_mode, state, args
 
 
-class _refused:
+@contextlib.contextmanager
+def _refused(what: str) -> Iterator[None]:
     """Re-raise any failure of a user's model in ``what`` as ``ConfigError``."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if exc is not None and isinstance(exc, Exception) and not isinstance(exc, ConfigError):
-            raise ConfigError(f"example_inputs: the model's {self.what} failed on fake tensors, so its activations "
-                              f"cannot be estimated ({kind.__name__}: {exc}); leave example_inputs out") from exc
-        return False
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"example_inputs: the model's {what} failed on fake tensors, so its activations "
+                          f"cannot be estimated ({type(exc).__name__}: {exc}); leave example_inputs out") from exc
