@@ -82,6 +82,7 @@ def _check(runs: dict, stage: int, case: str, templates: bool) -> None:
         assert name == refusal[0] and refusal[1] in message, result["refused"]
         return
     assert refusal is None, f"expected the refusal {refusal}, got numbers"
+    assert result["read_frames"] == [], "parameter reads compiled as graphs of their own"
     ours, eager = result["ours"], result["reference"]
     assert ours["losses"] and ours["grads"], "the case recorded nothing"
     assert _compare(ours, eager, case) == []

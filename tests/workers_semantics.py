@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
 import zerograph
+from zerograph import flat, ops
 from zerograph.errors import ZeroGraphError
 
 STEPS, LR, ROWS, WIDTH = 2, 0.05, 4, 8  # AdamW steps, learning rate, rows of the global batch, block width
@@ -438,7 +439,16 @@ def run_case(rank: int, world: int, name: str, stage: int, templates: bool) -> d
         return {"refused": (type(exc).__name__, str(exc))}
     if case.after_compile is not None:
         case.after_compile(reference, False)
-    return {"ours": ours, "reference": _train(case, reference, batch, False)}
+    return {"ours": ours, "reference": _train(case, reference, batch, False), "read_frames": _read_frames()}
+
+
+def _read_frames() -> list[str]:
+    """The functions of a parameter read that Dynamo compiled as frames of their own: a read met
+    as a frame (eager code after a graph break, e.g. nn.GRU's weight refresh) runs eagerly with
+    everything it calls (zerograph.sharding), so this is ``[]``."""
+    reads = (DTensor.to_local, torch.distributed.tensor._api._ToTorchTensor.forward, ops._unshard_setup,
+             flat.FlatShard.full_parameter, flat.FlatShard.restore_)
+    return [fn.__qualname__ for fn in reads if torch._dynamo.eval_frame._debug_get_cache_entry_list(fn)]
 
 
 def semantics_runs(rank: int, world: int, builds: tuple[tuple[int, bool], ...] = BUILDS,

@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch._dynamo import trace_rules
+from torch._dynamo.eval_frame import set_code_exec_strategy
+from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
 from .errors import ShardingError
@@ -238,9 +240,13 @@ def _param_property(name: str, key: int) -> property:
 # break inside a module, e.g. nn.GRU's refresh of its _flat_weights) is one op: it runs as it is,
 # the op's eager all-gather. Traced as a frame, the marker key, a closure int that differs from
 # parameter to parameter, became a symbolic int on the frame's recompile (automatic dynamic
-# shapes), which no marker can carry. Traced inline from another frame, as usual, both are unchanged.
-torch._dynamo.eval_frame.skip_code(full_parameter.__code__)
-torch._dynamo.eval_frame.skip_code(_param_property("_", 0).fget.__code__)
+# shapes), which no marker can carry. The frames it calls (DTensor.to_local, the op's autograd
+# function, a flat shard's cut) run eagerly too: traced, each was a graph of a few ops of its own,
+# compiled (and recompiled per grad mode and shard rank) for nothing. Traced inline from another
+# frame, as usual, the read is unchanged: a code's exec strategy applies to frames only.
+_EAGER_WITH_CALLEES = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+set_code_exec_strategy(full_parameter.__code__, _EAGER_WITH_CALLEES)
+set_code_exec_strategy(_param_property("_", 0).fget.__code__, _EAGER_WITH_CALLEES)
 
 
 def _forward_inside_model_only(cls: type[nn.Module], fqn: str) -> Callable[..., object]:
