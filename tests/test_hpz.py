@@ -35,8 +35,8 @@ def test_hpz_matches_single_process_on_two_nodes_of_two() -> None:
     checkpointed templated bucketed one, each of whose pairs of choices (checkpointed, templated,
     bucketed) another run trains; and the plain unbucketed one: the checkpointed GPT's
     embeddings, final norm and head are not checkpointed, so its unbucketed run trains them on
-    that path, its blocks save and re-gather the same pieces as plain blocks (checked in process
-    below, with the plain unbucketed graphs' structure) and only add the recompute."""
+    that path, and its blocks save and re-gather pieces as plain blocks do, adding the recompute
+    (the in-process tests below check both models' unbucketed graphs)."""
     hpz = zerograph.Config(secondary_partition_size=2)
     per_parameter = zerograph.Config(secondary_partition_size=2, unit_templates=False)
     unbucketed = zerograph.Config(secondary_partition_size=2, disabled_passes=("bucketing",))
