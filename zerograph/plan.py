@@ -45,7 +45,7 @@ from .plan_figures import (
     model_state_bytes,
     optimizer_bytes_per_param,
     overhead_bytes,
-    step_peak_breakdown,
+    step_peak_phases,
     unit_sizes,
 )
 from .sharding import ROOT_UNIT, find_units
@@ -120,17 +120,25 @@ class Plan:
         activation_bytes: saved activations of one step's compiled forward, estimated from
             ``example_inputs`` (``plan_activations.compiled_saved_activation_bytes``: the min-cut
             partition of the model's joint graph); ``None`` when none were given.
-        step_peak_bytes: the predicted peak of bytes alive on one rank during a training step, the
-            sum of ``step_peak_breakdown``.
-        step_peak_breakdown: ``"model_states"`` (``bytes_per_rank["total"] + padding_bytes``, plus
-            hpZ's secondary partition), ``"gathered_params"`` (stage 3: the root unit, always
-            gathered in forward and again at the start of backward, plus the ``prefetch_depth +
-            1`` largest other units, the one computing and those prefetched), ``"gradient_buckets"``
-            (stages 2-3: the full gradients of the two largest units, the one whose gradients are
-            being produced and the one being reduce-scattered, or twice the ``bucket_bytes``
-            argument; stages 0-1: 0, full gradients are in the model states) and
-            ``"activations"`` (``activation_bytes``, 0 when unknown). At stages 1-2 the gathered
-            compute copy is already in ``"model_states"``.
+        step_peak_bytes: the predicted peak of bytes alive on one rank during a training step: the
+            largest phase of ``step_peak_phases``, the sum of ``step_peak_breakdown``.
+        step_peak_phase: the phase of ``step_peak_phases`` the peak falls in.
+        step_peak_phases: ``{phase: {part: bytes}}``, the bytes alive at each phase of a step as
+            the stage's schedule holds them (``plan_figures.step_peak_phases``), in step order:
+            ``"forward"`` (its last units: the root gathered, the ``prefetch_depth + 1`` largest
+            units gathered, every activation saved), ``"backward_start"`` (the head: the root
+            gathered again and unpacked, two copies, and its gradient, every activation still
+            saved) and ``"backward"`` (a unit's backward: ``prefetch_depth + 1`` units gathered;
+            the root's gradient, kept until the embedding's joins it at backward's end, the
+            unit's gradients and the bucket they are copied into for the reduce-scatter, the
+            ``bucket_bytes`` argument when given, else the largest unit's; the activations, at
+            most all). Parts: ``"model_states"`` (``bytes_per_rank["total"] + padding_bytes``,
+            plus hpZ's secondary partition: every gradient shard counted, as under gradient
+            accumulation), ``"gathered_params"`` (stage 3: full, padded, in ``param_dtype``),
+            ``"full_gradients"`` (stages 2-3: unreduced gradients, full, padded; stages 0-1 keep
+            full gradients in the model states) and ``"activations"`` (``activation_bytes``, 0
+            when unknown). Model states at stages 0-2 already hold the full compute copy.
+        step_peak_breakdown: the parts of ``step_peak_phases[step_peak_phase]``.
         peak_notes: what the step peak leaves out, one sentence each (e.g. the activations when
             no ``example_inputs`` were given; the gradients of activations in backward always).
     """
@@ -158,6 +166,8 @@ class Plan:
     activation_bytes: int | None = None
     step_peak_bytes: int = 0
     step_peak_breakdown: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    step_peak_phase: str = ""
+    step_peak_phases: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
     peak_notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
@@ -185,9 +195,11 @@ class Plan:
         rows += [
             ("total with overheads [GB/rank]", _gb(self.total_with_overheads)),
         ]
+        for phase, parts in self.step_peak_phases.items():
+            rows.append((f"step at {phase.replace('_', ' ')} [GB/rank]", _gb(sum(parts.values()))))
         for key, value in self.step_peak_breakdown.items():
             rows.append((f"step peak: {key.replace('_', ' ')} [GB/rank]", _gb(value)))
-        rows.append(("step peak [GB/rank]", _gb(self.step_peak_bytes)))
+        rows.append((f"step peak, at {self.step_peak_phase.replace('_', ' ')} [GB/rank]", _gb(self.step_peak_bytes)))
         for key in ("all_gather", "reduce_scatter", "all_reduce", "total"):
             rows.append((f"comm {key} [elements]", _in_psi(self.comm_elements_per_step[key], psi)))
         for dim, counts in self.comm_bytes_per_dim.items():
@@ -326,12 +338,14 @@ def _plan_of(settings: dict, n_buffers: int, bucket_bytes: int | None, unit_name
     total_with = (memory["total"] + extra["padding"] + extra["bucket"] + extra["secondary_partition"]
                   + (extra["inflight_gather"] if stage == 3 else 0))
     model_states = memory["total"] + extra["padding"] + extra["secondary_partition"]
-    breakdown = step_peak_breakdown(stage, sizes, p_bytes, prefetch_depth, bucket_bytes, model_states, activations)
+    phases = step_peak_phases(stage, sizes, p_bytes, prefetch_depth, bucket_bytes, model_states, activations)
+    peak_phase = max(phases, key=lambda name: sum(phases[name].values()))  # the first of equal ones
     notes = [] if activations is not None else [
         "saved activations left out: give example_inputs= (one rank's model inputs, meta tensors will do) "
         "to estimate them"]
-    notes.append("left out: the gradients of activations and the temporaries of the op running in backward, "
-                 "the allocator's slack and the framework's own memory (compiled code, caches)")
+    notes.append("left out: the gradients of activations and the temporaries of the op running, a reduce-scatter's "
+                 "send buffer a real process group still holds when the next unit's gradients are produced, the "
+                 "allocator's slack and the framework's own memory (compiled code, caches)")
     return Plan(
         **settings, psi=sizes.psi, param_bytes_per_element=p_bytes, optimizer_bytes_per_param=k_bytes,
         bytes_per_rank=types.MappingProxyType(memory), comm_elements_per_step=types.MappingProxyType(comm),
@@ -339,7 +353,9 @@ def _plan_of(settings: dict, n_buffers: int, bucket_bytes: int | None, unit_name
         total_with_overheads=total_with, units=tuple(zip(unit_names, sizes.numel)),
         comm_bytes_per_dim=types.MappingProxyType({d: types.MappingProxyType(c) for d, c in comm_bytes.items()}),
         secondary_partition_bytes=extra["secondary_partition"], activation_bytes=activations,
-        step_peak_bytes=sum(breakdown.values()), step_peak_breakdown=types.MappingProxyType(breakdown),
+        step_peak_bytes=sum(phases[peak_phase].values()), step_peak_phase=peak_phase,
+        step_peak_breakdown=types.MappingProxyType(phases[peak_phase]),
+        step_peak_phases=types.MappingProxyType({k: types.MappingProxyType(v) for k, v in phases.items()}),
         peak_notes=tuple(notes))
 
 

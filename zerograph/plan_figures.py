@@ -127,17 +127,36 @@ def overhead_bytes(stage: int, n: int, sizes: UnitSizes, p_bytes: int, k_bytes: 
             "secondary_partition": secondary}
 
 
-def step_peak_breakdown(stage: int, sizes: UnitSizes, p_bytes: int, prefetch_depth: int, bucket_bytes: int | None,
-                        model_states: int, activations: int | None) -> dict[str, int]:
-    """``Plan.step_peak_breakdown``: ``model_states`` as given (totals, padding and hpZ's partition),
-    the gathered parameters alive at once, the gradient buckets and the activations (0 when unknown)."""
-    others_first = sorted(sizes.padded[1:], reverse=True)
-    gathered = 0  # stages 1-2: the compute copy is in the model states; stage 0 holds nothing else
-    if stage == 3:  # the root unit, and the one computing with those prefetched
-        gathered = (sizes.padded[0] + sum(others_first[: prefetch_depth + 1])) * p_bytes
-    buckets = 0
-    if stage >= 2:  # the unit producing its gradients and the one being reduce-scattered
-        largest_first = sorted(sizes.padded, reverse=True)
-        buckets = 2 * bucket_bytes if bucket_bytes is not None else sum(largest_first[:2]) * p_bytes
-    return {"model_states": model_states, "gathered_params": gathered, "gradient_buckets": buckets,
-            "activations": activations or 0}
+PEAK_PHASES = ("forward", "backward_start", "backward")
+"""The phases of a training step whose live bytes ``step_peak_phases`` sums, in step order."""
+
+
+def step_peak_phases(stage: int, sizes: UnitSizes, p_bytes: int, prefetch_depth: int, bucket_bytes: int | None,
+                     model_states: int, activations: int | None) -> dict[str, dict[str, int]]:
+    """``Plan.step_peak_phases``: per phase of ``PEAK_PHASES``, the bytes alive on one rank by part:
+    ``model_states`` as given (held all step), ``gathered_params`` and ``full_gradients`` (full,
+    unsharded, padded, ``p_bytes`` each) as the stage's schedule holds them then, and the saved
+    ``activations`` (0 when unknown; all of them alive at each phase's start).
+
+    The schedule (``passes/prefetch``, ``insert_reduce_scatter``, the releases after last use):
+    forward gathers the root (used first and last) and runs the blocks with ``prefetch_depth``
+    units gathered ahead; backward gathers the root again, unpacks it (the rank-major gathered
+    buffer and its parameter-major copy alive together) and starts with the head, whose gradient
+    is the root's, reduce-scattered only after the embedding's at backward's end; then each unit
+    runs with ``prefetch_depth`` units gathered ahead, its gradients copied into the bucket it
+    reduce-scatters from (both alive at the copy).
+    """
+    root = sizes.padded[0] * p_bytes
+    blocks = sorted((b * p_bytes for b in sizes.padded[1:]), reverse=True)
+    inflight = sum(blocks[: prefetch_depth + 1])  # the unit computing and those prefetched
+    largest = blocks[0] if blocks else 0
+    bucket = bucket_bytes if bucket_bytes is not None else largest
+    sharded_params, sharded_grads = stage == 3, stage >= 2  # below, the full copies are model states
+
+    def phase(gathered: int, grads: int) -> dict[str, int]:
+        return {"model_states": model_states, "gathered_params": gathered if sharded_params else 0,
+                "full_gradients": grads if sharded_grads else 0, "activations": activations or 0}
+
+    return {"forward": phase(root + inflight, 0),
+            "backward_start": phase(2 * root, root),
+            "backward": phase(inflight, root + largest + bucket)}
