@@ -60,18 +60,26 @@ def _check(model: torch.nn.Module, stats: zerograph.Stats) -> None:
     assert stats.transient_bytes["params"] <= bound, (stats.transient_bytes, bound, parts)
 
 
-def test_llama_inline_blocks_hold_at_most_two_units_and_the_root() -> None:
-    """torchtitan's Llama (layers in a ModuleDict; its complex RoPE input keeps templates off): each
-    block bucket is unpacked (``unpack_gathered``), the path that held three units."""
+@pytest.mark.parametrize("templates", [True, False], ids=["templates", "per-parameter"])
+def test_llama_holds_at_most_two_units_and_the_root(templates: bool) -> None:
+    """torchtitan's Llama (layers in a ModuleDict, each handed the root's complex RoPE table): with
+    unit templates its blocks are templated on flat shards (viewed, not unpacked), the three
+    layers calling one trace (their ``weight_init_std`` differs, which ``forward`` never reads);
+    without, per-parameter buckets, unpacked (``unpack_gathered``), the path that held three units."""
     cfg = LLAMA_CONFIG
     with fake_rank(WORLD):
         torch.manual_seed(0)
         with torch.device("meta"):
             model = Llama(cfg)
-        model = zerograph.compile(model, stage=3, device="cpu")
+        model = zerograph.compile(model, stage=3, device="cpu", config=zerograph.Config(unit_templates=templates))
         zerograph.init_weights(model, model.init_module)
         stats = _step(model, cfg.vocab_size, 32)
-        assert not state_of(model).runtime.flat_shards  # inline: per-parameter buckets, unpacked
+        assert bool(state_of(model).runtime.flat_shards) == templates
+        if templates:
+            kinds = state_of(model).unit_kinds
+            assert [k.inline_reason for k in kinds] == [None] * cfg.n_layers
+            traced = [t for k in kinds for t in k.templates.values() if t.reused_from is None]
+            assert len(traced) <= 1  # none when an earlier test in this process traced the same block
         _check(model, stats)
 
 

@@ -304,9 +304,10 @@ class _MatmulChain(nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
-def test_complex_units_run_inline_and_match_eager(dtype: torch.dtype) -> None:
-    """A complex unit runs inline (its template gave the first block's weight another gradient
-    than eager's); a real one keeps its template. World of one, gradients equal eager's."""
+def test_complex_units_are_templated_and_match_eager(dtype: torch.dtype) -> None:
+    """A complex unit keeps its template, and its gradients equal eager's, the first block's too:
+    the second block's complex input needs a gradient, which the template once left out (complex
+    is not floating point), so the first block's weight got none. World of one."""
     torch.manual_seed(0)
     reference = _MatmulChain(dtype)
     config = zerograph.Config(unit_templates=True, unit_classes=(_MatmulBlock,))
@@ -317,7 +318,57 @@ def test_complex_units_run_inline_and_match_eager(dtype: torch.dtype) -> None:
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
     (kind,) = state_of(model).unit_kinds
-    assert (kind.inline_reason is not None and "complex" in kind.inline_reason) == dtype.is_complex
+    assert kind.inline_reason is None and len(kind.templates) == 2  # the first block's input needs no gradient
+
+
+def test_the_flat_gradient_is_written_gradient_by_gradient_not_concatenated(gpt_of_8) -> None:
+    """With a flat shard, the template's backward fills one buffer with each parameter's gradient
+    right after the op that computes it (``unit_flat_grad``); autograd's ``cat`` of them all at the
+    end, which held the unit's gradient twice, is gone. (Values: the parity tests.)"""
+    model = gpt_of_8(True)
+    (template,) = state_of(model).captured.templates
+    graph = template.backward_graph.graph
+    assert len(template.input_metas) == 2  # the block's primals: its input, then its flat shard
+    flat_grad = graph.output_node().args[0][1]
+    while flat_grad.target is torch.ops.aten.view.default:
+        flat_grad = flat_grad.args[0]
+    assert flat_grad.target is torch.ops.aten.empty.memory_format  # not a cat
+    copies = [n for n in flat_grad.users if n.target is torch.ops.aten.slice.Tensor]
+    assert len(copies) == sum(1 for _ in model.blocks[0].parameters())
+    assert all([u.target for u in c.users] == [torch.ops.aten.copy_.default] for c in copies)
+
+
+class _TaggedBlock(nn.Module):
+    """``scale`` is read by ``forward``; ``tag`` (an init constant, as torchtitan's
+    ``weight_init_std``) is not."""
+
+    def __init__(self, scale: float, tag: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 5) / 3)
+        self.scale, self.tag = scale, tag
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w) * self.scale
+
+
+@pytest.mark.parametrize("differ", ["tag", "scale"])
+def test_units_differing_only_in_attributes_their_body_never_reads_share_one_trace(differ: str) -> None:
+    """Two kinds of unit that differ in an attribute: one trace when the body never reads it, two
+    when it does (the second block's scale in its graph). Gradients equal eager's. World of one."""
+    torch.manual_seed(0)
+    blocks = [_TaggedBlock(0.5, 0.1), _TaggedBlock(0.5 if differ == "tag" else 2.0, 0.2 if differ == "tag" else 0.1)]
+    reference = nn.Sequential(*blocks)
+    config = zerograph.Config(unit_templates=True, unit_classes=(_TaggedBlock,))
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=config)
+    x = torch.randn(3, 5, requires_grad=True)  # each block's input needs a gradient: one template per kind
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    kinds = state_of(model).unit_kinds
+    assert len(kinds) == 2  # the signatures differ either way
+    (first,), (second,) = (list(k.templates.values()) for k in kinds)
+    assert (second.reused_from == first.id) == (differ == "tag")
 
 
 @pytest.mark.parametrize("call", ["direct", "torch_compile"])

@@ -190,21 +190,25 @@ def llama_meta_init(rank: int, world_size: int, steps: int = 0, forward: bool = 
 
         per = 4 // world_size
         opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ordinary))
-        out["losses"], out["reference_losses"] = [], []
+        out["losses"], out["reference_losses"], out["grad_differences"] = [], [], []
         for step in range(steps):
             x, y = batch(step)
             loss = model(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
             loss.backward()
-            opt.step()
-            opt.zero_grad()
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             out["losses"].append(mean.item() / world_size)
             ref = ordinary(x, y)
             ref.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
             out["reference_losses"].append(ref.item())
+            out["grad_differences"].append(max((p.grad.full_tensor() - ordinary.get_parameter(n).grad).abs().max().item()
+                                               for n, p in model.named_parameters()))
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        out["param_difference"] = max((p.full_tensor() - ordinary.get_parameter(n)).abs().max().item()
+                                      for n, p in model.named_parameters())
+        out["inline_reasons"] = [k.inline_reason for k in zerograph.state.state_of(model).unit_kinds]
     elif forward:
         model(*(torch.zeros(1, cfg.max_seq_len, dtype=torch.long),) * 2)  # no longer refused
     return out

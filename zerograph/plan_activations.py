@@ -61,8 +61,8 @@ def compiled_saved_activation_bytes(model: nn.Module, example_inputs: Sequence[o
     the options a unit template is cut with (``unit_trace.PARTITION_OPTIONS``: views and cheap
     pointwise ops recomputed in backward); the storages of the saved values, each once, the
     primals (parameters, buffers, inputs) left out. Below eager's; what the default build saves
-    where every unit is a template. Units that run inline (a complex buffer: a Llama's RoPE) are
-    cut with the partitioner's defaults in the model's graph and save more (up to eager's).
+    where every unit is a template. Units that run inline (autocast, a dynamic shape, a body that
+    writes a buffer in place) are cut with the partitioner's defaults in the model's graph and save more (up to eager's).
 
     Raises:
         ConfigError: as ``saved_activation_bytes``; also when the joint trace or the partition fails.

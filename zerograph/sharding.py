@@ -29,7 +29,7 @@ from .errors import ShardingError
 from .ops import unshard
 from .parameter_watch import ParameterWatch  # noqa: F401  (re-exported: api imports it from here)
 from .units import find_units  # noqa: F401  (re-exported: api, plan and the bench import it from here)
-from .vocab import GRAD_MODES, GRAD_SYNC
+from .vocab import GENERATED_CLASS, GRAD_MODES, GRAD_SYNC
 
 _UNSHARD = unshard._opoverload  # the op itself: Dynamo inlines a CustomOpDef's __call__, one frame per call
 ROOT_UNIT = "<root>"
@@ -188,8 +188,9 @@ def tracing_unit() -> bool:
 
 def original_class(mod: nn.Module) -> type[nn.Module]:
     """The class ``mod`` had before ``shard_module_`` gave it a subclass with parameter properties."""
-    cls = type(mod)
-    return cls.__mro__[1] if issubclass(cls, _ShardedParamAccess) else cls
+    # the first class of its MRO that zerograph did not make for it (sharding's subclass with
+    # parameter properties; a template trace's recording subclass, attribute_reads)
+    return next(c for c in type(mod).__mro__ if not c.__dict__.get(GENERATED_CLASS) and c is not _ShardedParamAccess)
 
 
 def full_parameter(shard: torch.Tensor, key: int) -> torch.Tensor:
@@ -337,7 +338,7 @@ def shard_module_(
         cls = type(mod)
         if mod is not model and cls.forward is not nn.Module.forward:
             props["forward"] = _forward_inside_model_only(cls, mod_name)
-        mod.__class__ = type(f"Sharded{cls.__name__}", (cls, _ShardedParamAccess), props)
+        mod.__class__ = type(f"Sharded{cls.__name__}", (cls, _ShardedParamAccess), {**props, GENERATED_CLASS: True})
     unit_keys: list[list[int]] = [[] for _ in range(len(units) + 1)]
     for layout in layouts:
         unit_keys[layout.unit].append(layout.key)

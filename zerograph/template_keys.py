@@ -19,21 +19,26 @@ from .sharding import original_class
 from .unit_trace import UNIT_ATTR, TensorMeta
 
 
-def unit_signature(module: nn.Module) -> tuple:
+def unit_signature(module: nn.Module, values: bool = True) -> tuple:
     """What must match for two units to share a template: for every submodule, its path, original
     class and plain attributes (numbers, strings, flags, dtypes; containers by value; functions,
     closures included, and other objects by identity), a ``forward`` set on a submodule instance
     (by identity), and its parameters' and buffers' names, full shapes, dtypes and
-    ``requires_grad``. (A unit whose own instance has a ``forward`` is not templated at all.)"""
+    ``requires_grad``. (A unit whose own instance has a ``forward`` is not templated at all.)
+    ``values=False``: the attributes' names only (``read_values`` then says which values count)."""
     parts = []
     for path, mod in module.named_modules():
-        attrs = tuple(sorted((k, _attribute_key(v)) for k, v in vars(mod).items()
-                             if (k not in _MODULE_INTERNALS or (k == "forward" and path))
-                             and not k.startswith("_zerograph")))
+        attrs = tuple(sorted((k, _attribute_key(v) if values else None) for k, v in vars(mod).items()
+                             if _keyed(k, path)))
         params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in mod._parameters.items() if p is not None)
         buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in mod._buffers.items() if b is not None)
         parts.append((path, original_class(mod), attrs, params, buffers))
     return tuple(parts)
+
+
+def _keyed(name: str, path: str) -> bool:
+    """Whether ``unit_signature`` keys the instance attribute ``name`` of the submodule at ``path``."""
+    return (name not in _MODULE_INTERNALS or (name == "forward" and bool(path))) and not name.startswith("_zerograph")
 
 
 _MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "forward"}) | {
@@ -68,8 +73,19 @@ class _Identity:
         return isinstance(other, _Identity) and other.obj is self.obj
 
 
+def read_values(module: nn.Module, reads: frozenset[tuple[int, str]] | None) -> tuple:
+    """The values (as ``unit_signature`` keys them) of the instance attributes ``reads`` names,
+    ``(module index, name)`` in ``modules()`` order (``UnitTemplate.read_attrs``); every plain
+    attribute's for ``None``. ``training`` is left out: the trace sets it from its ``mode``."""
+    if reads is None:
+        return unit_signature(module)
+    modules = getattr(module, UNIT_ATTR)[4]
+    return tuple((i, name, _attribute_key(vars(modules[i]).get(name))) for i, name in sorted(reads)
+                 if name != "training" and _keyed(name, "" if modules[i] is module else "sub"))
+
+
 def trace_key(module: nn.Module, lowering: str, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
-              device: torch.device) -> tuple:
+              device: torch.device, values: bool = True) -> tuple:
     """What a template's trace reads besides its primals' values, so that two units with equal
     keys, in any models, trace to the same graphs: the unit's structure (``unit_signature``), the
     code its modules run (``_class_key``: each class's methods, class attributes and the globals
@@ -78,7 +94,8 @@ def trace_key(module: nn.Module, lowering: str, metas: tuple[TensorMeta, ...], m
     parameters out, the primals' shapes, strides and dtypes, the training-flag ``mode``, the
     arguments differentiated, the device and lowering, and the settings a trace, the partitioner or
     Inductor read (default dtype, deterministic algorithms, matmul precision, their configs).
-    ``module``: the kind's first unit; ``lowering``: ``"eager"`` or ``"inductor"``."""
+    ``module``: the kind's first unit; ``lowering``: ``"eager"`` or ``"inductor"``; ``values=False``:
+    the plain attributes by name only (``templates.shared_template`` adds ``read_values``)."""
     _, _, _, _, modules, flat = getattr(module, UNIT_ATTR)
     code = tuple(_class_key(original_class(m)) for m in modules)
     cuts = None
@@ -90,7 +107,7 @@ def trace_key(module: nn.Module, lowering: str, metas: tuple[TensorMeta, ...], m
         import torch._inductor.config as inductor_config
 
         settings += (_config_key(inductor_config),)
-    return (unit_signature(module), code, cuts, metas, mode, arg_grads, str(device), lowering, settings)
+    return (unit_signature(module, values), code, cuts, metas, mode, arg_grads, str(device), lowering, settings)
 
 
 def _class_key(cls: type) -> tuple:

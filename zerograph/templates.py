@@ -31,8 +31,9 @@ whole kind from then on, in the training-flag mode it was traced for (logged as 
 in ``UnitKind.inline_modes``; a batch norm or dropout fails in training only, so in eval the kind
 keeps its template and its eval graphs), a body that returns something other than one tensor,
 cannot be traced on fake tensors (dropout's random ops in the partitioner), or writes an input
-or buffer in place (a batch norm's running statistics); and in every mode, a kind with a complex
-input, parameter or buffer (its template's gradients were found to differ from eager's). A body
+or buffer in place (a batch norm's running statistics). Complex inputs, parameters and buffers
+are traced like real ones (a Llama's RoPE table; ``unit_trace`` differentiates a complex argument
+that needs a gradient, as it does a floating-point one). A body
 with data-dependent control flow makes the kind's units *islands* (``run_island``): eager, between
 graphs, gathered once on entry, so that ranks whose data takes other paths run the same
 collectives. A kind that runs inline without knowing which of its parameters its output reaches
@@ -75,7 +76,7 @@ from .flat import FlatShard
 from .ops import UNIT_CALL as _unit_call
 from .ops import unit_forward
 from .sharding import full_parameter, own_code
-from .template_keys import trace_key, unit_signature
+from .template_keys import read_values, trace_key, unit_signature
 from .unit_islands import run_island
 from .unit_trace import UNIT_ATTR, TensorMeta, UnitTemplate, trace_unit
 
@@ -126,10 +127,6 @@ class UnitKind:
             log.warning("zerograph: unit template for %s not used in a trace with dynamic shapes, every unit of "
                         "it runs inline (a template is traced for static shapes)", self.name)
             raise DynamicShapeTrace(f"unit {self.name!r}: {self.inline_reason}")
-        if any(p.dtype.is_complex for p in primals):
-            # a complex unit's template gave its weight a gradient other than eager's (found in the
-            # every-dtype test; complex autograd's conjugate views, not diagnosed further): inline is exact
-            self.fall_back("it has a complex input, parameter or buffer (templates are traced for real dtypes)")
         metas = tuple((tuple(p.shape), tuple(p.stride()), p.dtype) for p in primals)
         template = self.templates.get((metas, mode, arg_grads))
         if template is None:
@@ -400,28 +397,40 @@ def _read_unreached(kind: int) -> bool:
                         "see it (by the unit's parent, or in an inline body)")
 
 
-# Templates any model in this process traced, by everything their trace reads (``trace_key``): a
-# second model of the same structure (another stage, a model built again, the next case of a test
-# or of a benchmark) calls copies of their graphs instead of tracing again. Least recently used
-# out first; an entry holds a forward and a backward graph of one unit.
+# Templates any model in this process traced, by everything their trace reads: ``trace_key`` with
+# attribute names only, and the values of the attributes the trace read (``read_values``). Another
+# unit kind of the same structure (the next layer of a torchtitan Llama, whose init constant
+# differs; another stage, a model built again, the next case of a test or of a benchmark) calls
+# copies of their graphs instead of tracing again. Least recently used out first; an entry holds a
+# forward and a backward graph of one unit. ``_READS``: per key, the attribute sets traces read.
 _TRACED: collections.OrderedDict[tuple, UnitTemplate] = collections.OrderedDict()
+_READS: dict[tuple, list[frozenset[tuple[int, str]] | None]] = {}
 TRACED_LIMIT = 64
 
 
 def shared_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
                     device: torch.device) -> UnitTemplate:
     """``kind``'s template for ``metas``, ``mode`` and ``arg_grads``: a copy of one this process
-    traced before for a unit that matches ``trace_key`` (the same graphs and lowered callables,
+    traced before for a unit that matches ``trace_key`` in all but the values of the attributes
+    that trace did not read (``_TRACED``; the same graphs and lowered callables,
     a template id and unit names of its own, ``reused_from`` naming the original), or a new trace
     (``trace_template``, which raises as documented there). Source: the reuse Dynamo's cache gives
     FSDP2 + ``torch.compile`` of identical blocks, kept across models."""
-    key = trace_key(kind.module, kind.lowering, metas, mode, arg_grads, device)
-    traced = _TRACED.get(key)
-    if traced is None:
-        traced = _TRACED[key] = trace_template(kind, metas, mode, arg_grads, device)
+    loose = trace_key(kind.module, kind.lowering, metas, mode, arg_grads, device, values=False)
+    key = next((k for reads in _READS.get(loose, ()) if (k := (loose, read_values(kind.module, reads))) in _TRACED),
+               None)
+    if key is None:
+        traced = trace_template(kind, metas, mode, arg_grads, device)
+        seen = _READS.setdefault(loose, [])
+        if traced.read_attrs not in seen:
+            seen.append(traced.read_attrs)
+        _TRACED[loose, read_values(kind.module, traced.read_attrs)] = traced
         if len(_TRACED) > TRACED_LIMIT:
-            _TRACED.popitem(last=False)
+            (out, _), _ = _TRACED.popitem(last=False)
+            if not any(k[0] == out for k in _TRACED):  # the attribute sets of a key no entry has
+                del _READS[out]
         return traced
+    traced = _TRACED[key]
     _TRACED.move_to_end(key)
     template = dataclasses.replace(traced, id=registry.next_template_id(), kind=kind.kind, units=kind.units,
                                    trace_seconds=0.0, reused_from=traced.id)

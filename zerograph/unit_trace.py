@@ -27,9 +27,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import registry
+from .attribute_reads import instance_reads, recording_reads
 from .parameter_writes import parameter_write_error
 from .passes._fx import sink_to_first_use
 from .sharding import set_tracing_unit
+from .unit_flat_grad import write_flat_gradient_in_place
 from .unit_saved import rebase_saved_views
 
 if TYPE_CHECKING:
@@ -82,8 +84,11 @@ class UnitTemplate:
             stays ``None`` (``FlatShard.no_grad``).
         trace_seconds: wall seconds the trace, partition and lowering took (0 for a copy).
         units: names of the units that call it (its kind's units).
-        reused_from: the id of the template this one copies (traced for another model in this
-            process, ``templates.shared_template``), or ``None`` when traced for this one.
+        reused_from: the id of the template this one copies (traced for another unit kind in
+            this process, ``templates.shared_template``), or ``None`` when traced for this one.
+        read_attrs: ``(module index, name)`` of each instance attribute of the unit's modules
+            (``modules()`` order) the body read while traced, ``None`` when it read them all
+            (``attribute_reads``): what ``template_keys.read_values`` compares.
     """
 
     id: int
@@ -103,6 +108,7 @@ class UnitTemplate:
     trace_seconds: float = 0.0
     units: list[str] = dataclasses.field(default_factory=list)
     reused_from: int | None = None
+    read_attrs: frozenset[tuple[int, str]] | None = None  # instance attributes the body read (None: all)
 
     def forward(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(self.run_forward(*primals))
@@ -144,7 +150,10 @@ def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_g
         reach["no_grad"] = no_grad_params
     _check_no_writes(kind.name, joint_graph, len(metas), body.parameter_names(), body.cut_out)
     fwd, bwd = _partition(joint_graph, primals, tangents, body.n_args if body.flat is not None else None)
+    if body.flat is not None and kind.lowering != "inductor":  # the flat gradient held once, not twice
+        write_flat_gradient_in_place(bwd, body.n_args)
     template = _template(kind, metas, fwd, bwd, fake_mode, primals, tangents, grad_mask, no_grad_params)
+    template.read_attrs = instance_reads(body.modules, body.reads)
     template.trace_seconds = time.perf_counter() - start
     template.units = kind.units
     return template
@@ -166,13 +175,17 @@ class _Body:
         # write to one is refused as a write to the parameter is; the last trace's are what count)
         self.cut_out: dict[StorageWeakRef, str] = {}
         self.cut_params: list[torch.Tensor] = []  # the parameters as the last trace cut them out of the flat shard
+        self.reads: set[tuple[int, str]] = set()  # (module index, attribute name) the body looked up
 
     def wants_grad(self, metas: tuple[TensorMeta, ...], arg_grads: int) -> list[bool]:
-        """Per primal, whether the trace differentiates it: the floating-point arguments of
-        ``arg_grads``'s bits, the trainable parameters (a flat shard always), no buffer."""
+        """Per primal, whether the trace differentiates it: the floating-point and complex
+        arguments of ``arg_grads``'s bits, the trainable parameters (a flat shard always), no buffer.
+        (Complex counts: a complex activation between units carries the gradient of every unit
+        before it; leaving it out once gave those units' weights no gradient, issue 42.)"""
         param_grads = ([True] if self.flat is not None
                        else [mod._parameters[name].requires_grad for mod, name in self.param_slots])
-        args = [dtype.is_floating_point and bool(arg_grads >> i & 1) for i, (_, _, dtype) in enumerate(metas[:self.n_args])]
+        args = [(dtype.is_floating_point or dtype.is_complex) and bool(arg_grads >> i & 1)
+                for i, (_, _, dtype) in enumerate(metas[:self.n_args])]
         return args + param_grads + [False] * len(self.buffer_slots)
 
     def parameter_names(self) -> dict[int, str]:
@@ -200,7 +213,8 @@ class _Body:
                 table[name] = value
             for i, m in enumerate(self.modules):  # the calling unit's train / eval flags
                 m.training = bool(self.mode >> i & 1)
-            out = type(self.module).forward(self.module, *p[:n_args])
+            with recording_reads(self.modules, self.reads):
+                out = type(self.module).forward(self.module, *p[:n_args])
         finally:
             for (table, name), value in zip(slots, previous_values):
                 table[name] = value

@@ -13,6 +13,10 @@ import torch.fx as fx
 # node.meta[TAG] = {"role": ..., "unit": ..., "units": ...} on every node a pass inserts
 TAG = "zerograph"
 
+# True in the dict of a class zerograph makes for one module instance (sharding's subclass with
+# parameter properties, a template trace's recording subclass): ``sharding.original_class`` skips them
+GENERATED_CLASS = "_zerograph_generated"
+
 # The functional collectives the passes insert (torch.distributed._functional_collectives), by kind.
 COLLECTIVE_KINDS = {
     torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
