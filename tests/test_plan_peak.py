@@ -92,13 +92,18 @@ def test_step_peak_phases_at_stage_3():
     assert states == 16 * 256 // 4 and acts > 0
     # (gathered, full gradients) per phase: forward holds the root and prefetch_depth + 1 blocks;
     # the head's backward the root gathered and unpacked and its gradient; a block's backward
-    # prefetch_depth + 1 blocks gathered, the root's gradient, the block's and its bucket
-    expected = {"forward": (3 * unit, 0), "backward_start": (2 * unit, unit), "backward": (2 * unit, 3 * unit)}
+    # prefetch_depth + 1 blocks gathered, the root's gradient and the block's, one flat buffer
+    # filled in place and reduce-scattered as it is (unit_flat_grad)
+    expected = {"forward": (3 * unit, 0), "backward_start": (2 * unit, unit), "backward": (2 * unit, 2 * unit)}
     for phase, (gathered, grads) in expected.items():
         assert dict(p.step_peak_phases[phase]) == {"model_states": states, "gathered_params": gathered,
                                                    "full_gradients": grads, "activations": acts}, phase
     assert p.step_peak_phase == "backward" and p.step_peak_breakdown == p.step_peak_phases["backward"]
-    assert p.step_peak_bytes == sum(p.step_peak_breakdown.values()) == states + 5 * unit + acts
+    assert p.step_peak_bytes == sum(p.step_peak_breakdown.values()) == states + 4 * unit + acts
+    # a bucket size given: the gradients are copied into buckets of it, alive beside them
+    bucketed = plan(meta_stack(), 3, 4, param_dtype=torch.float32, master_dtype=torch.float32, prefetch_depth=1,
+                    bucket_bytes=1000)
+    assert bucketed.step_peak_phases["backward"]["full_gradients"] == 2 * unit + 1000
     assert "step peak, at backward" in str(p)
 
 
@@ -168,8 +173,8 @@ def test_step_peak_without_inputs_leaves_activations_out_and_says_so():
 def test_step_peak_below_stage_3_gathers_nothing_extra(stage):
     p = plan(meta_stack(), stage, 4)
     assert all(parts["gathered_params"] == 0 for parts in p.step_peak_phases.values())
-    # stage 2: the root's gradient, a block's and its bucket (bf16); below, full gradients are model states
-    assert p.step_peak_breakdown["full_gradients"] == (3 * 64 * 2 if stage == 2 else 0)
+    # stage 2: the root's gradient and a block's (bf16); below, full gradients are model states
+    assert p.step_peak_breakdown["full_gradients"] == (2 * 64 * 2 if stage == 2 else 0)
 
 
 def test_step_peak_grows_with_prefetch_depth():

@@ -143,14 +143,15 @@ def step_peak_phases(stage: int, sizes: UnitSizes, p_bytes: int, prefetch_depth:
     units gathered ahead; backward gathers the root again, unpacks it (the rank-major gathered
     buffer and its parameter-major copy alive together) and starts with the head, whose gradient
     is the root's, reduce-scattered only after the embedding's at backward's end; then each unit
-    runs with ``prefetch_depth`` units gathered ahead, its gradients copied into the bucket it
-    reduce-scatters from (both alive at the copy).
+    runs with ``prefetch_depth`` units gathered ahead, its gradient one flat buffer filled in place
+    as each parameter's is computed (``unit_flat_grad``) and reduce-scattered as it is; with a
+    ``bucket_bytes`` given, also the bucket the gradients are copied into (both alive at the copy).
     """
     root = sizes.padded[0] * p_bytes
     blocks = sorted((b * p_bytes for b in sizes.padded[1:]), reverse=True)
     inflight = sum(blocks[: prefetch_depth + 1])  # the unit computing and those prefetched
     largest = blocks[0] if blocks else 0
-    bucket = bucket_bytes if bucket_bytes is not None else largest
+    bucket = bucket_bytes or 0
     sharded_params, sharded_grads = stage == 3, stage >= 2  # below, the full copies are model states
 
     def phase(gathered: int, grads: int) -> dict[str, int]:
