@@ -52,7 +52,7 @@ from zerograph.collectives import cast_fn, gather_fn
 from zerograph.kernels.ops import UNPACK_GATHERED
 from zerograph.kernels.quantize import UNPACK_DEQUANTIZED
 from zerograph.ops import UNSHARD
-from zerograph.vocab import TAG
+from zerograph.vocab import TAG, WAIT
 
 from ._fx import NodeOrder, bucket_tag, group_markers, hoist_before, is_alias_of_input, layout_template, splice
 from .context import PassContext, PassResult
@@ -75,6 +75,7 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not plan:
         return PassResult(gm, False)
     recompute = ctx.stage == 3 and ctx.graph_kind == "joint"
+    in_place = ctx.memory.gather_in_place and ctx.secondary_group is None  # hpZ cuts pieces of packed buffers
     gathers = 0
     order = NodeOrder(graph)  # hoists move shards' views up; splices insert before the markers
     for markers in plan:
@@ -87,10 +88,10 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         shard_of = {m.args[1]: m.args[0] for m in markers}
         for shard in shard_of.values():  # a shard's to_local view may sit after the unit's first use
             hoist_before(shard, first, order)
-        fulls = splice(graph, gather_fn(layouts, ctx.world_size, ctx.group_name, ctx.gather_quantization),
+        fulls = splice(graph, gather_fn(layouts, ctx.world_size, ctx.group_name, ctx.gather_quantization, in_place),
                        [shard_of[k] for k in keys], before=first, tag=bucket_tag("gather", layouts),
                        template=("gather", layout_template(layouts), ctx.world_size, ctx.group_name,
-                                 ctx.gather_quantization))
+                                 ctx.gather_quantization, in_place))
         full_of = dict(zip(keys, fulls))
         for marker in markers:
             marker.replace_all_uses_with(full_of[marker.args[1]])
@@ -99,8 +100,10 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if recompute:
             _mark_recompute(fulls)
         elif ctx.graph_kind == "joint" and (len(layouts) > 1 or _unpacked(fulls[0]) is not None):
-            # saved for backward: the one unpacked buffer, not each parameter's view of it
-            _recompute_views([_unpacked(fulls[0])])
+            # saved for backward: the one unpacked buffer (in place: each parameter's gathered
+            # tensor), not each parameter's view of it
+            unpacked = _unpacked(fulls[0])
+            _recompute_views([unpacked] if unpacked is not None else [_gathered(full) for full in fulls])
     graph.eliminate_dead_code()
     gm.recompile()
     return PassResult(gm, True, {"all_gather": gathers})
@@ -170,5 +173,13 @@ def _unpacked(full: fx.Node) -> fx.Node | None:
     while full.target not in (UNPACK_GATHERED, UNPACK_DEQUANTIZED):
         if full.op != "call_function" or not full.args or not isinstance(full.args[0], fx.Node):
             return None
+        full = full.args[0]
+    return full
+
+
+def _gathered(full: fx.Node) -> fx.Node:
+    """The ``wait_tensor`` whose result a gathered parameter views (``MemoryPolicy.gather_in_place``:
+    each parameter's own gathered tensor)."""
+    while full.target is not WAIT:
         full = full.args[0]
     return full
