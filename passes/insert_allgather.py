@@ -23,6 +23,15 @@ view of it (every view is marked ``MUST_RECOMPUTE``: AOTAutograd's ``recompute_v
 node). At stage 0 or world size 1 the marker becomes its input (shards are full tensors), cast
 to ``param_dtype`` under mixed precision. Without mixed precision no cast is emitted.
 
+With ``MemoryPolicy.gather_in_place`` a bucket of several parameters is gathered in
+place instead: one ``all_gather_into_tensor_coalesced`` of the shards as they are (cast to
+``param_dtype``, padded to ``chunk_rows`` where this rank holds fewer rows), each into its own
+``(N * chunk_rows * row_numel,)`` tensor, then a ``getitem`` and a ``wait_tensor`` per parameter
+and a view (``[:rows]``); no copy-in pack and no copy-out, so the bucket is held once while it is
+gathered, not twice (the rank-major buffer beside its unpacked copy, issue 42). Quantized buckets,
+hpZ (``secondary_group``) and a comm buffer pool (``buffer_pool``: its slots are filled by
+``all_gather_into_tensor_out``, which has no coalesced form) keep the packed path.
+
 With ``Config.gather_quantization="int8"`` (ZeRO++'s qwZ) a bucket of fp32/bf16/fp16 parameters
 of which at least one shard holds a block (256 elements) is gathered quantized instead: copy-in
 ``zerograph::pack_quantized`` (each rank's shards as int8 blocks plus fp32 scales, small shards
@@ -75,7 +84,9 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not plan:
         return PassResult(gm, False)
     recompute = ctx.stage == 3 and ctx.graph_kind == "joint"
-    in_place = ctx.memory.gather_in_place and ctx.secondary_group is None  # hpZ cuts pieces of packed buffers
+    # hpZ cuts its pieces out of packed buffers; the pool (buffer_reuse) gathers into slots with
+    # all_gather_into_tensor_out, which has no coalesced form
+    in_place = ctx.memory.gather_in_place and ctx.secondary_group is None and ctx.buffer_pool is None
     gathers = 0
     order = NodeOrder(graph)  # hoists move shards' views up; splices insert before the markers
     for markers in plan:

@@ -155,8 +155,9 @@ class MemoryPolicy:
             ``param_dtype``), not twice while the gathered buffer is copied out into the
             parameters. Same bytes on the wire, one collective per bucket either way. ``False``:
             one all-gather of a packed send buffer into one rank-major buffer, then the copy-out
-            (FSDP2's). Quantized gathers (``gather_quantization``) and hpZ
-            (``secondary_partition_size``) keep the packed path.
+            (FSDP2's). Quantized gathers (``gather_quantization``), hpZ
+            (``secondary_partition_size``) and ``pool_comm_buffers`` (its slots take packed
+            gathers) keep the packed path.
 
     Source: DeepCompile's selective unsharding (arXiv 2504.09983); FSDP2's ``reshard_after_forward``;
     ZeRO-R (arXiv 1910.02054) sections 6.2-6.3 for the pool.
