@@ -7,8 +7,11 @@ one base saved as the base and re-viewed in backward; a small view of a dead sto
 compact copy), each checked against eager autograd's gradients."""
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -19,7 +22,7 @@ from zerograph.capture import input_storages, measured_bytes
 from zerograph.models.gpt import GPT, Block, GPTConfig
 from zerograph.plan import saved_activation_bytes
 from zerograph.state import state_of
-from zerograph.unit_saved import SavedViews, rebase_saved_views
+from zerograph.unit_saved import SavedViews, rebase_saved_views, recompute_norms
 
 from .distributed import fake_rank
 
@@ -32,7 +35,8 @@ def test_a_templated_gpt_block_saves_no_more_bytes_than_eager() -> None:
     storages eager autograd saves in the same block (parameters left out of both). Before
     issue 42 the template saved q as a view of the whole qkv projection, k and v as clones, and
     the attention output twice (18 widths of (B, T, C) against eager's 16); now the qkv
-    projection and the attention output once each, and gelu's input without its output (12)."""
+    projection and the attention output once each, gelu's input without its output, and the two
+    layer norms' inputs without their outputs (10)."""
     cfg = GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32)
     idx = torch.randint(0, cfg.vocab_size, (2, 32))
     with fake_rank(2):
@@ -48,10 +52,14 @@ def test_a_templated_gpt_block_saves_no_more_bytes_than_eager() -> None:
     templated += x_bytes if 0 in template.saved_primals else 0
     eager = saved_activation_bytes(Block(cfg), (primals[0],))
     assert 0 < templated <= eager, (templated, eager)
+    # ten (B, T, C) widths (x, qkv, the attention output, the residual, gelu's input) and the
+    # attention's log-sum-exp; the layer norms' outputs (two more widths) are recomputed
+    assert templated < 11 * x_bytes, (templated / x_bytes, eager / x_bytes)
 
 
-def _partitioned(fn, *shapes: tuple[int, ...]) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """``fn``'s joint graph (one output) cut by the min-cut partitioner as ``unit_trace`` cuts it."""
+def _partitioned(fn, *shapes: tuple[int, ...], norms: bool = False) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """``fn``'s joint graph (one output) cut by the min-cut partitioner as ``unit_trace`` cuts it
+    (``norms``: its layer norms marked for recompute first, as ``unit_trace`` marks them)."""
     fake = FakeTensorMode()
     with fake:
         primals = [torch.empty(s).requires_grad_() for s in shapes]
@@ -63,6 +71,8 @@ def _partitioned(fn, *shapes: tuple[int, ...]) -> tuple[fx.GraphModule, fx.Graph
 
     with fake:
         graph = make_fx(joint)(primals, tangents)
+    if norms:
+        assert recompute_norms(graph) == 1
     with torch._functorch.config.patch(recompute_views=True):
         return min_cut_rematerialization_partition(graph, (primals, tangents), num_fwd_outputs=1)
 
@@ -134,3 +144,19 @@ def test_nothing_to_rewrite_leaves_both_graphs_unchanged() -> None:
     codes = fwd.code, bwd.code
     assert rebase_saved_views(fwd, bwd, 1) == SavedViews()
     assert (fwd.code, bwd.code) == codes
+
+
+def _norm_then_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, (8,)) @ w  # the matmul's weight gradient reads the norm's output
+
+
+def test_a_layer_norm_is_run_again_in_backward_and_its_output_not_saved() -> None:
+    """Unmarked, the partitioner saves the norm's output beside its input and statistics (its
+    own backward's); marked, only the input (a primal here: nothing) and the norm runs again."""
+    fwd, _ = _partitioned(_norm_then_matmul, (4, 8), (8, 6))
+    assert any(n.target is operator.getitem and n.args[0].target is aten.native_layer_norm.default
+               for n in _saved(fwd))
+    fwd, bwd = _partitioned(_norm_then_matmul, (4, 8), (8, 6), norms=True)
+    assert _saved(fwd) == []
+    assert [n.target for n in bwd.graph.nodes].count(aten.native_layer_norm.default) == 1
+    _check_gradients(_norm_then_matmul, fwd, bwd, (4, 8), (8, 6))

@@ -44,10 +44,13 @@ def _train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_
 def budget_runs(rank: int, world_size: int, name: str, stages: tuple[int, ...], steps: int, batch_size: int,
                 lr: float) -> dict:
     """Per stage: train without a budget, read the measured saved-activation bytes A, then train
-    the same steps from the same initial values with ``activation_budget_bytes = A // 2``."""
+    the same steps from the same initial values with ``activation_budget_bytes = A // 2``. The run
+    without a budget is the build a budget gets (per-parameter, as ``moved_runs``'), so that A // 2
+    is half of what that build saves: a template saves less (it recomputes cheap ops and layer
+    norms), and half of that is below what recompute can reach with the root's logits kept."""
     out = {}
     for stage in stages:
-        free = _train(rank, world_size, name, stage, steps, batch_size, lr, None)
+        free = _train(rank, world_size, name, stage, steps, batch_size, lr, None, unit_templates=False)
         budget = max(free["saved_bytes"]) // 2
         out[stage] = {"free": free, "budget": budget,
                       "constrained": _train(rank, world_size, name, stage, steps, batch_size, lr, budget)}

@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from .errors import ConfigError
+from .unit_saved import recompute_norms
 from .unit_trace import PARTITION_OPTIONS
 
 
@@ -59,8 +60,8 @@ def compiled_saved_activation_bytes(model: nn.Module, example_inputs: Sequence[o
     ``model(*example_inputs)``: the forward and backward traced into one joint graph (``make_fx``
     on the fake tensors ``saved_activation_bytes`` builds), cut by the min-cut partitioner with
     the options a unit template is cut with (``unit_trace.PARTITION_OPTIONS``: views and cheap
-    pointwise ops recomputed in backward); the storages of the saved values, each once, the
-    primals (parameters, buffers, inputs) left out. Below eager's; what the default build saves
+    pointwise ops recomputed in backward; layer norms too, ``unit_saved.recompute_norms``); the
+    storages of the saved values, each once, the primals (parameters, buffers, inputs) left out. Below eager's; what the default build saves
     where every unit is a template. Units that run inline (autocast, a dynamic shape, a body that
     writes a buffer in place) are cut with the partitioner's defaults in the model's graph and save more (up to eager's).
 
@@ -88,6 +89,7 @@ def compiled_saved_activation_bytes(model: nn.Module, example_inputs: Sequence[o
     with _refused("joint trace"), fake_mode:
         tangents = [torch.empty_like(o) for o in call(primals)]
         graph = make_fx(joint)(primals, tangents)
+    recompute_norms(graph)
     with _refused("partition"), torch._functorch.config.patch(**PARTITION_OPTIONS):
         fwd, _ = min_cut_rematerialization_partition(graph, (primals, tangents), num_fwd_outputs=len(tangents))
     saved: dict[int, int] = {}

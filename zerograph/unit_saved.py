@@ -30,8 +30,31 @@ import operator
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import CheckpointPolicy
 
 log = logging.getLogger(__name__)
+
+# normalizations whose backward reads their input and statistics, never their output: recomputing
+# the output from the input (which the backward holds anyway) saves nothing more. Not batch norm,
+# whose training forward updates running statistics.
+RECOMPUTED_NORMS = frozenset({torch.ops.aten.native_layer_norm.default, torch.ops.aten.native_group_norm.default})
+
+
+def recompute_norms(joint: fx.GraphModule) -> int:
+    """Mark each normalization of ``joint``'s forward (``RECOMPUTED_NORMS``) ``PREFER_RECOMPUTE``
+    for the min-cut partitioner, which then saves its input (and not its output, nor its
+    statistics) and runs it again in backward; returns how many it marked. The partitioner's cheap
+    list leaves them out (a reduction), so unmarked it saves the output for the next matmul's
+    weight gradient beside the input the norm's own backward needs: a GPT block's two layer norms
+    then cost two (B, T, C) widths of its twelve (issue 42). Same values: the norm runs again on
+    the same input. Source: Inductor, which decomposes the norm into ops its partitioner recomputes.
+    """
+    marked = 0
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and node.target in RECOMPUTED_NORMS and "recompute" not in node.meta:
+            node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+            marked += 1
+    return marked
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ from .parameter_writes import parameter_write_error
 from .passes._fx import sink_to_first_use
 from .sharding import set_tracing_unit
 from .unit_flat_grad import write_flat_gradient_in_place
-from .unit_saved import rebase_saved_views
+from .unit_saved import rebase_saved_views, recompute_norms
 
 if TYPE_CHECKING:
     from torch import nn
@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 # views of a primal (a weight's transpose) are replayed in backward instead of saved (the op cannot
 # return a view of its input, and autograd saves the primal anyway); an op of the partitioner's
 # cheap list (pointwise, views; never a matmul, attention or collective) is recomputed in backward
-# even where its output is materialized there (a GPT's gelu: its input is saved, not both, issue 42)
+# even where its output is materialized there (a GPT's gelu: its input is saved, not both, issue 42);
+# and the joint graph's layer norms are marked for recompute (``unit_saved.recompute_norms``)
 PARTITION_OPTIONS = {"recompute_views": True, "ban_recompute_materialized_backward": False}
 
 UNIT_ATTR = "_zerograph_unit"  # a templated unit's (kind, parameter slots, buffer slots, keys, modules, flat shard)
@@ -252,11 +253,12 @@ def _joint(body: _Body, primals: list[torch.Tensor], tangents: list[torch.Tensor
 
 def _partition(joint_graph: fx.GraphModule, primals: list[torch.Tensor], tangents: list[torch.Tensor],
                flat_index: int | None) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """The forward and backward graphs of the min-cut partition, each saved storage handed over
-    once (``unit_saved``); with a flat shard (primal ``flat_index``), its cuts recomputed in
+    """The forward and backward graphs of the min-cut partition, norms recomputed and each saved
+    storage handed over once (``unit_saved``); with a flat shard (primal ``flat_index``), its cuts recomputed in
     backward and sunk to their first uses in forward."""
     if flat_index is not None:
         _recompute_cut_out(joint_graph, flat_index)
+    recompute_norms(joint_graph)
     with torch._functorch.config.patch(**PARTITION_OPTIONS):
         fwd, bwd = min_cut_rematerialization_partition(joint_graph, (primals, tangents), num_fwd_outputs=len(tangents))
     # the partitioner prices a saved view by its own size; one storage handed over once (issue 42)
