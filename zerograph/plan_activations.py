@@ -61,9 +61,10 @@ def compiled_saved_activation_bytes(model: nn.Module, example_inputs: Sequence[o
     on the fake tensors ``saved_activation_bytes`` builds), cut by the min-cut partitioner with
     the options a unit template is cut with (``unit_trace.PARTITION_OPTIONS``: views and cheap
     pointwise ops recomputed in backward; layer norms too, ``unit_saved.recompute_norms``); the
-    storages of the saved values, each once, the primals (parameters, buffers, inputs) left out. Below eager's; what the default build saves
-    where every unit is a template. Units that run inline (autocast, a dynamic shape, a body that
-    writes a buffer in place) are cut with the partitioner's defaults in the model's graph and save more (up to eager's).
+    storages of the saved values, each once, the primals (parameters, buffers, inputs) left out.
+    Below eager's; what the default build saves where every unit is a template. Units that run
+    inline (autocast, a dynamic shape, a body that writes a buffer in place) are cut with the
+    partitioner's defaults in the model's graph and save more (up to eager's).
 
     Raises:
         ConfigError: as ``saved_activation_bytes``; also when the joint trace or the partition fails.
