@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from zerograph.ops import REDUCE_GRAD
-from zerograph.vocab import COALESCED, COLLECTIVE_KINDS, TAG, WAIT, full_size, waits_of
+from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer
 
 
 def group_markers(markers: Sequence[fx.Node], ctx: Any) -> list[list[fx.Node]]:
@@ -277,9 +277,8 @@ class Collective:
     """One inserted collective and the nodes that travel with it when it is rescheduled.
 
     ``issue``: the copy-in nodes feeding only this collective, then the collective itself (the
-    "start"), then, for a coalesced one, its ``getitem`` nodes; ``finish``: its ``wait_tensor``
-    (a coalesced one's: one per tensor), then the copy-out nodes that read the result.
-    ``full_bytes``: bytes of the full (unsharded) buffers it moves.
+    "start"); ``finish``: its ``wait_tensor``, then the copy-out nodes that read the result.
+    ``full_bytes``: bytes of the full (unsharded) buffer it moves.
     """
 
     kind: str
@@ -291,13 +290,11 @@ class Collective:
 
     @property
     def start(self) -> fx.Node:
-        """The collective node (a coalesced one's ``getitem`` nodes follow it in ``issue``)."""
-        return next(n for n in reversed(self.issue) if n.target in COLLECTIVE_KINDS)
+        return self.issue[-1]
 
     @property
     def wait(self) -> fx.Node:
-        """Its first ``wait_tensor`` (a coalesced collective has one per tensor, in ``finish``)."""
-        return next(n for n in self.finish if n.target is WAIT)
+        return self.finish[0]
 
 
 def find_collectives(graph: fx.Graph) -> list[Collective]:
@@ -309,14 +306,13 @@ def find_collectives(graph: fx.Graph) -> list[Collective]:
         tag = node.meta.get(TAG)
         if kind is None or tag is None:
             continue
+        (wait,) = node.users
         issue = _tagged_ancestors(node, tag["role"])
-        if node.target in COALESCED:  # its getitems move with it: a wait may sit anywhere below them
-            issue.update(node.users)
-        finish = set().union(*(_tagged_descendants(wait, tag["role"]) for wait in waits_of(node)))
-        numel, dtype = full_size(node)
+        finish = _tagged_descendants(wait, tag["role"])
+        val = full_buffer(node)
         found.append(Collective(kind, tag["role"], list(tag.get("units", [tag["unit"]])),
                                 sorted(issue, key=order.__getitem__), sorted(finish, key=order.__getitem__),
-                                numel * dtype.itemsize))
+                                val.numel() * val.element_size()))
     return found
 
 
@@ -417,14 +413,7 @@ def is_symbol(value: Any) -> bool:
 
 def readable_result(node: fx.Node) -> fx.Node:
     """Where ``node``'s value can be read: ``node`` itself, or, for a collective (an all-gather
-    whose output buffer is the gathered storage, with no copy-out after it) or a coalesced
-    collective's ``getitem``, its ``wait_tensor``."""
-    if node.target in COLLECTIVE_KINDS or _is_coalesced_result(node):
+    whose output buffer is the gathered storage, with no copy-out after it), its ``wait_tensor``."""
+    if node.target in COLLECTIVE_KINDS:
         return next(u for u in node.users if u.target is WAIT)
     return node
-
-
-def _is_coalesced_result(node: fx.Node) -> bool:
-    """A ``getitem`` of a coalesced collective: one of its tensors, readable after its wait."""
-    return (node.target is operator.getitem and isinstance(node.args[0], fx.Node)
-            and node.args[0].target in COALESCED)

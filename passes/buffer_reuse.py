@@ -42,7 +42,7 @@ import torch.fx as fx
 from zerograph.buffer_pool import PACK_SHARDS_OUT, POOL_BUFFER
 from zerograph.kernels.ops import PACK_SHARDS
 from zerograph.sharding import ROOT_INDEX
-from zerograph.vocab import COLLECTIVE_KINDS, TAG, waits_of
+from zerograph.vocab import COLLECTIVE_KINDS, TAG
 
 from ._fx import position
 from .context import PassContext, PassResult
@@ -77,7 +77,7 @@ def lifetime(node: fx.Node, aliases: list[fx.Node], order: dict[fx.Node, int]) -
                 return None
             last = max(last, order[user])
             if user.target in COLLECTIVE_KINDS:
-                last = max(last, *(order[w] for w in waits_of(user)))
+                last = max(last, *(order[w] for w in user.users))
     return last
 
 

@@ -23,15 +23,6 @@ view of it (every view is marked ``MUST_RECOMPUTE``: AOTAutograd's ``recompute_v
 node). At stage 0 or world size 1 the marker becomes its input (shards are full tensors), cast
 to ``param_dtype`` under mixed precision. Without mixed precision no cast is emitted.
 
-With ``MemoryPolicy.gather_in_place`` a bucket of several parameters is gathered in
-place instead: one ``all_gather_into_tensor_coalesced`` of the shards as they are (cast to
-``param_dtype``, padded to ``chunk_rows`` where this rank holds fewer rows), each into its own
-``(N * chunk_rows * row_numel,)`` tensor, then a ``getitem`` and a ``wait_tensor`` per parameter
-and a view (``[:rows]``); no copy-in pack and no copy-out, so the bucket is held once while it is
-gathered, not twice (the rank-major buffer beside its unpacked copy, issue 42). Quantized buckets,
-hpZ (``secondary_group``) and a comm buffer pool (``buffer_pool``: its slots are filled by
-``all_gather_into_tensor_out``, which has no coalesced form) keep the packed path.
-
 With ``Config.gather_quantization="int8"`` (ZeRO++'s qwZ) a bucket of fp32/bf16/fp16 parameters
 of which at least one shard holds a block (256 elements) is gathered quantized instead: copy-in
 ``zerograph::pack_quantized`` (each rank's shards as int8 blocks plus fp32 scales, small shards
@@ -61,7 +52,7 @@ from zerograph.collectives import cast_fn, gather_fn
 from zerograph.kernels.ops import UNPACK_GATHERED
 from zerograph.kernels.quantize import UNPACK_DEQUANTIZED
 from zerograph.ops import UNSHARD
-from zerograph.vocab import TAG, WAIT
+from zerograph.vocab import TAG
 
 from ._fx import NodeOrder, bucket_tag, group_markers, hoist_before, is_alias_of_input, layout_template, splice
 from .context import PassContext, PassResult
@@ -84,9 +75,6 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not plan:
         return PassResult(gm, False)
     recompute = ctx.stage == 3 and ctx.graph_kind == "joint"
-    # hpZ cuts its pieces out of packed buffers; the pool (buffer_reuse) gathers into slots with
-    # all_gather_into_tensor_out, which has no coalesced form
-    in_place = ctx.memory.gather_in_place and ctx.secondary_group is None and ctx.buffer_pool is None
     gathers = 0
     order = NodeOrder(graph)  # hoists move shards' views up; splices insert before the markers
     for markers in plan:
@@ -99,10 +87,10 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         shard_of = {m.args[1]: m.args[0] for m in markers}
         for shard in shard_of.values():  # a shard's to_local view may sit after the unit's first use
             hoist_before(shard, first, order)
-        fulls = splice(graph, gather_fn(layouts, ctx.world_size, ctx.group_name, ctx.gather_quantization, in_place),
+        fulls = splice(graph, gather_fn(layouts, ctx.world_size, ctx.group_name, ctx.gather_quantization),
                        [shard_of[k] for k in keys], before=first, tag=bucket_tag("gather", layouts),
                        template=("gather", layout_template(layouts), ctx.world_size, ctx.group_name,
-                                 ctx.gather_quantization, in_place))
+                                 ctx.gather_quantization))
         full_of = dict(zip(keys, fulls))
         for marker in markers:
             marker.replace_all_uses_with(full_of[marker.args[1]])
@@ -111,10 +99,8 @@ def insert_allgather(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if recompute:
             _mark_recompute(fulls)
         elif ctx.graph_kind == "joint" and (len(layouts) > 1 or _unpacked(fulls[0]) is not None):
-            # saved for backward: the one unpacked buffer (in place: each parameter's gathered
-            # tensor), not each parameter's view of it
-            unpacked = _unpacked(fulls[0])
-            _recompute_views([unpacked] if unpacked is not None else [_gathered(full) for full in fulls])
+            # saved for backward: the one unpacked buffer, not each parameter's view of it
+            _recompute_views([_unpacked(fulls[0])])
     graph.eliminate_dead_code()
     gm.recompile()
     return PassResult(gm, True, {"all_gather": gathers})
@@ -184,13 +170,5 @@ def _unpacked(full: fx.Node) -> fx.Node | None:
     while full.target not in (UNPACK_GATHERED, UNPACK_DEQUANTIZED):
         if full.op != "call_function" or not full.args or not isinstance(full.args[0], fx.Node):
             return None
-        full = full.args[0]
-    return full
-
-
-def _gathered(full: fx.Node) -> fx.Node:
-    """The ``wait_tensor`` whose result a gathered parameter views (``MemoryPolicy.gather_in_place``:
-    each parameter's own gathered tensor)."""
-    while full.target is not WAIT:
         full = full.args[0]
     return full

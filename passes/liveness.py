@@ -18,7 +18,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from zerograph.vocab import TAG, WAIT, collective_of
+from zerograph.vocab import TAG, WAIT
 
 from ._fx import is_alias_of_input
 
@@ -66,11 +66,9 @@ def _nbytes(node: fx.Node) -> int:
 
 def reads(node: fx.Node) -> list[fx.Node]:
     """The values ``node`` keeps alive: its inputs and, for a wait, its collective's inputs (the
-    process group holds a collective's send buffers until the collective is waited on; a
-    coalesced one's, through the ``getitem`` the wait reads)."""
+    process group holds a collective's send buffer until the collective is waited on)."""
     if node.target is WAIT:
-        collective = collective_of(node)
-        return node.all_input_nodes + (collective.all_input_nodes if collective is not None else [])
+        return node.all_input_nodes + [i for c in node.all_input_nodes for i in c.all_input_nodes]
     return node.all_input_nodes
 
 

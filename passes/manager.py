@@ -18,7 +18,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from zerograph.errors import ConfigError, PassError
 from zerograph.ops import GATHER_ACTIVATION, REDUCE_GRAD, UNSHARD
-from zerograph.vocab import COALESCED, COLLECTIVE_KINDS, TAG, full_size, group_name_of, waits_of
+from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer, group_name_of
 
 from ._fx import is_alias_of_input
 from .activation_partition import activation_partition
@@ -210,13 +210,11 @@ def structured_trace_on() -> bool:
 
 
 def check_collectives_waited(graph: fx.Graph) -> None:
-    """Every collective's result is waited on exactly once (an unwaited one would leak or race);
-    a coalesced collective's, each of its tensors (one ``getitem`` each)."""
+    """Every collective's result is waited on exactly once (an unwaited one would leak or race)."""
     for node in graph.nodes:
         if node.target in COLLECTIVE_KINDS:
-            results = list(node.users) if node.target in COALESCED else [node]
-            waits = waits_of(node)
-            if len(waits) != len(results) or any(len(r.users) != 1 for r in results):
+            waits = [u for u in node.users if u.target is WAIT]
+            if len(waits) != 1 or len(node.users) != 1:
                 raise PassError(f"collective {node.name} must have exactly one wait_tensor user, has {list(node.users)}")
 
 
@@ -269,6 +267,6 @@ def collective_volume(graph: fx.Graph) -> list[tuple[str, int, int, str | None]]
         kind = COLLECTIVE_KINDS.get(node.target)
         if kind is None:
             continue
-        numel, dtype = full_size(node)
-        volume.append((kind, numel, dtype.itemsize, group_name_of(node)))
+        val = full_buffer(node)
+        volume.append((kind, val.numel(), val.element_size(), group_name_of(node)))
     return volume

@@ -25,7 +25,7 @@ import logging
 
 import torch.fx as fx
 
-from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT
+from zerograph.vocab import COLLECTIVE_KINDS, TAG
 
 from ._fx import Collective, NodeOrder, find_collectives, hoist_before, is_alias_of_input, move_before
 from .context import PassContext, PassResult
@@ -61,9 +61,8 @@ def after_previous_start(gather: Collective, graph: fx.Graph) -> fx.Node:
 def copy_out_end(gather: Collective) -> fx.Node:
     """The last node that copies out of a gather's output (e.g. ``unpack_gathered``), or its wait
     when the copy-out is views only: views keep the output alive anyway, and they may sit far
-    down at the parameters' uses. A coalesced gather's other waits copy nothing either."""
-    copies = [n for n in gather.finish if n is gather.wait
-              or (TAG in n.meta and n.target is not WAIT and not is_alias_of_input(n))]
+    down at the parameters' uses."""
+    copies = [n for n in gather.finish if n is gather.wait or (TAG in n.meta and not is_alias_of_input(n))]
     return copies[-1]
 
 

@@ -9,8 +9,7 @@ Post: the same nodes, reordered; every start still precedes its wait, every wait
   ``prefetch`` placed after it: during a copy-out the unit is held twice (the gathered buffer and
   its unpacked copy), and a gather started before it would add a third unit at that point,
   ``prefetch_depth + 2`` units instead of the ``prefetch_depth + 1`` the schedule plans (issue 42).
-  A copy-out of views only allocates nothing and sinks to the first use (a gather in place,
-  ``MemoryPolicy.gather_in_place``: each wait and its views sink to their own first use).
+  A copy-out of views only allocates nothing and sinks to the first use.
 - Reductions (reduce-scatter / all-reduce): issued where ``insert_reduce_scatter`` put them (as
   soon as the bucket's last gradient exists); the wait, the division by N and the copy-out sink
   toward the end of backward, where the sharded gradients are returned. A reduction's send

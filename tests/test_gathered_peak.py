@@ -7,9 +7,7 @@ parameters alive at once is read from the liveness of the graphs that ran
 than its two largest units gathered plus the root (the parameters used outside blocks), plus the
 copy-in send buffers of the gathers in flight (each a unit's 1/N, this rank's shards). Before the
 fix, a unit's copy-out (``unpack_gathered``: rank-major buffer and unpacked copy both alive) ran
-after the next unit's gather had started, so three units were alive there. With
-``gather_in_place`` a unit is not copied out at all: held once, not twice
-(``test_a_gathered_unit_is_held_once_not_twice``).
+after the next unit's gather had started, so three units were alive there.
 """
 from __future__ import annotations
 
@@ -24,10 +22,9 @@ from zerograph.models.gpt import GPT
 from zerograph.models.gpt import SIZES as GPT_SIZES
 from zerograph.models.llama import SIZES as LLAMA_SIZES
 from zerograph.models.llama import Llama
-from zerograph.passes.liveness import PARAM_ROLES, reads, storage_root
+from zerograph.passes.liveness import PARAM_ROLES, storage_root
 from zerograph.sharding import ROOT_INDEX
-from zerograph.state import graphs_of, state_of
-from zerograph.vocab import TAG
+from zerograph.state import state_of
 
 from .distributed import fake_rank
 
@@ -86,14 +83,13 @@ def test_llama_holds_at_most_two_units_and_the_root(templates: bool) -> None:
         _check(model, stats)
 
 
-def _gpt_step(templates: bool, in_place: bool | None = None) -> tuple[torch.nn.Module, zerograph.Stats]:
+def _gpt_step(templates: bool) -> tuple[torch.nn.Module, zerograph.Stats]:
     """The small GPT at stage 3, one step as rank 0 of a fake world of ``WORLD``, with unit
-    templates (the default build) or without; ``in_place``: ``gather_in_place`` (``None``: the default)."""
+    templates (the default build) or without."""
     cfg = GPT_CONFIG
-    extra = {} if in_place is None else {"gather_in_place": in_place}
     with fake_rank(WORLD):
         torch.manual_seed(0)
-        model = zerograph.compile(GPT(cfg), stage=3, config=zerograph.Config(unit_templates=templates, **extra))
+        model = zerograph.compile(GPT(cfg), stage=3, config=zerograph.Config(unit_templates=templates))
         return model, _step(model, cfg.vocab_size, cfg.block_size)
 
 
@@ -143,56 +139,3 @@ def test_template_cuts_parameters_out_of_the_flat_shard_at_their_uses(gpt_step) 
                     last[root] = max(last[root], pos[node])
         alive = max(sum(c.meta["val"].numel() for c in copies if pos[c] <= i <= last[c]) for i in range(len(nodes)))
         assert len(copies) > 2 and alive <= flat.meta["val"].numel() // 2, (alive, flat.meta["val"].numel())
-
-
-def _alive_per_unit(graph: torch.fx.Graph) -> dict[int, int]:
-    """Per unit, the most bytes of its gathered storages (nodes tagged ``gather`` that allocate)
-    alive at once in ``graph``, by ``liveness``' rules (a storage lives to the last read of any
-    alias of it; a send buffer to its collective's wait)."""
-    nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    span: dict[torch.fx.Node, list[int]] = {}
-    for node in nodes:
-        val = node.meta.get("val")
-        if (node.meta.get(TAG, {}).get("role") == "gather" and isinstance(val, torch.Tensor) and val.numel()
-                and storage_root(node) is node):
-            span[node] = [pos[node], pos[node]]
-    for node in nodes:
-        for inp in reads(node):
-            root = storage_root(inp)
-            if root in span:
-                span[root][1] = len(nodes) if node.op == "output" else max(span[root][1], pos[node])
-    alive: dict[int, int] = {}
-    for i in range(len(nodes)):
-        now: dict[int, int] = {}
-        for root, (first, last) in span.items():
-            if first <= i <= last:
-                (unit,) = root.meta[TAG]["units"]  # per-parameter build: a bucket per unit
-                now[unit] = now.get(unit, 0) + root.meta["val"].numel() * root.meta["val"].element_size()
-        for unit, nbytes in now.items():
-            alive[unit] = max(alive.get(unit, 0), nbytes)
-    return alive
-
-
-@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied-out"])
-def test_a_gathered_unit_is_held_once_not_twice(gpt_step, in_place: bool) -> None:
-    """Issue 42, "gather once, in place": with ``gather_in_place`` each parameter is gathered into
-    its own tensor and viewed, so a unit's gathered storages alive at once, in forward and in
-    backward, are at most its padded parameter bytes plus this rank's padded shards (send
-    buffers). Copied out (the rank-major buffer, then ``unpack_gathered``), both copies are alive
-    during the copy-out: at least twice the parameter bytes, which the same count shows."""
-    model, _ = gpt_step(False, in_place)
-    rt = state_of(model).runtime
-    layouts = [[rt.marker_layouts[k] for k in unit.keys] for unit in rt.units]
-    padded = [sum(la.padded_numel * la.param_dtype.itemsize for la in unit) for unit in layouts]
-    exact = [sum(la.numel * la.param_dtype.itemsize for la in unit) for unit in layouts]
-    seen = 0
-    for graphs in graphs_of(model):
-        for kind in ("forward", "backward"):
-            for unit, nbytes in _alive_per_unit(graphs[kind].graph).items():
-                seen += 1
-                if in_place:
-                    assert nbytes <= padded[unit] + padded[unit] // WORLD, (kind, unit, nbytes, padded[unit])
-                else:
-                    assert nbytes >= 2 * exact[unit], (kind, unit, nbytes, exact[unit])
-    assert seen >= 2 * len(rt.units)  # every unit gathered in forward and again in backward

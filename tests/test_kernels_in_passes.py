@@ -361,10 +361,9 @@ def pack_nodes_per_collective(rank: int, world_size: int, unit_classes=None) -> 
     from zerograph.passes._fx import find_collectives
 
     # the per-parameter build: a unit on a flat shard (the default) is one parameter to the
-    # collectives, its shard the send buffer, so it packs nothing; gathers packed and copied out
-    # (a gather in place, the default, has neither pack nor unpack: test_gathered_peak.py)
-    model = zerograph.compile(build("gpt"), stage=3, config=zerograph.Config(
-        unit_classes=unit_classes, unit_templates=False, gather_in_place=False))
+    # collectives, its shard the send buffer, so it packs nothing
+    model = zerograph.compile(build("gpt"), stage=3, config=zerograph.Config(unit_classes=unit_classes,
+                                                                             unit_templates=False))
     model(*rank_slice(global_batch("gpt", 0, 4), rank, world_size)).backward()
     state = state_of(model)
     layouts = state.runtime.layouts
@@ -428,8 +427,7 @@ def saved_unpacked(rank: int, world_size: int, unit_templates: bool | None = Fal
     from zerograph.passes._fx import is_alias_of_input
     from zerograph.vocab import WAIT
 
-    model = zerograph.compile(build("gpt"), stage=1, config=zerograph.Config(unit_templates=unit_templates,
-                                                                             gather_in_place=False))
+    model = zerograph.compile(build("gpt"), stage=1, config=zerograph.Config(unit_templates=unit_templates))
     model(*rank_slice(global_batch("gpt", 0, 4), rank, world_size)).backward()
     graph = graphs_of(model)[0]["forward"].graph
     saved, saved_per_wait = [], {str(n): 0 for n in graph.nodes if n.target is WAIT}

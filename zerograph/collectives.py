@@ -108,39 +108,14 @@ def _quantized_gather_fn(layouts: list[ParamLayout], world_size: int, group_name
     return gather
 
 
-def _coalesced_gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str) -> TensorsFn:
-    """``MemoryPolicy.gather_in_place``: one coalesced all-gather of the bucket, each shard sent as
-    it is (cast to ``param_dtype``, padded to ``chunk_rows`` where this rank holds fewer rows,
-    flattened: a view) into its own ``(N * chunk_rows * row_numel,)`` output, which is already
-    the parameter's rows rank by rank; the parameter is a view of it (``[:rows]`` drops the
-    padding). No send buffer is packed and nothing is copied out, so the bucket is held once while
-    it is gathered, not twice (the rank-major buffer beside its copy-out). One collective, as the
-    packed gather: the process group coalesces the N tensors into one operation."""
-    def gather(*shards: torch.Tensor) -> list[torch.Tensor]:
-        sends = [to_wire(gather_copy_in((shard,), [layout])) for shard, layout in zip(shards, layouts)]
-        outs = funcol.all_gather_into_tensor_coalesced(sends, world_size, group_name)
-        fulls = []
-        for out, layout in zip(outs, layouts):
-            full = from_wire(funcol.wait_tensor(out), layout.param_dtype)  # (N * chunk numel,)
-            full = full.view(world_size * layout.chunk_rows, *layout.shape[1:])
-            fulls.append(full if full.shape[0] == layout.shape[0] else full[: layout.shape[0]])
-        return fulls
-
-    return gather
-
-
 def gather_fn(layouts: list[ParamLayout], world_size: int, group_name: str,
-              quantization: str | None = None, in_place: bool = False) -> TensorsFn:
+              quantization: str | None = None) -> TensorsFn:
     """``(*shards) -> [full parameter, ...]``: one all-gather of a bucket of sharded parameters
     over the ``world_size`` ranks of the group named ``group_name``, quantized (qwZ) when
-    ``quantization`` is set and the bucket holds a block; else, with ``in_place``
-    (``MemoryPolicy.gather_in_place``) and several parameters, one coalesced all-gather into each
-    parameter's own tensor. Shards: ``(local_rows, *rest)`` in the parameters' dtype; full
-    parameters: ``layout.shape`` in ``param_dtype``."""
+    ``quantization`` is set and the bucket holds a block. Shards: ``(local_rows, *rest)`` in the
+    parameters' dtype; full parameters: ``layout.shape`` in ``param_dtype``."""
     if quantization is not None and quantizes([layout.shard_numel for layout in layouts], layouts[0].param_dtype):
         return _quantized_gather_fn(layouts, world_size, group_name)
-    if in_place and len(layouts) > 1:
-        return _coalesced_gather_fn(layouts, world_size, group_name)
 
     def gather(*shards: torch.Tensor) -> list[torch.Tensor]:
         send = gather_copy_in(shards, layouts)  # (sum shard_numel,)

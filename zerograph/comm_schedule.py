@@ -26,7 +26,7 @@ import torch.fx as fx
 from .errors import CollectiveError, ScheduleMismatchError
 from .sharding import Unit
 from .topology import Topology
-from .vocab import COLLECTIVE_KINDS, TAG, all_gather_single, full_size
+from .vocab import COLLECTIVE_KINDS, TAG, all_gather_single, full_buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +66,12 @@ def schedule_of(graph: fx.Graph, graph_kind: str, label: str) -> CommSchedule:
         kind = COLLECTIVE_KINDS.get(node.target)
         if kind is None:
             continue
-        numel, dtype = full_size(node)  # parameter-sized, so static; kept as text should a pass ever make it symbolic
+        val = full_buffer(node)
         tag = node.meta.get(TAG, {})
         units = tag.get("units", [tag["unit"]] if "unit" in tag else [])
+        numel = val.numel()  # parameter-sized, so static; kept as text should a pass ever make it symbolic
         entries.append(ScheduleEntry(kind, numel if isinstance(numel, int) else str(numel),
-                                     str(dtype).removeprefix("torch."), tuple(units)))
+                                     str(val.dtype).removeprefix("torch."), tuple(units)))
     # Python's hash() is salted per process, so ranks could never agree on it: use a fixed hash
     text = repr((graph_kind, [dataclasses.astuple(e) for e in entries]))
     digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1

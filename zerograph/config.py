@@ -46,7 +46,6 @@ FLAT_KEYWORDS: dict[str, tuple[str, str]] = {
     "reshard_root_after_forward": ("memory", "reshard_root_after_forward"),
     "memory_budget_bytes": ("memory", "budget_bytes"),
     "pool_comm_buffers": ("memory", "pool_comm_buffers"),
-    "gather_in_place": ("memory", "gather_in_place"),
     "activation_budget_bytes": ("activations", "budget_bytes"),
     "activation_offload": ("activations", "offload"),
     "activation_group": ("activations", "group"),

@@ -39,7 +39,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .errors import ConfigError
 from .vocab import COLLECTIVE_KINDS as COLLECTIVE_OPS  # the ops the passes insert
-from .vocab import WAIT, full_buffers
+from .vocab import WAIT, full_buffer
 
 COLLECTIVE_KINDS = tuple(dict.fromkeys(COLLECTIVE_OPS.values()))  # all_gather has an out= variant too
 
@@ -287,7 +287,7 @@ def node_bytes(node: fx.Node) -> int:
 def collective_bytes(node: fx.Node) -> int:
     """Full (unsharded) bytes a collective node moves: the output of an all-gather, the input of a
     reduce-scatter or all-reduce (as ``passes.manager.collective_volume`` counts them)."""
-    return sum(tensor_bytes(t) for t in full_buffers(node))
+    return tensor_bytes(full_buffer(node))
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -46,9 +46,8 @@ class _CountCollectives(TorchDispatchMode):
         kind = COLLECTIVE_KINDS.get(func)
         if kind is not None:
             full = out if kind == "all_gather" else args[0]
-            fulls = list(full) if isinstance(full, (list, tuple)) else [full]  # a coalesced one's tensors
             dim, size = self.topology.comm_dim(kwargs.get("group_name", args[-1]))
-            self.accounting.current.add(kind, sum(t.numel() for t in fulls), fulls[0].element_size(), size, dim)
+            self.accounting.current.add(kind, full.numel(), full.element_size(), size, dim)
         return out
 
 

@@ -149,15 +149,6 @@ class MemoryPolicy:
             optimizer step). ``False`` (the default): the allocator serves comm buffers and each
             is freed after its last use, as FSDP2's are; the lower peak. Inductor plans its own
             buffers: no pool there either way.
-        gather_in_place: ``True``: a bucket of several parameters is gathered by one coalesced
-            all-gather straight into each parameter's own full tensor (the parameter is a view of
-            it): nothing is copied out, so a gathered unit is held once (its parameter bytes, in
-            ``param_dtype``), not twice while the gathered buffer is copied out into the
-            parameters. Same bytes on the wire, one collective per bucket either way. ``False``:
-            one all-gather of a packed send buffer into one rank-major buffer, then the copy-out
-            (FSDP2's). Quantized gathers (``gather_quantization``), hpZ
-            (``secondary_partition_size``) and ``pool_comm_buffers`` (its slots take packed
-            gathers) keep the packed path.
 
     Source: DeepCompile's selective unsharding (arXiv 2504.09983); FSDP2's ``reshard_after_forward``;
     ZeRO-R (arXiv 1910.02054) sections 6.2-6.3 for the pool.
@@ -167,13 +158,12 @@ class MemoryPolicy:
     reshard_root_after_forward: bool = True
     budget_bytes: int | None = None
     pool_comm_buffers: bool = False
-    gather_in_place: bool = False
 
     def __post_init__(self) -> None:
         check_count("MemoryPolicy", "unshard_budget_bytes", self.unshard_budget_bytes, "bytes", minimum=0)
         if self.budget_bytes is not None:
             check_count("MemoryPolicy", "budget_bytes", self.budget_bytes, "bytes", minimum=1)
-        for name in ("reshard_root_after_forward", "pool_comm_buffers", "gather_in_place"):
+        for name in ("reshard_root_after_forward", "pool_comm_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"MemoryPolicy.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .costmodel import COLLECTIVE_OPS, WAIT, CostModel, collective_bytes, tensor_bytes
 from .ops import GATHER_ACTIVATION
-from .vocab import collective_of, group_name_of
+from .vocab import group_name_of
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,8 @@ def predict(graphs: Sequence[fx.GraphModule | fx.Graph], cost: CostModel,
             if node.op != "call_function":
                 continue
             unit = node.meta.get("zerograph", {}).get("unit")
-            if node.target is WAIT and collective_of(node) in done:  # a coalesced one: through its getitem
-                finish, kind = done[collective_of(node)]
+            if node.target is WAIT and node.args[0] in done:
+                finish, kind = done[node.args[0]]
                 if finish > now:
                     waits.append(Event(node.name, "comm", now, finish - now, kind, unit))
                     now = finish

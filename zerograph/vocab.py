@@ -6,8 +6,6 @@ model and the reporting modules read them, and none of them needs to import anot
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -28,13 +26,7 @@ COLLECTIVE_KINDS = {
     # Config.reduce_quantization's reduce-scatter: an all-to-all of quantized chunks, summed by the
     # receiver (its input is the full buffer, as a reduce-scatter's)
     torch.ops._c10d_functional.all_to_all_single.default: "reduce_scatter",
-    # MemoryPolicy.gather_in_place's all-gather of a bucket: one node, a list of tensors (one per
-    # parameter), each taken by a ``getitem`` and waited by its own ``wait_tensor``
-    torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default: "all_gather",
-    torch.ops._c10d_functional.reduce_scatter_tensor_coalesced.default: "reduce_scatter",
 }
-COALESCED = frozenset({torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default,
-                       torch.ops._c10d_functional.reduce_scatter_tensor_coalesced.default})
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 # The mesh dims a collective runs over (hybrid sharding, FSDP2's 2-D mesh ``(replicate, shard)``):
@@ -54,37 +46,12 @@ def group_name_of(collective: fx.Node) -> str | None:
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
-def full_buffers(collective: fx.Node) -> list[torch.Tensor]:
-    """The fake values of the full (unsharded) buffers a collective node moves: the output of an
-    all-gather, the input of a reduce-scatter or all-reduce (the ZeRO paper's volume, section 7);
-    one buffer, or one per tensor of a coalesced collective."""
+def full_buffer(collective: fx.Node) -> torch.Tensor:
+    """The fake value of the full (unsharded) buffer a collective node moves: the output of an
+    all-gather, the input of a reduce-scatter or all-reduce (the ZeRO paper's volume, section 7)."""
     if COLLECTIVE_KINDS[collective.target] == "all_gather":
-        val = collective.meta["val"]
-    else:
-        arg = collective.args[0]
-        val = [n.meta["val"] for n in arg] if isinstance(arg, (list, tuple)) else arg.meta["val"]
-    return list(val) if isinstance(val, (list, tuple)) else [val]
-
-
-def full_size(collective: fx.Node) -> tuple[int, torch.dtype]:
-    """``(elements, dtype)`` of the full buffers a collective moves (``full_buffers``, summed;
-    a coalesced collective moves one dtype: the bucket's)."""
-    vals = full_buffers(collective)
-    return sum(v.numel() for v in vals), vals[0].dtype
-
-
-def waits_of(collective: fx.Node) -> list[fx.Node]:
-    """The ``wait_tensor`` nodes of a collective: its own, or one per ``getitem`` of a coalesced one."""
-    users = [g for u in collective.users for g in u.users] if collective.target in COALESCED else collective.users
-    return [u for u in users if u.target is WAIT]
-
-
-def collective_of(wait: fx.Node) -> fx.Node | None:
-    """The collective node a ``wait_tensor`` waits on (through the ``getitem`` of a coalesced one)."""
-    arg = wait.args[0] if wait.args else None
-    if isinstance(arg, fx.Node) and arg.target is operator.getitem:
-        arg = arg.args[0]
-    return arg if isinstance(arg, fx.Node) and arg.target in COLLECTIVE_KINDS else None
+        return collective.meta["val"]
+    return collective.args[0].meta["val"]
 
 
 # What the backward of the running forward does with each full gradient (the markers' grad_mode):

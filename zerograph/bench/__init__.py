@@ -12,7 +12,7 @@ agree across systems.
 described in ``clusters.json`` (or ``local``: this machine, as a self-consistency check).
 
 Systems (``--systems``, comma-separated):
-    zerograph-s<0-3>[-noov][-pool][-keeproot][-inplace][-pf<K>][-bb<BYTES>][-inductor][-islands][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>]
+    zerograph-s<0-3>[-noov][-pool][-keeproot][-pf<K>][-bb<BYTES>][-inductor][-islands][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>]
         ``zerograph.compile`` at that stage with a ``Config``: each modifier sets one ``Config``
         keyword (``systems.MODIFIERS``) on the bench's base, and ``Config`` checks the result;
         ``-noov`` disables ``config.OVERLAP_PASSES`` (every

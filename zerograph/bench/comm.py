@@ -49,8 +49,6 @@ _COLLECTIVE_SIZES: dict[str, tuple[str, Callable[[tuple], int]]] = {
     "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda a: _numel(a[1])),
     "_c10d_functional::all_gather_into_tensor": ("all_gather", lambda a: _numel(a[0]) * a[1]),
     "_c10d_functional::all_gather_into_tensor_out": ("all_gather", lambda a: _numel(a[0]) * a[1]),
-    "_c10d_functional::all_gather_into_tensor_coalesced": ("all_gather", lambda a: _numel(a[0]) * a[1]),
-    "_c10d_functional::reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda a: _numel(a[0])),
     "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", lambda a: _numel(a[0])),
     "_c10d_functional::all_reduce": ("all_reduce", lambda a: _numel(a[0])),
 }

@@ -33,7 +33,6 @@ MODIFIERS: dict[str, tuple[str, Any]] = {
     "noov": ("disabled_passes", OVERLAP_PASSES),      # every wait right after its start
     "pool": ("pool_comm_buffers", True),  # comm buffers from a pool held across steps (buffer_reuse)
     "keeproot": ("reshard_root_after_forward", False),
-    "inplace": ("gather_in_place", True),  # multi-parameter buckets gathered coalesced, no copy-out
     "pf": ("prefetch_depth", int),
     "bb": ("bucket_bytes", int),
     "inductor": ("lowering", "inductor"),

@@ -18,7 +18,7 @@ from zerograph.passes._fx import find_collectives
 from zerograph.passes.activation_partition import ACTIVATION
 from zerograph.passes.context import graph_modules
 from zerograph.passes.liveness import reads, storage_root
-from zerograph.vocab import TAG, full_size
+from zerograph.vocab import TAG, full_buffer
 
 from ..sharding import Unit
 
@@ -119,12 +119,12 @@ def collectives(graph: fx.Graph) -> list[dict[str, Any]]:
     pos = {n: i for i, n in enumerate(graph.nodes)}
     found = []
     for c in find_collectives(graph):
-        numel, _ = full_size(c.start)
+        val = full_buffer(c.start)
         found.append({"kind": c.kind, "role": c.role, "units": list(c.units), "node": c.start.name,
                       "wait_node": c.wait.name, "copy_in": c.issue[0].name if len(c.issue) > 1 else None,
                       "copy_out": c.finish[1].name if len(c.finish) > 1 else None,
                       "start": pos[c.start], "wait": pos[c.wait],
-                      "ahead": pos[c.wait] - pos[c.start], "elements": numel, "bytes": c.full_bytes})
+                      "ahead": pos[c.wait] - pos[c.start], "elements": val.numel(), "bytes": c.full_bytes})
     return found
 
 

@@ -17,8 +17,7 @@ import torch.fx as fx
 from .annotate import pipeline_node_order, pipeline_op_counts, readable_pipeline_python, unit_label
 from .manifest import rank_manifest, write_json
 
-ZEROGRAPH_OPS = ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",
-                 "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_reduce",
+ZEROGRAPH_OPS = ("all_gather_into_tensor", "all_gather_into_tensor_out", "reduce_scatter_tensor", "all_reduce",
                  "all_to_all_single", "wait_tensor", "unshard", "reduce_grad", "pool_buffer", "pack_shards_out")
 SUMMARY_KINDS = 8          # op kinds named in a one-line change summary (passes.json has them all)
 
