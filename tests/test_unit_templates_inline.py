@@ -215,6 +215,36 @@ def test_a_block_that_cannot_be_traced_runs_inline() -> None:
     assert kind.inline_reason is not None and state_of(model).captured.templates == []
 
 
+class _LSTMBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, 8, batch_first=True)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.rnn(x)[0])
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_blocks_holding_an_lstm_run_inline_with_eagers_numbers() -> None:
+    """Found by trying it as a new user: an LSTM block's template failed at its first run
+    ("Unable to cast ... list": the mkldnn layer's workspace, a tensor when traced, undefined under
+    the op's no-grad forward). A kind holding an RNN module runs inline, says why, and trains as eager."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(_LSTMBlock(), _LSTMBlock())
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    x = torch.randn(2, 3, 8)
+    loss, expected = model(x).pow(2).mean(), reference(x).pow(2).mean()
+    loss.backward()
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    kinds = state_of(model).unit_kinds  # one per block: an LSTM's _flat_weights list differs per instance
+    assert kinds and all("RNN module" in kind.inline_reason for kind in kinds)
+    assert state_of(model).captured.templates == []
+
+
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_dropout_blocks_run_inline() -> None:
     """Dropout's random ops do not go through the template's partition: the kind runs inline,
