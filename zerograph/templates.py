@@ -31,8 +31,8 @@ whole kind from then on, in the training-flag mode it was traced for (logged as 
 in ``UnitKind.inline_modes``; a batch norm or dropout fails in training only, so in eval the kind
 keeps its template and its eval graphs), a body that returns something other than one tensor,
 cannot be traced on fake tensors (dropout's random ops in the partitioner), or writes an input
-or buffer in place (a batch norm's running statistics); in every mode, a kind holding an RNN module
-(``nn.LSTM``'s fused kernel returns a workspace that is undefined under the op's no-grad forward).
+or buffer in place (a batch norm's running statistics); in every mode, a kind holding an ``nn.LSTM``
+(its fused kernel returns a workspace that is undefined under the op's no-grad forward).
 Complex inputs, parameters and buffers
 are traced like real ones (a Llama's RoPE table; ``unit_trace`` differentiates a complex argument
 that needs a gradient, as it does a floating-point one). A body
@@ -129,11 +129,11 @@ class UnitKind:
             log.warning("zerograph: unit template for %s not used in a trace with dynamic shapes, every unit of "
                         "it runs inline (a template is traced for static shapes)", self.name)
             raise DynamicShapeTrace(f"unit {self.name!r}: {self.inline_reason}")
-        if any(isinstance(m, nn.RNNBase) for m in self.module.modules()):
-            # its fused kernel's outputs differ between the trace and the run (an LSTM's mkldnn
-            # layer: a workspace that is a tensor when traced, undefined under the op's no-grad
-            # forward), so the op cannot return them; a GRU's trace failed outright. Inline is exact
-            self.fall_back("it holds an RNN module (nn.RNN, nn.LSTM, nn.GRU: fused kernels are not templated)")
+        if any(isinstance(m, nn.LSTM) for m in self.module.modules()):
+            # its fused kernel's outputs differ between the trace and the run (the mkldnn layer's
+            # workspace: a tensor when traced, undefined under the op's no-grad forward), so the op
+            # cannot return them. A GRU's trace fails on its own and falls back. Inline is exact
+            self.fall_back("it holds an nn.LSTM (its fused kernel's workspace is not a template output)")
         metas = tuple((tuple(p.shape), tuple(p.stride()), p.dtype) for p in primals)
         template = self.templates.get((metas, mode, arg_grads))
         if template is None:
