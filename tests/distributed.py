@@ -136,7 +136,15 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_timeout_s: float = 60,
+# the process group's timeout in a spawned run: above the longest wait for a peer that is still
+# compiling when both lanes of `make test` load the 2 cores. At 60 s a rank timed out in one cell
+# of a run that records each cell's failure and goes on (the semantics matrix, test_models_real's
+# parts), so its peer's next collective met the other rank's final barrier and gloo aborted
+# (SIGABRT): the cell's real error never reached the report. Fault tests pass their own, shorter one.
+PG_TIMEOUT_S = 180
+
+
+def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_timeout_s: float = PG_TIMEOUT_S,
           teardown_barrier: bool = True, start_method: str = "forkserver", init_group: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
 
