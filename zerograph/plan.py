@@ -129,10 +129,10 @@ class Plan:
             units gathered, every activation saved), ``"backward_start"`` (the head: the root
             gathered again and unpacked, two copies, and its gradient, every activation still
             saved) and ``"backward"`` (a unit's backward: ``prefetch_depth + 1`` units gathered;
-            the root's gradient, kept until the embedding's joins it at backward's end, the
-            unit's gradients and the bucket they are copied into for the reduce-scatter, the
-            ``bucket_bytes`` argument when given, else the largest unit's; the activations, at
-            most all). Parts: ``"model_states"`` (``bytes_per_rank["total"] + padding_bytes``,
+            the root's gradient, kept until the embedding's joins it at backward's end, and the
+            largest unit's, one flat buffer filled in place and reduce-scattered as it is, plus
+            the bucket it is copied into when a ``bucket_bytes`` argument is given; the
+            activations, at most all). Parts: ``"model_states"`` (``bytes_per_rank["total"] + padding_bytes``,
             plus hpZ's secondary partition: every gradient shard counted, as under gradient
             accumulation), ``"gathered_params"`` (stage 3: full, padded, in ``param_dtype``),
             ``"full_gradients"`` (stages 2-3: unreduced gradients, full, padded; stages 0-1 keep

@@ -13,13 +13,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from .errors import ConfigError
-from .unit_saved import recompute_norms
-from .unit_trace import PARTITION_OPTIONS
+from .unit_trace import template_min_cut
 
 
 def saved_activation_bytes(model: nn.Module, example_inputs: Sequence[object],
@@ -58,11 +56,10 @@ def compiled_saved_activation_bytes(model: nn.Module, example_inputs: Sequence[o
                                     param_dtype: torch.dtype | None = None) -> int:
     """Bytes of the activations a compiled step's forward saves for backward in one
     ``model(*example_inputs)``: the forward and backward traced into one joint graph (``make_fx``
-    on the fake tensors ``saved_activation_bytes`` builds), cut by the min-cut partitioner with
-    the options a unit template is cut with (``unit_trace.PARTITION_OPTIONS``: views and cheap
-    pointwise ops recomputed in backward; layer norms too, ``unit_saved.recompute_norms``); the
-    storages of the saved values, each once, the primals (parameters, buffers, inputs) left out.
-    Below eager's; what the default build saves where every unit is a template. Units that run
+    on the fake tensors ``saved_activation_bytes`` builds), cut as a unit template is cut
+    (``unit_trace.template_min_cut``: views, cheap pointwise ops and layer norms recomputed in
+    backward); the storages of the saved values, each once, the primals (parameters, buffers,
+    inputs) left out. Below eager's; what the default build saves where every unit is a template. Units that run
     inline (autocast, a dynamic shape, a body that writes a buffer in place) are cut with the
     partitioner's defaults in the model's graph and save more (up to eager's).
 
@@ -90,9 +87,8 @@ def compiled_saved_activation_bytes(model: nn.Module, example_inputs: Sequence[o
     with _refused("joint trace"), fake_mode:
         tangents = [torch.empty_like(o) for o in call(primals)]
         graph = make_fx(joint)(primals, tangents)
-    recompute_norms(graph)
-    with _refused("partition"), torch._functorch.config.patch(**PARTITION_OPTIONS):
-        fwd, _ = min_cut_rematerialization_partition(graph, (primals, tangents), num_fwd_outputs=len(tangents))
+    with _refused("partition"):
+        fwd, _ = template_min_cut(graph, primals, tangents)
     saved: dict[int, int] = {}
     for node in fwd.graph.output_node().args[0][len(tangents):]:
         val = node.meta.get("val") if node.op != "placeholder" else None

@@ -113,6 +113,7 @@ class UnitKind:
         self.templates: dict[tuple, UnitTemplate] = {}  # (input metas, mode, arg_grads) -> template
         self.inline_reason: str | None = None  # set when the kind fell back to running inline (in some mode)
         self.inline_modes: dict[int, str] = {}  # training-flag mode -> why the kind runs inline in it
+        self.holds_lstm = any(isinstance(m, nn.LSTM) for m in module.modules())  # runs inline: see template()
         self.flat_reason: str | None = "not asked"  # why its units have no flat shards (None: they have)
         self.flat_shards: list[FlatShard] = []  # its units' flat shards, in unit order
         # the parameters (slot order) its output does not reach, as every trace so far agrees
@@ -129,7 +130,7 @@ class UnitKind:
             log.warning("zerograph: unit template for %s not used in a trace with dynamic shapes, every unit of "
                         "it runs inline (a template is traced for static shapes)", self.name)
             raise DynamicShapeTrace(f"unit {self.name!r}: {self.inline_reason}")
-        if any(isinstance(m, nn.LSTM) for m in self.module.modules()):
+        if self.holds_lstm:
             # its fused kernel's outputs differ between the trace and the run (the mkldnn layer's
             # workspace: a tensor when traced, undefined under the op's no-grad forward), so the op
             # cannot return them. A GRU's trace fails on its own and falls back. Inline is exact

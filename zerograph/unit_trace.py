@@ -251,16 +251,23 @@ def _joint(body: _Body, primals: list[torch.Tensor], tangents: list[torch.Tensor
     return joint_graph, grad_mask, frozenset(i for i, hit in enumerate(reached["cut_out"]) if not hit)
 
 
+def template_min_cut(joint_graph: fx.GraphModule, primals: list[torch.Tensor],
+                     tangents: list[torch.Tensor]) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The min-cut partition a template's joint graph gets (``zerograph.plan`` estimates with the
+    same): its norms marked for recompute (``unit_saved.recompute_norms``), ``PARTITION_OPTIONS``."""
+    recompute_norms(joint_graph)
+    with torch._functorch.config.patch(**PARTITION_OPTIONS):
+        return min_cut_rematerialization_partition(joint_graph, (primals, tangents), num_fwd_outputs=len(tangents))
+
+
 def _partition(joint_graph: fx.GraphModule, primals: list[torch.Tensor], tangents: list[torch.Tensor],
                flat_index: int | None) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """The forward and backward graphs of the min-cut partition, norms recomputed and each saved
-    storage handed over once (``unit_saved``); with a flat shard (primal ``flat_index``), its cuts recomputed in
+    """The forward and backward graphs of ``template_min_cut``, each saved storage handed over
+    once (``unit_saved``); with a flat shard (primal ``flat_index``), its cuts recomputed in
     backward and sunk to their first uses in forward."""
     if flat_index is not None:
         _recompute_cut_out(joint_graph, flat_index)
-    recompute_norms(joint_graph)
-    with torch._functorch.config.patch(**PARTITION_OPTIONS):
-        fwd, bwd = min_cut_rematerialization_partition(joint_graph, (primals, tangents), num_fwd_outputs=len(tangents))
+    fwd, bwd = template_min_cut(joint_graph, primals, tangents)
     # the partitioner prices a saved view by its own size; one storage handed over once (issue 42)
     rebase_saved_views(fwd, bwd, len(tangents))
     if flat_index is not None:
