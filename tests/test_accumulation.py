@@ -28,7 +28,7 @@ STAGES = (1, 2, 3)
 WORLD_SIZE = 2
 ATOL = RTOL = 1e-5
 CASES = tuple((name, stage, every) for stage in STAGES for name, every in (("accum", True), ("accum", False))) \
-    + (("mlp_break", 3, False),)
+    + (("mlp_break", 3, False), ("accum_hooked", 3, False))
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,28 @@ def test_no_sync_compiles_an_accumulating_and_a_flushing_backward(runs, stage: i
         assert [c for c in accumulate["collectives"] if c[0] != "all_gather"] == []
         assert flush["take"] == result["num_params"] and flush["accumulate"] == 0
         assert flush["collectives"] == synced
+
+
+@pytest.mark.distributed
+def test_parameter_hooks_turn_no_sync_into_synced_backwards(runs) -> None:
+    """Tensor hooks need what an unsynced backward does not have: a ``register_hook`` hook each
+    micro-batch's gradient (a clamp of the sum is not the sum of clamps), a
+    ``register_post_accumulate_grad_hook`` hook that edits ``.grad`` in place the sum so far
+    after every micro-batch. With such hooks, a forward run with sync off reduces anyway (each
+    micro-batch moves what a synced one moves, nothing is held) and says so. Its numbers are
+    eager's (``test_matches_full_batch_reference[accum_hooked-...]``), which the hooks change."""
+    synced = run_of(runs, ("accum", 3, True))[0]["comm"][0]
+    for result in run_of(runs, ("accum_hooked", 3, False)):
+        assert result["comm"] == [synced] * (ACC_STEPS * MICRO)
+        assert result["unsynced_bytes"] == [0] * (ACC_STEPS * MICRO)
+        for step in range(ACC_STEPS):
+            warned = result["synced_for_hooks_warnings"][step * MICRO : (step + 1) * MICRO]
+            assert [len(w) for w in warned] == [1] * (MICRO - 1) + [0]
+            assert "layers.1.weight, layers.1.bias" in warned[0][0] and "register_hook" in warned[0][0]
+    hooked, plain = reference_of("accum_hooked")["grads"][0], reference_of("accum")["grads"][0]
+    for name in ("layers.1.weight", "layers.1.bias"):  # the hooks matter
+        assert not torch.allclose(hooked[name], plain[name]), name
+    torch.testing.assert_close(hooked["layers.1.bias"].abs().max(), torch.tensor(0.01 * MICRO))  # clamped per micro-batch
 
 
 @pytest.mark.distributed

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -240,16 +241,26 @@ class AccumNet(nn.Module):
 MICRO, MICRO_BATCH, ACC_STEPS = 4, 4, 2  # micro-batches per optimizer step, global rows each, steps
 
 
+def _scale_accumulated(param: torch.Tensor) -> None:
+    """A post-accumulate-grad hook that edits ``.grad`` in place: eager scales the sum accumulated
+    so far after every micro-batch, so the step's gradient weighs earlier micro-batches less."""
+    param.grad.mul_(0.5)
+
+
 def build_acc(name: str) -> nn.Module:
-    if name == "accum":
+    if name in ("accum", "accum_hooked"):
         torch.manual_seed(0)
-        return AccumNet()
+        model = AccumNet()
+        if name == "accum_hooked":  # registered before compile: the shards carry them
+            model.layers[1].weight.register_post_accumulate_grad_hook(_scale_accumulated)
+            model.layers[1].bias.register_hook(lambda grad: grad.clamp(-0.01, 0.01))  # nonlinear: per micro-batch
+        return model
     return build_named(name)  # "mlp_break": a graph break, so eager frames accumulate too
 
 
 def micro_batch(name: str, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3000 + 10 * step + micro)
-    d_in, d_out = (D, D) if name == "accum" else (7, 3)
+    d_in, d_out = (D, D) if name.startswith("accum") else (7, 3)
     return torch.randn(MICRO_BATCH, d_in, generator=g), torch.randn(MICRO_BATCH, d_out, generator=g)
 
 
@@ -279,15 +290,17 @@ def train_accumulating(rank: int, world_size: int, name: str, stage: int, sync_e
     model = zerograph.compile(build_acc(name), stage=stage)
     runtime = runtime_of_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    grads, params, comm, unsynced = [], [], [], []
+    grads, params, comm, unsynced, warned = [], [], [], [], []
     for step in range(ACC_STEPS):
         for micro in range(MICRO):
             inner = micro < MICRO - 1 and not sync_every_micro_batch
             if step == 0:
                 model.set_requires_gradient_sync(not inner)
             context = model.no_sync() if step == 1 and inner else contextlib.nullcontext()
-            with context:  # the mode is fixed by the forward, as with DDP's no_sync
+            with context, warnings.catch_warnings(record=True) as caught:  # the mode is fixed by the forward
+                warnings.simplefilter("always")
                 loss = model(*rank_slice(micro_batch(name, step, micro), rank, world_size)) / MICRO
+            warned.append([str(w.message) for w in caught if issubclass(w.category, zerograph.SyncedForHooksWarning)])
             loss.backward()
             comm.append(dict(zerograph.stats(model).comm_elements))
             unsynced.append(runtime.unsynced_bytes())
@@ -301,6 +314,7 @@ def train_accumulating(rank: int, world_size: int, name: str, stage: int, sync_e
         "params": params,
         "comm": comm,
         "unsynced_bytes": unsynced,
+        "synced_for_hooks_warnings": warned,
         "trainable_bytes": sum(p.numel() * 4 for p in model.parameters()),  # full fp32 gradients
         "graphs": len(graphs_of(model)),
         "backward": [{"collectives": collectives(gm), "accumulate": _count(gm, ACCUMULATE_UNSYNCED),

@@ -10,6 +10,7 @@ from .errors import (
     ProcessGroupError,
     ScheduleMismatchError,
     ShardingError,
+    SyncedForHooksWarning,
     UnitSizeWarning,
     UnshardedParameterError,
     ZeroGraphError,
@@ -21,7 +22,8 @@ from .policies import ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, Sche
 __all__ = ["Config", "ActivationPolicy", "MemoryPolicy", "MixedPrecisionPolicy", "SchedulePolicy", "compile",
            "CollectiveError", "ConfigError", "ModelChangedError", "PassError", "PoolCorruptionError",
            "ProcessGroupError", "ScheduleMismatchError", "ShardingError", "UnshardedParameterError",
-           "ZeroGraphError", "fake_world", "FakeWorldError", "UnitSizeWarning", "ZeroGraphWarning"]
+           "ZeroGraphError", "fake_world", "FakeWorldError", "SyncedForHooksWarning", "UnitSizeWarning",
+           "ZeroGraphWarning"]
 from . import checkpoint  # noqa: E402  (zerograph.checkpoint.save / load / full_state_dict)
 from .checkpoint import CheckpointError  # noqa: E402
 

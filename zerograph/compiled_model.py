@@ -7,6 +7,7 @@ methods (FSDP2's ``fully_shard`` swaps the class the same way).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -15,11 +16,12 @@ from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
 from torch.utils._pytree import tree_map_only
 
 from . import loading
-from .errors import DynamicShapeTrace, TemplateUnavailable, ZeroGraphError
+from .errors import DynamicShapeTrace, SyncedForHooksWarning, TemplateUnavailable, ZeroGraphError
 from .policies import MixedPrecisionPolicy
 from .sharding import forget_shape_history, set_gathering, set_grad_mode, set_substituted
 from .state import STATE_ATTR, ZeroGraphState, state_of
 from .templates import every_unit_inline, refresh_unit_modes
+from .vocab import GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC
 
 
 def compiled_class(cls: type) -> type:
@@ -49,7 +51,7 @@ def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state.runtime.start_forward()
     previous = set_gathering(True)
     previous_substituted = set_substituted(substituted)
-    mode = state.runtime.grad_mode()
+    mode = grad_mode_for(state, self)
     previous_mode = set_grad_mode(mode)  # read (and guarded on) by the trace
     try:
         args, kwargs = _cast_inputs(state.config.mixed_precision, args, kwargs)
@@ -68,6 +70,38 @@ def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         set_gathering(previous)
         set_substituted(previous_substituted)
         set_grad_mode(previous_mode)
+
+
+def grad_mode_for(state: ZeroGraphState, model: nn.Module) -> str:
+    """What this forward's backward does with its gradients (``sharding.GRAD_MODES``): the
+    runtime's mode, except that with gradient sync off it reduces anyway while a trainable
+    parameter has a tensor hook (``register_hook``) or a ``register_post_accumulate_grad_hook``
+    hook, and warns (``SyncedForHooksWarning``, naming the parameters).
+
+    Why: eager runs a tensor hook on each micro-batch's gradient before it is accumulated, and a
+    post-accumulate-grad hook after each backward on the sum so far, which it may edit in place
+    (scale, clip, step an optimizer in backward). An unsynced backward has neither gradient (each
+    rank holds its own micro-batch's full gradient; the shard receives zeros), so a hook would
+    see zeros, a nonlinear one (a clamp) would later see the sum instead of each part, and an
+    in-place edit of ``.grad`` would be lost. Synced, each backward hands the hooks the
+    rank-averaged gradient of its micro-batch and adds it to ``.grad`` as eager does, so they see
+    what eager's see; the micro-batches then cost one reduction each. (DDP runs the hooks on each
+    rank's local gradient, which matches eager only for hooks linear in the gradient; FSDP2 runs
+    none on an unsynced backward.)"""
+    mode = state.runtime.grad_mode()
+    if mode != GRAD_ACCUMULATE:
+        return mode
+    hooked = [name for name, param in model.named_parameters()
+              if param.requires_grad and (param._backward_hooks or param._post_accumulate_grad_hooks)]
+    if not hooked:
+        return mode
+    warnings.warn(
+        f"zerograph: gradient sync is off, yet this backward reduces its gradients: parameters "
+        f"{', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''} have tensor hooks (register_hook or "
+        "register_post_accumulate_grad_hook), which must see each micro-batch's gradient and the sum so far, "
+        "as in eager; remove the hooks while accumulating to skip the reductions", SyncedForHooksWarning,
+        stacklevel=3)
+    return GRAD_FLUSH if state.runtime.unsynced_bytes() else GRAD_SYNC
 
 
 def _run_falling_back(state: ZeroGraphState, model: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -152,7 +186,9 @@ def set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool) ->
     and the shards' ``.grad`` receive zeros (created if ``None``). Back on, while such buffers are
     held, the backward adds them to its own gradients in the reductions' copy-in and reduces the
     sum once, so a step of micro-batches costs one reduction. Run the last micro-batch of a step
-    with sync on, or ``.grad`` never receives the held gradients.
+    with sync on, or ``.grad`` never receives the held gradients. While a trainable parameter has
+    a tensor hook (``register_hook``, ``register_post_accumulate_grad_hook``), sync stays on
+    (``grad_mode_for``): the hooks see what eager's see.
 
     Memory: while gradients are unsynced every rank holds a full gradient of every trainable
     parameter (Ψ elements in ``reduce_dtype``; ``zerograph.stats`` counts them under ``"grads"``),

@@ -71,3 +71,10 @@ class UnitSizeWarning(ZeroGraphWarning):
     """At stage 3 one sharding unit (the root included) holds more than a quarter of the model's
     parameters although it holds repeated blocks that could be units of their own; the message
     names the ``Config(unit_classes=...)`` that splits it (``zerograph.units``)."""
+
+
+class SyncedForHooksWarning(ZeroGraphWarning):
+    """Gradient sync was off (``no_sync``, ``set_requires_gradient_sync(False)``) for a forward of
+    a model with a tensor hook (``register_hook`` or ``register_post_accumulate_grad_hook``) on a
+    trainable parameter: its backward reduced its gradients anyway, so that the hooks saw what
+    eager shows them (``compiled_model.grad_mode_for``); the message names the parameters."""
