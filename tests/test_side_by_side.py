@@ -71,3 +71,21 @@ def test_zerograph_memory_is_the_cli_of_the_side_by_side_and_refuses_bad_flags(c
     assert "unknown model(s) / system(s): ['bert']" in capsys.readouterr().err
     assert cli.main(["memory", "--models", "gpt", "--gpt", "100x2:1x8", "--heads", "16"]) == 2
     assert "width 100 is not a multiple of --heads 16" in capsys.readouterr().err
+
+
+def test_the_json_names_the_command_as_typed(monkeypatch, tmp_path) -> None:
+    """The JSON's ``command`` is the command line that reproduces it (it read "zerograph memory
+    memory ..." when taken from ``sys.argv``, which already holds the subcommand)."""
+    from zerograph import cli
+    from zerograph.bench import side_by_side_cli
+
+    def measured(*args, **kwargs) -> dict:
+        return {"world_size": 8, "steps": 1, "systems": ["fsdp2"], "machine": "m", "date": "d", "commit": "c",
+                "rows": [{"model": "gpt", "label": "gpt", "plan": {"psi": 1, "step_peak_bytes": 1, "notes": []},
+                          "systems": {"fsdp2": {"system": "fsdp2", "error": "RuntimeError: not run"}}}]}
+
+    monkeypatch.setattr(side_by_side_cli, "side_by_side", measured)
+    out = tmp_path / "memory.json"
+    assert cli.main(["memory", "--models", "gpt", "--systems", "fsdp2", "--world-size", "8", "--json", str(out)]) == 0
+    command = json.loads(out.read_text())["command"]
+    assert command == f"zerograph memory --models gpt --systems fsdp2 --world-size 8 --json {out}"

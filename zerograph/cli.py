@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -18,7 +19,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit status: 0 on success, 1 when the command could not do its job (message on stderr);
     argparse exits with 2 on a usage error.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.invocation = shlex.join(["zerograph", *argv])  # what a report records as its command
     try:
         return args.handler(args)
     except BrokenPipeError:  # the reader went away (``zerograph inspect DIR | head``): stop quietly
