@@ -345,3 +345,53 @@ def test_a_block_that_writes_its_parameter_is_refused() -> None:
     model = zerograph.compile(nn.Sequential(_Writer(), _Writer()), 3, config=TEMPLATES)
     with pytest.raises(ShardingError, match="in place"):
         model(torch.randn(2, 8))
+
+
+class _Scaled(nn.Module):
+    shift = 0.0  # a class attribute an instance may shadow
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.Tanh()
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.fc(x)) * self.scale + self.shift
+
+
+_CHANGES = {  # (what changes in the second unit after the first step, what the third step changes)
+    "attribute": (lambda block: setattr(block, "scale", 0.5), lambda block: setattr(block, "scale", 0.25)),
+    "submodule": (lambda block: setattr(block, "act", nn.ReLU()), lambda block: setattr(block, "act", nn.GELU())),
+    "shadowed class attribute": (lambda block: setattr(block, "shift", 1.0), lambda block: setattr(block, "shift", 2.0)),
+}
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_a_unit_changed_after_compile_runs_inline_with_eagers_numbers(change: str) -> None:
+    """Found by trying it as a new user: a template is called as one op, so Dynamo's guards never
+    saw what its body read, and a plain attribute set, a parameterless submodule swapped, or a
+    class attribute shadowed after the first step left the units on the old graphs (eager's loss
+    0.55, zerograph's 0.38). Now the kind runs inline from the next forward (its reason names the
+    unit), with eager's numbers, and Dynamo's guards follow later changes."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(_Scaled(), _Scaled())
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    x = torch.randn(4, 8)
+    (kind,) = state_of(model).unit_kinds
+    for step, edit in enumerate((None, *_CHANGES[change])):
+        if edit is not None:
+            edit(model[1])
+            edit(reference[1])
+        model.zero_grad()
+        reference.zero_grad()
+        loss, expected = model(x).pow(2).mean(), reference(x).pow(2).mean()
+        loss.backward()
+        expected.backward()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-6), step
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+        if step == 0:  # unchanged: the template stands
+            assert kind.inline_reason is None and state_of(model).captured.templates
+    assert kind.inline_reason is not None and "'1'" in kind.inline_reason, kind.inline_reason

@@ -47,6 +47,8 @@ def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if state.uninitialised is not None:  # a meta-built model until every shard got values
         state.uninitialised.check()
         state.uninitialised = None
+    for kind in state.unit_kinds:  # a unit changed where Dynamo's guards cannot see: its kind runs inline
+        kind.check_unchanged()
     refresh_unit_modes(state.unit_kinds)
     state.runtime.start_forward()
     previous = set_gathering(True)

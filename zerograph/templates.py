@@ -71,7 +71,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from . import registry
+from . import registry, unit_watch
 from . import sharding as _sharding
 from .errors import DynamicShapeTrace, ShardingError, TemplateUnavailable
 from .flat import FlatShard
@@ -110,6 +110,7 @@ class UnitKind:
         self.kind, self.name, self.module, self.lowering = kind, name, module, lowering
         self.units: list[str] = [name]
         self.modules: list[nn.Module] = [module]  # every unit of the kind
+        self.watch = unit_watch.KindWatch()  # its units as compile grouped them (check_unchanged)
         self.templates: dict[tuple, UnitTemplate] = {}  # (input metas, mode, arg_grads) -> template
         self.inline_reason: str | None = None  # set when the kind fell back to running inline (in some mode)
         self.inline_modes: dict[int, str] = {}  # training-flag mode -> why the kind runs inline in it
@@ -198,12 +199,26 @@ class UnitKind:
             object.__setattr__(module, ISLAND_ATTR, True)
         self.fall_back(f"{reason}; its units run eagerly, gathered once on entry")
 
+    def check_unchanged(self) -> None:
+        """Before a forward: run the kind inline in every mode from now on (``run_inline``) if a
+        unit changed since compile in what a template could read (``unit_watch.KindWatch``)."""
+        if not getattr(self.modules[0], INLINE_ATTR):
+            reason = self.watch.first_change(self.units, list(self.templates.values()))
+            if reason is not None:
+                self.run_inline(reason)
+
     def fall_back(self, reason: str, mode: int | None = None) -> NoReturn:
+        """``run_inline``, then raise ``TemplateUnavailable`` (the compiled forward catches it and
+        traces the model again)."""
+        self.run_inline(reason, mode)
+        raise TemplateUnavailable(f"unit {self.name!r}: {reason}")
+
+    def run_inline(self, reason: str, mode: int | None = None) -> None:
         """Make every unit of the kind run inline from now on, in training-flag mode ``mode`` only
         (a body that cannot be a template in training: dropout, a batch norm's statistics) or in
-        every mode (``None``), and raise ``TemplateUnavailable`` (the compiled forward catches it
-        and traces the model again). Units with flat shards whose kind cannot tell which
-        parameters its output reaches leave them first (``_runs_inline``), in every mode."""
+        every mode (``None``); the graphs that called its template guard on the flag and are traced
+        again. Units with flat shards whose kind cannot tell which parameters its output reaches
+        leave them first (``_runs_inline``), in every mode."""
         self._runs_inline(reason)
         if mode is not None:
             self.inline_modes[mode] = reason
@@ -211,7 +226,6 @@ class UnitKind:
             object.__setattr__(module, INLINE_ATTR if mode is None else f"{INLINE_MODE_PREFIX}{mode}", True)
         log.warning("zerograph: unit template for %s (%d units) not used, they run inline%s: %s", self.name,
                     len(self.modules), "" if mode is None else f" in mode {mode:#b} (training flags)", reason)
-        raise TemplateUnavailable(f"unit {self.name!r}: {reason}")
 
 
 def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[int, int], lowering: str,
@@ -268,6 +282,7 @@ def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[
         object.__setattr__(module, INLINE_ATTR, False)
         object.__setattr__(module, ISLAND_ATTR, False)
         object.__setattr__(module, "forward", types.MethodType(forward, module))
+        kind.watch.add(module)
     refresh_unit_modes(list(kinds.values()))
     return list(kinds.values())
 
