@@ -110,3 +110,13 @@ def test_a_forward_graph_that_reduces_gradients_is_refused() -> None:
     with pytest.raises(PassError, match="forward graph reduces gradients"):
         check_no_gradient_reduction_in_forward(forward_graph(reduce=True))
     check_no_gradient_reduction_in_forward(forward_graph(reduce=False))
+
+
+def test_deepcopy_of_a_compiled_model_is_refused_by_name() -> None:
+    """Found by trying it as a new user (an EMA copy): it failed inside pickle ("cannot pickle
+    'ProcessGroup' object"); now a TypeError says what cannot be copied and what to do instead."""
+    import copy
+
+    model = zerograph.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), stage=3)
+    with pytest.raises(TypeError, match="cannot be deep-copied.*Copy the model before zerograph.compile"):
+        copy.deepcopy(model)

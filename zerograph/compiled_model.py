@@ -29,7 +29,17 @@ def compiled_class(cls: type) -> type:
     and ``load_state_dict`` (full tensors or shards, ``loading.load_state_dict``); same name."""
     return type(cls.__name__, (cls,), {"forward": compiled_forward,
                                        "set_requires_gradient_sync": set_requires_gradient_sync,
-                                       "no_sync": no_sync, "load_state_dict": loading.load_state_dict})
+                                       "no_sync": no_sync, "load_state_dict": loading.load_state_dict,
+                                       "__deepcopy__": _refuse_deepcopy})
+
+
+def _refuse_deepcopy(self: nn.Module, memo: dict) -> nn.Module:
+    """``copy.deepcopy`` of a compiled model (an EMA copy, ``timm``'s ``ModelEmaV2``): refused by
+    name, where pickling its process group failed with ``cannot pickle 'ProcessGroup' object``."""
+    raise TypeError(f"zerograph: a compiled model ({type(self).__name__}) cannot be deep-copied: it holds this rank's "
+                    "shards, process groups and compiled graphs. Copy the model before zerograph.compile (and "
+                    "compile the copy too, or keep it on one rank), or keep an average of the full parameters "
+                    "(param.full_tensor()) yourself")
 
 
 def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
