@@ -103,21 +103,6 @@ def _without_pytest_handlers_on_the_structured_trace() -> None:
             trace_log.removeHandler(handler)
 
 
-IN_PROCESS_NICENESS = 10  # os.nice increment of a pytest-xdist worker once it runs an in-process test
-
-
-@functools.cache
-def _yield_cores_to_ranks() -> None:
-    """Under pytest-xdist (``make test``'s two lanes), lower this worker's CPU priority for good
-    once it runs an in-process test, so the ranks of the spawn running in the other lane get the
-    cores first: a rank kept off a core stalls its peer at their next collective, so with three
-    runnable processes on two cores the ranks lose more than the in-process test gains, while a
-    niced test loses nothing but runs on what the ranks leave. The worker that runs the spawn
-    lane keeps its priority until its lane is done (a worker runs its scopes one after another)."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        os.nice(IN_PROCESS_NICENESS)
-
-
 # inside pytest's own wrappers (trylast), after it has attached its handlers for the phase
 @pytest.hookimpl(wrapper=True, trylast=True)
 def pytest_runtest_setup(item: pytest.Item):
@@ -127,8 +112,6 @@ def pytest_runtest_setup(item: pytest.Item):
 
     marked = item.get_closest_marker("distributed") is not None
     distributed.spawn_allowed = lambda: marked
-    if not marked:
-        _yield_cores_to_ranks()
     _without_pytest_handlers_on_the_structured_trace()
     return (yield)
 

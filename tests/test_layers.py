@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                    "zerograph.eager", "zerograph.runtime", "zerograph.islands", "zerograph.lowering", "zerograph.capture",
                    "zerograph.attribute_reads", "zerograph.unit_saved", "zerograph.unit_flat_grad",
                    "zerograph.unit_trace", "zerograph.unit_islands", "zerograph.templates",
-                   "zerograph.template_keys"]),
+                   "zerograph.template_keys", "zerograph.unit_watch"]),
     ("api", ["zerograph.plan_activations", "zerograph.plan", "zerograph.budget", "zerograph.api", "zerograph.replicas",
              "zerograph.hybrid", "zerograph.plan_figures", "zerograph.compile_setup", "zerograph.compiled_model"]),
     ("reporting", ["zerograph.stats", "zerograph.checkpoint", "zerograph.checkpoint_agreement", "zerograph.timeline",
