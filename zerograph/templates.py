@@ -203,7 +203,7 @@ class UnitKind:
         """Before a forward: run the kind inline in every mode from now on (``run_inline``) if a
         unit changed since compile in what a template could read (``unit_watch.KindWatch``)."""
         if not getattr(self.modules[0], INLINE_ATTR):
-            reason = self.watch.first_change(self.units, list(self.templates.values()))
+            reason = self.watch.first_change(self.units, self.templates.values())
             if reason is not None:
                 self.run_inline(reason)
 

@@ -19,7 +19,7 @@ that is not traced through (``invoke_subgraph``) does not get either.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from torch import nn
@@ -91,7 +91,7 @@ class KindWatch:
     def add(self, unit: nn.Module) -> None:
         self.baselines.append(UnitBaseline.of(unit))
 
-    def first_change(self, names: list[str], templates: list) -> str | None:
+    def first_change(self, names: list[str], templates: Collection) -> str | None:
         """``"unit NAME: what changed"`` for the first of the units (named ``names``) that changed
         in an attribute one of ``templates`` (the kind's ``UnitTemplate``s) read, or in any while
         there is none, or ``None``."""

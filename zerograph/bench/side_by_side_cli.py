@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
             return 2
     result = side_by_side(specs, args.world_size, systems, steps=args.steps, timeout_s=args.timeout,
                           log=lambda line: print(line, file=sys.stderr, flush=True))
-    result["command"] = command or getattr(args, "invocation", None) or " ".join(["zerograph", "memory", *sys.argv[1:]])
+    result["command"] = command or args.invocation  # the example passes its own; zerograph.cli sets it
     print(format_table(result))
     if args.json_path:
         with open(args.json_path, "w") as f:
