@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .distributed import run_as_rank, spawn
-from .workers_semantics import CASES, DEFAULT_BUILDS, NOT_RUN, PER_PARAMETER_BUILDS, run_case, semantics_runs
+import zerograph
+
+from .distributed import fake_rank, run_as_rank, spawn
+from .workers_semantics import CASES, DEFAULT_BUILDS, NOT_RUN, PER_PARAMETER_BUILDS, UnusedNet, run_case, semantics_runs
 
 TOLERANCE = 1e-5
 
@@ -96,3 +98,17 @@ def test_requires_grad_flip_after_compile_is_refused_naming_both_parameters(temp
     assert name == "ModelChangedError"
     assert "'blocks.0.fc1.weight' (frozen -> trainable)" in message
     assert "'blocks.1.fc2.weight' (trainable -> frozen)" in message
+
+
+def test_every_module_met_as_a_frame_has_a_dynamo_cache_of_its_own():
+    """Each sharded module's forward, and each templated unit's, has a code object of its own,
+    named after the module: Dynamo caps compiled graphs at 8 per code object, and the modules it
+    meets as frames (called from eager code after a graph break in the root's loop, as in the
+    no_sync case's model) once shared one, whose overflow point differed by rank with uneven
+    shards (gloo's size-mismatch abort in that case). In process (a fake world of 2), no trace."""
+    with fake_rank(2):
+        model = zerograph.compile(UnusedNet(), stage=3)
+    codes = {name: module.forward.__code__ for name, module in model.named_modules()
+             if name and not isinstance(module, torch.nn.ModuleList)}
+    assert len({id(code) for code in codes.values()}) == len(codes)
+    assert {name: code.co_name for name, code in codes.items()} == {name: f"forward of {name}" for name in codes}

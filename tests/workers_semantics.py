@@ -305,16 +305,35 @@ class UnusedNet(nn.Module):
         return self.out(h).pow(2).mean()
 
 
+# what autograd.grad and backward(inputs=) name: a used and an unused parameter of a templated block
+# (its flat shard) and of an island, and a root layer's
+NAMED = ("blocks.0.fc1.weight", "blocks.1.unused.bias", "branchy.0.fc2.weight", "branchy.1.unused.weight", "out.bias")
+
+
 def _no_sync_step(model, x, opt, i, compiled, record):
-    """Two micro-batches: the first accumulated without a collective, the second synced."""
+    """Two micro-batches: the first accumulated without a collective, the second synced, its
+    backward reaching only the ``NAMED`` parameters at step 0 (``inputs=``; the others keep the
+    first's gradient). And ``torch.autograd.grad`` of the ``NAMED`` parameters (``None`` for the
+    unused ones): before the micro-batches at step 0, between them at step 1 (what the first
+    holds back stays out of what it returns, and reaches ``.grad`` all the same)."""
     if not compiled and dist.is_initialized():  # the global micro-batches are the ranks' halves
         world = dist.get_world_size()
         x = x.view(world, 2, -1, x.shape[-1]).transpose(0, 1).reshape(-1, x.shape[-1])
     first, second = x.chunk(2)
+    named = [model.get_parameter(name) for name in NAMED]
+
+    def grad_of_named() -> None:
+        grads = torch.autograd.grad(model(first), named, allow_unused=True)
+        record.setdefault("autograd.grad", []).append([full(g) for g in grads])
+
+    if i == 0:
+        grad_of_named()
     with model.no_sync() if compiled else contextlib.nullcontext():
         model(first).mul(0.5).backward()
+    if i == 1:
+        grad_of_named()
     loss = model(second).mul(0.5)
-    loss.backward()
+    loss.backward(inputs=named if i == 0 else None)
     return loss
 
 
@@ -366,7 +385,7 @@ CASES: dict[str, Case] = {
     # the tied weight's post-accumulate-grad hook steps it once per backward, with its uses' summed gradient
     "tied and shared parameters, optimizer in backward": Case(build=Tied, after_compile=_optimizer_in_backward,
                                                               optimizer=lambda model: None),
-    "unused parameters, no_sync": Case(build=UnusedNet, step=_no_sync_step),
+    "unused parameters, no_sync, backward(inputs=), autograd.grad": Case(build=UnusedNet, step=_no_sync_step),
     "in-place buffer updates, RNN modules": Case(build=BufferNet, step=_eval_step),
     "rank-divergent routing": Case(build=lambda: Net(MoEBlock)),
 }

@@ -172,7 +172,6 @@ def _capture(model: nn.Module, runtime: Runtime, config: Config, captured: Captu
     """Put ``model``'s forward under ``torch.compile`` with zerograph's backend and give the model
     its compiled class (``compiled_model.compiled_class``) and state (``state.ZeroGraphState``)."""
     param_names = {id(p): n for n, p in model.named_parameters()}  # first name of each (tied) parameter
-    param_names.update({id(flat.param): flat.layout.fqn for flat in runtime.flat_shards.values()})
     watch = ParameterWatch(model)
     backend = _checking_trainable(ZeroGraphBackend(runtime, config, param_names, captured), watch)
     # dynamic=None (torch.compile's automatic dynamic shapes): a graph is first compiled for the shapes

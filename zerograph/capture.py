@@ -119,7 +119,10 @@ class _GraphCompile:
         self.memory: dict[str, Timeline] = {}
         self.user_outputs: list[int] = []
         captured, runtime = backend.captured, backend.runtime
-        captured.input_params.append([backend.params.get(id(x)) for x in example_inputs])
+        # a unit's flat shard is a new tensor each forward (FlatShard.input, this forward's while it compiles)
+        names = {**backend.params, **{id(flat.input): flat.layout.fqn for flat in runtime.flat_shards.values()
+                                      if flat.input is not None}}
+        captured.input_params.append([names.get(id(x)) for x in example_inputs])
         captured.graphs.append(self.record)
         runtime.graph_memory.append(self.memory)
         self.dump_root = backend.config.resolved_dump_dir()

@@ -65,7 +65,10 @@ def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     previous_substituted = set_substituted(substituted)
     mode = grad_mode_for(state, self)
     previous_mode = set_grad_mode(mode)  # read (and guarded on) by the trace
+    flats = tuple(state.runtime.flat_shards.values())
     try:
+        for flat in flats:  # each unit's graph input, an autograd function of its shards
+            flat.open_forward()
         args, kwargs = _cast_inputs(state.config.mixed_precision, args, kwargs)
         out = _run_falling_back(state, self, args, kwargs)
         state.runtime.flush_leftovers_after_backward(out, mode)
@@ -79,6 +82,8 @@ def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             raise cause from None
         raise
     finally:
+        for flat in flats:
+            flat.close_forward()
         set_gathering(previous)
         set_substituted(previous_substituted)
         set_grad_mode(previous_mode)

@@ -20,23 +20,26 @@ growing with a block's parameter count.
 What users see does not change: each parameter is still its own ``DTensor`` shard (the optimizer,
 ``state_dict``, checkpoints, ``stats`` read those), whose local tensor is a view of the flat
 shard's storage, so in-place updates (``opt.step()``, ``load_state_dict``, ``init_weights``)
-reach the buffer the graph reads. The gradient the graph produces for the flat shard is handed to
-the parameters' ``.grad`` after each backward (``add_grad``: views of it, or added in place
-where a ``.grad`` is already held, so accumulation over micro-batches works as without it).
-
-What autograd would do per parameter is done here instead, so the layout changes no number and
-drops no semantic (docs/semantics.md): each parameter's tensor hooks and post-accumulate-grad
-hooks run on its part (``accumulate_grad``); the parameters its unit's output does not reach keep
-``.grad`` ``None`` (``no_grad``); another tensor in a parameter's slot (``functional_call``) is
-read instead of the shard (``substituted``); and a unit whose kind cannot tell which parameters
-get a gradient goes back to per-parameter shards (``restore_``).
+reach the buffer the graph reads. And the shards stay autograd's leaves: what the graph reads is
+not the buffer itself but ``FlatShard.input``, made at each forward by ``ShardsAsFlat`` (an
+autograd ``Function`` of the unit's shards whose output is the buffer, no copy, and whose
+backward cuts the reduced flat gradient into each shard's ``DTensor`` gradient, a view of it).
+Autograd's own ``AccumulateGrad`` then does per parameter what it does without the layout, so it
+changes no number and drops no semantic (docs/semantics.md): tensor hooks and
+post-accumulate-grad hooks, ``.grad`` a view or added in place over micro-batches,
+``backward(inputs=...)`` and ``torch.autograd.grad`` naming some of the parameters. Beyond that:
+the parameters its unit's output does not reach keep ``.grad`` ``None`` (``no_grad``); another
+tensor in a parameter's slot (``functional_call``) is read instead of the shard
+(``substituted``); and a unit whose kind cannot tell which parameters get a gradient goes back to
+per-parameter shards (``restore_``).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,16 +57,19 @@ class FlatShard:
         layout: the flat shard as one parameter of the markers: shape ``(N * T,)``, ``chunk_rows``
             T elements on every rank, the unit's dtypes; its key is what the unit's ``unshard``
             and ``reduce_grad`` carry.
-        param: this rank's flat shard, ``(T,)`` in the parameters' dtype, a leaf that requires
-            grad; the graph input. Not registered on any module: the optimizer and
-            ``state_dict`` see the parameters, not it.
+        param: this rank's flat shard, ``(T,)`` in the parameters' dtype: the buffer the shards'
+            local tensors view. Not registered on any module and requires no grad: the optimizer,
+            ``state_dict`` and autograd see the parameters, not it.
         shards: the unit's parameters (``DTensor`` shards), each a view of ``param``'s storage.
         layouts: their layouts, in the same order.
         offsets: element offset of each parameter's padded chunk in ``param``.
         rank: this rank in the shard group.
         no_grad: indices of the parameters the unit's output does not reach (its template
-            found them, ``unit_trace.UnitTemplate.no_grad_params``): ``add_grad`` leaves their
-            ``.grad`` as it is, ``None`` in a first backward, as eager does.
+            found them, ``unit_trace.UnitTemplate.no_grad_params``): their part of the flat
+            gradient is dropped and their ``.grad`` left as it is, ``None`` in a first backward, as
+            eager does.
+        input: what the graph reads for the unit in this forward (``open_forward``): the buffer
+            as an autograd function of the shards (``ShardsAsFlat``), ``None`` between forwards.
     """
 
     layout: ParamLayout
@@ -79,6 +85,16 @@ class FlatShard:
     unreached_read: Callable[[], None] = lambda: None
     # each module that holds some of the shards, with (attribute, shard) of each (install_reads)
     slots: tuple[tuple[nn.Module, tuple[tuple[str, nn.Parameter], ...]], ...] = ()
+    input: torch.Tensor | None = None
+
+    def open_forward(self) -> None:
+        """Make ``input`` for a forward: with grad enabled, ``ShardsAsFlat`` of the shards (the
+        graph's gradient for it reaches each shard through autograd), else the buffer itself."""
+        self.input = ShardsAsFlat.apply(self, *self.shards) if torch.is_grad_enabled() else self.param
+
+    def close_forward(self) -> None:
+        """Drop ``input`` after the forward (the graph holds what its backward needs)."""
+        self.input = None
 
     def unflatten(self, full: torch.Tensor) -> list[torch.Tensor]:
         """The full parameters from the all-gathered flat shards. ``full``: ``(N * T,)`` ->
@@ -98,7 +114,7 @@ class FlatShard:
             self.unreached_read()
         n, total = self.layout.padded_numel // self.layout.chunk_rows, self.layout.chunk_rows
         layout, offset = self.layouts[index], self.offsets[index]
-        full = full_parameter(self.param, self.layout.key).view(n, total)
+        full = full_parameter(self.input, self.layout.key).view(n, total)
         return _cut(full[:, offset : offset + layout.shard_numel], layout)
 
     def install_reads(self, unit: nn.Module) -> None:
@@ -140,16 +156,31 @@ class FlatShard:
             any_substituted = any_substituted or bool(names)
         return any_substituted
 
+    def shard_grads(self, flat_grad: torch.Tensor, needed: Sequence[bool]) -> list[DTensor | None]:
+        """Each parameter's part of this rank's reduced flat gradient, ``(T,)``: a ``DTensor`` like
+        the shard whose local tensor is a view of ``flat_grad`` (no copy); ``None`` where
+        ``needed`` says autograd does not ask for it, and for the parameters of ``no_grad``."""
+        grads: list[DTensor | None] = [None] * len(self.shards)
+        for index, local in self._local_grads(flat_grad):
+            if needed[index]:
+                grads[index] = grad_like(self.shards[index], local)
+        return grads
+
     def add_grad(self, flat_grad: torch.Tensor) -> None:
-        """Hand this rank's reduced flat gradient, ``(T,)``, to the parameters as autograd would
-        (``accumulate_grad``: their hooks, then ``.grad``, a ``DTensor`` view of it where ``None``);
-        nothing for the parameters of ``no_grad`` (their part is zeros, their ``.grad`` stays)."""
+        """Hand this rank's flat gradient, ``(T,)``, reduced outside autograd (what a ``no_sync``
+        backward held back), to the parameters as autograd would (``accumulate_grad``); nothing
+        for the parameters of ``no_grad``."""
         with torch.no_grad():
-            for index, (shard, layout, offset) in enumerate(zip(self.shards, self.layouts, self.offsets)):
-                if index in self.no_grad:
-                    continue
+            for index, local in self._local_grads(flat_grad):
+                accumulate_grad(self.shards[index], local)
+
+    def _local_grads(self, flat_grad: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(index, view)`` of each parameter outside ``no_grad``: its part of ``flat_grad`` in
+        the shard's local shape."""
+        for index, (layout, offset) in enumerate(zip(self.layouts, self.offsets)):
+            if index not in self.no_grad:
                 shape = layout.local_shape(self.rank)
-                accumulate_grad(shard, flat_grad[offset : offset + math.prod(shape)].view(shape))
+                yield index, flat_grad[offset : offset + math.prod(shape)].view(shape)
 
     def check_views(self) -> bool:
         """Raise ``ModelChangedError`` when a parameter's local tensor no longer lives in the flat
@@ -177,8 +208,7 @@ def accumulate_grad(shard: nn.Parameter, local: torch.Tensor) -> None:
     ``.grad`` (a view of ``local``: no copy) or is added to the ``.grad`` held; then its
     ``register_post_accumulate_grad_hook`` hooks run (an optimizer stepped in backward). ``local``:
     this rank's rows of the gradient, the shard's local shape and dtype."""
-    grad = DTensor.from_local(local, shard.device_mesh, shard.placements, run_check=False,
-                              shape=shard.shape, stride=shard.stride())
+    grad = grad_like(shard, local)
     for hook in tuple((shard._backward_hooks or {}).values()):
         replaced = hook(grad)
         if replaced is not None:
@@ -192,6 +222,14 @@ def accumulate_grad(shard: nn.Parameter, local: torch.Tensor) -> None:
             shard.grad.add_(grad)
     for hook in tuple((shard._post_accumulate_grad_hooks or {}).values()):
         hook(shard)
+
+
+def grad_like(shard: DTensor, local: torch.Tensor) -> DTensor:
+    """A gradient for ``shard``: ``local`` (this rank's rows, the shard's local shape and dtype)
+    as a ``DTensor`` of the shard's own spec (mesh, placements, global shape and stride). Built
+    with ``DTensor``'s constructor, as FSDP2 builds its sharded gradients: ``from_local`` would
+    add an autograd function and a new spec per parameter (about 0.1 ms each on CPU)."""
+    return DTensor(local, shard._spec, requires_grad=False)
 
 
 def flatten_unit_(unit: int, name: str, shards: Sequence[nn.Parameter], layouts: Sequence[ParamLayout],
@@ -220,16 +258,29 @@ def flatten_unit_(unit: int, name: str, shards: Sequence[nn.Parameter], layouts:
     layout = ParamLayout(key, f"{name}.<flat shard>" if name else "<flat shard>", unit, (full,),
                          first.dtype, world_size, first.sharded, (total,) * world_size, total, first.param_dtype,
                          first.reduce_dtype)
-    param = nn.Parameter(flat, requires_grad=True)  # shares flat's storage
-    result = FlatShard(layout, param, tuple(shards), tuple(layouts), tuple(offsets), rank)
+    return FlatShard(layout, flat, tuple(shards), tuple(layouts), tuple(offsets), rank)
 
-    def hand_over(leaf: torch.Tensor) -> None:
-        grad, leaf.grad = leaf.grad, None  # the parameters' .grad hold it from here on
-        if grad is not None:  # None: no gradient reached the unit (its output unused, detached): .grad stays None
-            result.add_grad(grad)
 
-    param.register_post_accumulate_grad_hook(hand_over)
-    return result
+class ShardsAsFlat(torch.autograd.Function):
+    """A unit's flat buffer as an autograd function of its parameter shards: forward returns the
+    buffer (``FlatShard.param`` detached: the same storage, no copy); backward cuts the gradient
+    the graph computed for it, ``(T,)`` (this rank's reduced rows), into each shard's gradient
+    (``FlatShard.shard_grads``). The shards stay autograd's leaves, so ``AccumulateGrad`` runs for
+    each as it does without flat shards. Mirrors FSDP1's ``FlatParameter``, whose original
+    parameters are views of it, with the edges turned round: here the shards are the leaves."""
+
+    @staticmethod
+    def forward(ctx: Any, flat: FlatShard, *shards: nn.Parameter) -> torch.Tensor:
+        ctx.flat = flat
+        ctx.set_materialize_grads(False)  # no gradient reached the unit: every .grad stays as it is
+        return flat.param.detach()
+
+    @staticmethod
+    def backward(ctx: Any, flat_grad: torch.Tensor | None) -> tuple[DTensor | None, ...]:
+        needed = ctx.needs_input_grad[1:]
+        if flat_grad is None:
+            return (None,) * (1 + len(needed))
+        return (None, *ctx.flat.shard_grads(flat_grad, needed))
 
 
 def flattenable(shards: Sequence[nn.Parameter], layouts: Sequence[ParamLayout], unit: int) -> str | None:

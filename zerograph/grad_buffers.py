@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.autograd.graph import Node
 
 from .accounting import StepAccounting
 from .sharding import ParamLayout
@@ -34,14 +35,21 @@ class GradientBuffers:
         unsynced: key -> full gradient summed while unsynced, in ``reduce_dtype``.
         reduce_leftover: ``(full gradient, key) -> None``: reduce one held gradient into its
             shard's ``.grad`` (set by the runtime, which knows the shards).
+        grad_accumulators: ``key -> nodes``: the ``AccumulateGrad`` nodes of ``key``'s parameters
+            (set by the runtime).
     """
 
     def __init__(self, layouts: Mapping[int, ParamLayout], topology: Topology, accounting: StepAccounting,
-                 reduce_leftover: Callable[[torch.Tensor, int], None]):
+                 reduce_leftover: Callable[[torch.Tensor, int], None],
+                 grad_accumulators: Callable[[int], tuple[Node, ...]]):
         self.layouts = layouts  # every key a marker may carry (the runtime's marker_layouts)
         self.topology = topology
         self.accounting = accounting
         self.reduce_leftover = reduce_leftover
+        self.grad_accumulators = grad_accumulators
+        # while a flushing forward's backward is ahead: each held key's AccumulateGrad nodes, found
+        # at the forward (a custom op's body, where take runs, records no autograd to find them by)
+        self.flushing_into: dict[int, tuple[Node, ...]] = {}
         self.requires_gradient_sync = True
         self.unsynced: dict[int, torch.Tensor] = {}
 
@@ -72,10 +80,27 @@ class GradientBuffers:
         return grad.new_zeros(layout.local_shape(self.topology.rank), dtype=layout.dtype)
 
     def take(self, grad: torch.Tensor, key: int) -> torch.Tensor:
-        """``grad`` plus ``key``'s unsynced buffer, in ``reduce_dtype`` (a new tensor); forgets the buffer."""
+        """``grad`` plus ``key``'s unsynced buffer, in ``reduce_dtype`` (a new tensor), forgetting
+        the buffer, where this backward accumulates into the ``.grad`` of each of ``key``'s
+        parameters. Otherwise (``backward(inputs=...)`` leaving one out, ``torch.autograd.grad``)
+        the buffer is kept for the leftovers' reduction into ``.grad`` after the backward: added to
+        a gradient that autograd drops or hands back, the held micro-batches would be lost from
+        ``.grad``, or added to what ``autograd.grad`` returns."""
         out = grad.to(self.layouts[key].reduce_dtype, copy=True, memory_format=torch.contiguous_format)
-        held = self.unsynced.pop(key, None)
+        held = self.unsynced.pop(key, None) if key in self.unsynced and self._accumulated_here(key) else None
         return out if held is None else out.add_(held)
+
+    def _accumulated_here(self, key: int) -> bool:
+        """Inside a backward: whether it runs the ``AccumulateGrad`` of every parameter of ``key``
+        (not so under ``backward(inputs=...)`` leaving one out, nor under ``torch.autograd.grad``,
+        which hands gradients back instead)."""
+        for node in self.flushing_into.get(key, ()):
+            try:
+                if not torch._C._will_engine_execute_node(node):
+                    return False
+            except RuntimeError:  # autograd.grad(): PyTorch refuses the question for leaves, never accumulated
+                return False
+        return True
 
     def flush_leftovers_after_backward(self, outputs: Any, grad_mode: str) -> None:
         """After a flushing forward (``grad_mode`` ``"flush"``: sync back on while unsynced
@@ -92,11 +117,13 @@ class GradientBuffers:
             return
         tensors = [t for t in torch.utils._pytree.tree_leaves(outputs)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
+        self.flushing_into = {key: self.grad_accumulators(key) for key in self.unsynced}
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grads: torch.autograd.Variable._execution_engine.queue_callback(
                     self._reduce_leftovers), mode="any")
 
     def _reduce_leftovers(self) -> None:
+        self.flushing_into = {}
         for key in sorted(self.unsynced):
             self.reduce_leftover(self.unsynced.pop(key), key)

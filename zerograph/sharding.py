@@ -272,7 +272,7 @@ def _forward_inside_model_only(cls: type[nn.Module], fqn: str) -> Callable[..., 
                 "part as its own model instead)")
         return base(self, *args, **kwargs)
 
-    return forward
+    return own_code(forward, f"forward of {fqn}")
 
 
 def sharded_parameter(model: nn.Module) -> str | None:
@@ -396,15 +396,21 @@ def traceable_forward(cls: type) -> Callable:
     return own_code(forward_of_skipped_file)
 
 
-def own_code(fn: Callable) -> Callable:
-    """``fn`` with a code object of its own. Dynamo caches compiled graphs per code object, at most
-    ``torch._dynamo.config.recompile_limit`` (8) of them: with the class's own ``forward``, the
-    ninth model of one class compiled in a process would silently run eagerly (no graph, no passes,
-    on that rank only, if ranks compiled different numbers of models). A copy per model gives each
-    its own cache."""
+def own_code(fn: Callable, name: str | None = None) -> Callable:
+    """``fn`` with a code object of its own, named ``name`` where given. Dynamo caches compiled
+    graphs per code object, at most ``torch._dynamo.config.recompile_limit`` (8) of them, and past
+    that runs the frame eagerly, silently. With the class's own ``forward``, the ninth model of one
+    class compiled in a process would run eagerly (no graph, no passes, on that rank only, if ranks
+    compiled different numbers of models): a copy per model gives each its own cache. A module's
+    forward met as a frame of its own (called from eager code, after a graph break in its parent's
+    loop) is named after the module (``sharding``, ``templates``): on a code shared by every module,
+    their graphs filled one cache, and the point where it overflowed differed by rank where shards
+    are uneven (a module of fewer rows than ranks), so collectives went out of step (gloo aborts).
+    The name also gives each its own automatic-dynamic shape history (kept per name: ``forget_shape_history``)."""
     if not isinstance(fn, types.FunctionType):
         return fn
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    code = fn.__code__.replace() if name is None else fn.__code__.replace(co_name=name, co_qualname=name)
+    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
     copy.__dict__.update(fn.__dict__)
     return copy

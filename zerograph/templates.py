@@ -265,10 +265,10 @@ def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[
             reasons = [flat.flattenable(index, module) for k, index, _, module in members if k is kind]
             kind.flat_reason = next((r for r in reasons if r is not None), None)
             kind.retire = flat.retire
-    # a code object per model, as for the model's forward (sharding.own_code): a graph break in a
-    # unit makes Dynamo compile this function as a frame of its own, at most 8 times per code object
-    forward = own_code(_templated_forward)
     for kind, index, name, module in members:
+        # a code object per unit (sharding.own_code): a unit called from eager code (after a graph
+        # break in its parent's loop) is a frame of its own, compiled at most 8 times per code object
+        forward = own_code(_templated_forward, f"forward of {name}")
         param_slots, buffer_slots = _slots(module)
         keys = tuple(key_of[id(mod._parameters[name])] for mod, name in param_slots)
         flat_shard = None
@@ -396,7 +396,7 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # the shards straight from their slots, not through the parameter properties: the same
     # markers, for less of Dynamo's time per parameter
     if flat is not None:  # one marker for the unit: the template cuts the parameters out of its output
-        primals = [*args, full_parameter(flat.param, flat.layout.key)]
+        primals = [*args, full_parameter(flat.input, flat.layout.key)]
     else:
         primals = [*args, *[full_parameter(mod._parameters[name], key) for (mod, name), key in zip(param_slots, keys)]]
     for mod, name in buffer_slots:

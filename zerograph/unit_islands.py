@@ -63,7 +63,7 @@ def run_island(unit: nn.Module, args: tuple, kwargs: dict) -> Any:
     shards = [mod._parameters[name] for mod, name in param_slots]
     mode = _sharding._grad_mode if torch.is_grad_enabled() else GRAD_SYNC
     if flat is not None:
-        fulls = flat.unflatten(_GatheredOnEntry.apply((flat.layout.key,), mode, flat.param)[0])
+        fulls = flat.unflatten(_GatheredOnEntry.apply((flat.layout.key,), mode, flat.input)[0])
     else:
         locals_ = [shard.to_local() if isinstance(shard, DTensor) else shard for shard in shards]
         fulls = list(_GatheredOnEntry.apply(keys, mode, *locals_))
