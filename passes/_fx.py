@@ -83,7 +83,7 @@ def splice(graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], *, 
             traced = _retraced(recipe, vals, fake_mode)
         else:
             with fake_mode:
-                traced = make_fx(fn, pre_dispatch=False)(*vals).graph
+                traced = make_fx(fn, pre_dispatch=False)(*_distinct(vals)).graph
             if cache_key is not None:
                 _RECIPES[cache_key] = _without_values(traced)
                 if len(_RECIPES) > TEMPLATE_LIMIT:
@@ -107,6 +107,22 @@ def splice(graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], *, 
                 new.meta[TAG] = dict(tag)
             env[node] = new
     return result
+
+
+def _distinct(vals: list[Any]) -> list[Any]:
+    """``vals`` with each tensor passed again replaced by a fresh fake tensor of its metadata.
+    ``make_fx`` binds a tensor to the last placeholder it came in as, so one object passed twice
+    (the nodes of one template's copies share their fake values) would trace both arguments as one
+    input: a bucket of two summed gradients reduced the first sum twice, and the cached graph did
+    so for every later bucket of its key."""
+    seen: set[int] = set()
+    out = []
+    for val in vals:
+        if isinstance(val, torch.Tensor) and id(val) in seen:
+            val = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+        seen.add(id(val))
+        out.append(val)
+    return out
 
 
 # The traced graphs of every splice template, without their fake values (which would keep their

@@ -311,11 +311,11 @@ NAMED = ("blocks.0.fc1.weight", "blocks.1.unused.bias", "branchy.0.fc2.weight", 
 
 
 def _no_sync_step(model, x, opt, i, compiled, record):
-    """Two micro-batches: the first accumulated without a collective, the second synced, its
-    backward reaching only the ``NAMED`` parameters at step 0 (``inputs=``; the others keep the
-    first's gradient). And ``torch.autograd.grad`` of the ``NAMED`` parameters (``None`` for the
-    unused ones): before the micro-batches at step 0, between them at step 1 (what the first
-    holds back stays out of what it returns, and reaches ``.grad`` all the same)."""
+    """Two micro-batches, the first accumulated without a collective, the second synced, with
+    ``torch.autograd.grad`` of the ``NAMED`` parameters (``None`` for the unused ones) and a
+    backward reaching only them (``inputs=``; the others keep what they had): step 0 takes the
+    gradients before the micro-batches and names them in the synced backward; step 1 names them
+    in the unsynced backward and takes the gradients inside ``no_sync``."""
     if not compiled and dist.is_initialized():  # the global micro-batches are the ranks' halves
         world = dist.get_world_size()
         x = x.view(world, 2, -1, x.shape[-1]).transpose(0, 1).reshape(-1, x.shape[-1])
@@ -329,9 +329,9 @@ def _no_sync_step(model, x, opt, i, compiled, record):
     if i == 0:
         grad_of_named()
     with model.no_sync() if compiled else contextlib.nullcontext():
-        model(first).mul(0.5).backward()
-    if i == 1:
-        grad_of_named()
+        model(first).mul(0.5).backward(inputs=named if i == 1 else None)
+        if i == 1:
+            grad_of_named()
     loss = model(second).mul(0.5)
     loss.backward(inputs=named if i == 0 else None)
     return loss

@@ -140,7 +140,7 @@ def _shard(model: nn.Module, stage: int, config: Config, placement: Placement,
     runtime = Runtime(placement.group, stage, layouts, unit_objs, timeout_s=config.timeout_s, device=placement.device,
                       replicate_group=placement.replicate_group, world_group=placement.world_group,
                       secondary_group=placement.node_group)
-    runtime.shards = {layout.key: model.get_parameter(layout.fqn) for layout in layouts}
+    runtime.shards.update({layout.key: model.get_parameter(layout.fqn) for layout in layouts})
     runtime.eager.gather_quantization = config.gather_quantization  # graph breaks' eager gathers quantize too
     runtime.eager.reduce_quantization = config.reduce_quantization  # and their reductions
     return runtime, fresh

@@ -69,6 +69,7 @@ def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     try:
         for flat in flats:  # each unit's graph input, an autograd function of its shards
             flat.open_forward()
+        state.runtime.prepare_backward(mode)
         args, kwargs = _cast_inputs(state.config.mixed_precision, args, kwargs)
         out = _run_falling_back(state, self, args, kwargs)
         state.runtime.flush_leftovers_after_backward(out, mode)

@@ -174,6 +174,15 @@ class FlatShard:
             for index, local in self._local_grads(flat_grad):
                 accumulate_grad(self.shards[index], local)
 
+    def zero_parts_(self, full: torch.Tensor, keep: Sequence[bool]) -> None:
+        """Zero, in place, the parts of parameters ``keep`` says no of in ``full``, the unit's full
+        flat gradient (all ranks' flat shards, ``(N * T,)``)."""
+        n, total = self.layout.padded_numel // self.layout.chunk_rows, self.layout.chunk_rows
+        columns = full.view(n, total)
+        for index, (layout, offset) in enumerate(zip(self.layouts, self.offsets)):
+            if not keep[index]:
+                columns[:, offset : offset + layout.shard_numel].zero_()
+
     def _local_grads(self, flat_grad: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """``(index, view)`` of each parameter outside ``no_grad``: its part of ``flat_grad`` in
         the shard's local shape."""

@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import Node
+from torch.distributed.tensor import DTensor
 
 from .accounting import StepAccounting
+from .flat import FlatShard
 from .sharding import ParamLayout
 from .topology import Topology
 from .vocab import GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC
@@ -35,21 +37,26 @@ class GradientBuffers:
         unsynced: key -> full gradient summed while unsynced, in ``reduce_dtype``.
         reduce_leftover: ``(full gradient, key) -> None``: reduce one held gradient into its
             shard's ``.grad`` (set by the runtime, which knows the shards).
-        grad_accumulators: ``key -> nodes``: the ``AccumulateGrad`` nodes of ``key``'s parameters
-            (set by the runtime).
+        reduce_now: ``(full gradient, key) -> shard gradient``: reduce one gradient at once, as a
+            synced backward does (set by the runtime).
+        shards, flat_shards: the runtime's parameter of each key and flat shard of each unit's
+            key, read to find the parameters a key's gradient goes to.
     """
 
     def __init__(self, layouts: Mapping[int, ParamLayout], topology: Topology, accounting: StepAccounting,
                  reduce_leftover: Callable[[torch.Tensor, int], None],
-                 grad_accumulators: Callable[[int], tuple[Node, ...]]):
+                 reduce_now: Callable[[torch.Tensor, int], torch.Tensor],
+                 shards: Mapping[int, torch.Tensor], flat_shards: Mapping[int, FlatShard]):
         self.layouts = layouts  # every key a marker may carry (the runtime's marker_layouts)
         self.topology = topology
         self.accounting = accounting
         self.reduce_leftover = reduce_leftover
-        self.grad_accumulators = grad_accumulators
-        # while a flushing forward's backward is ahead: each held key's AccumulateGrad nodes, found
-        # at the forward (a custom op's body, where take runs, records no autograd to find them by)
-        self.flushing_into: dict[int, tuple[Node, ...]] = {}
+        self.reduce_now = reduce_now
+        self.shards = shards
+        self.flat_shards = flat_shards
+        # each key's parameters' AccumulateGrad nodes (found at a forward: the custom ops' bodies, where
+        # accumulate and take run, record no autograd to find them by); held, so autograd reuses them
+        self.accumulators: dict[int, tuple[Node, ...]] = {}
         self.requires_gradient_sync = True
         self.unsynced: dict[int, torch.Tensor] = {}
 
@@ -68,15 +75,25 @@ class GradientBuffers:
     def accumulate(self, grad: torch.Tensor, key: int) -> torch.Tensor:
         """Add a full gradient to ``key``'s unsynced buffer, in ``reduce_dtype`` (FSDP2 also
         accumulates unsharded gradients in the reduce dtype). No collective. Returns zeros of the
-        local shard shape in the parameter's dtype: the shard's gradient for this micro-batch."""
+        local shard shape in the parameter's dtype: the shard's gradient for this micro-batch.
+        Only the parts of parameters this backward accumulates into are held (not those
+        ``backward(inputs=...)`` leaves out); under ``torch.autograd.grad``, which hands the
+        gradient back instead, nothing is held and the gradient is reduced at once and returned."""
         layout = self.layouts[key]
         self.accounting.backward_ran = True
-        held = self.unsynced.get(key)
-        if held is None:
+        runs = self._accumulates(key)
+        if runs is None:
+            return self.reduce_now(grad, key)
+        if any(runs):
             # a contiguous copy of our own: the graph may reuse grad's storage
-            self.unsynced[key] = grad.to(layout.reduce_dtype, copy=True, memory_format=torch.contiguous_format)
-        else:
-            held.add_(grad)
+            kept = grad.to(layout.reduce_dtype, copy=True, memory_format=torch.contiguous_format)
+            if not all(runs):  # a unit's flat gradient, some of its parameters left out
+                self.flat_shards[key].zero_parts_(kept, runs)
+            held = self.unsynced.get(key)
+            if held is None:
+                self.unsynced[key] = kept
+            else:
+                held.add_(kept)
         return grad.new_zeros(layout.local_shape(self.topology.rank), dtype=layout.dtype)
 
     def take(self, grad: torch.Tensor, key: int) -> torch.Tensor:
@@ -87,20 +104,35 @@ class GradientBuffers:
         a gradient that autograd drops or hands back, the held micro-batches would be lost from
         ``.grad``, or added to what ``autograd.grad`` returns."""
         out = grad.to(self.layouts[key].reduce_dtype, copy=True, memory_format=torch.contiguous_format)
-        held = self.unsynced.pop(key, None) if key in self.unsynced and self._accumulated_here(key) else None
+        runs = self._accumulates(key) if key in self.unsynced else None
+        held = self.unsynced.pop(key) if runs is not None and all(runs) else None
         return out if held is None else out.add_(held)
 
-    def _accumulated_here(self, key: int) -> bool:
-        """Inside a backward: whether it runs the ``AccumulateGrad`` of every parameter of ``key``
-        (not so under ``backward(inputs=...)`` leaving one out, nor under ``torch.autograd.grad``,
-        which hands gradients back instead)."""
-        for node in self.flushing_into.get(key, ()):
-            try:
-                if not torch._C._will_engine_execute_node(node):
-                    return False
-            except RuntimeError:  # autograd.grad(): PyTorch refuses the question for leaves, never accumulated
-                return False
-        return True
+    def prepare_backward(self, grad_mode: str) -> None:
+        """Before a forward whose backward may hold (``"accumulate"``) or take (``"flush"``)
+        gradients, with grad enabled: find the ``AccumulateGrad`` nodes of the keys it may meet."""
+        if grad_mode == GRAD_SYNC or not torch.is_grad_enabled():
+            return
+        for key in tuple(self.layouts if grad_mode == GRAD_ACCUMULATE else self.unsynced):
+            if key in self.accumulators:
+                continue
+            if key in self.flat_shards:
+                params = self.flat_shards[key].shards
+            elif key in self.shards:
+                params = (self.shards[key],)
+            else:  # a flat shard its unit left (its parameters' own keys stand for them now)
+                continue
+            self.accumulators[key] = tuple(_grad_accumulator(param) for param in params)
+
+    def _accumulates(self, key: int) -> tuple[bool, ...] | None:
+        """Inside a backward, per parameter of ``key``: whether it runs its ``AccumulateGrad``
+        (not so for those ``backward(inputs=...)`` leaves out); ``None`` under
+        ``torch.autograd.grad``, which accumulates into none. A key without nodes: all true."""
+        nodes = self.accumulators.get(key, ())
+        try:
+            return tuple(torch._C._will_engine_execute_node(node) for node in nodes) or (True,)
+        except RuntimeError:  # autograd.grad(): PyTorch refuses the question for leaves, never accumulated
+            return None
 
     def flush_leftovers_after_backward(self, outputs: Any, grad_mode: str) -> None:
         """After a flushing forward (``grad_mode`` ``"flush"``: sync back on while unsynced
@@ -117,13 +149,19 @@ class GradientBuffers:
             return
         tensors = [t for t in torch.utils._pytree.tree_leaves(outputs)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
-        self.flushing_into = {key: self.grad_accumulators(key) for key in self.unsynced}
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grads: torch.autograd.Variable._execution_engine.queue_callback(
                     self._reduce_leftovers), mode="any")
 
     def _reduce_leftovers(self) -> None:
-        self.flushing_into = {}
         for key in sorted(self.unsynced):
             self.reduce_leftover(self.unsynced.pop(key), key)
+
+
+def _grad_accumulator(param: torch.Tensor) -> Node:
+    """A leaf's ``AccumulateGrad`` node: the next edge of any differentiable op on it, ``to_local()``
+    for a ``DTensor`` (``get_gradient_edge``'s ``view_as`` runs DTensor's view, which fails for
+    uneven shards on some ranks only). Called with grad enabled."""
+    alias = param.to_local() if isinstance(param, DTensor) else param.view_as(param)
+    return alias.grad_fn.next_functions[0][0]

@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.graph import Node
-from torch.distributed.tensor import DTensor
 
 from . import registry
 from .accounting import CommCounter, StepAccounting
@@ -77,7 +75,8 @@ class Runtime:
         self.accounting = StepAccounting()
         self.schedule_check = ScheduleCheck(self.topology, units, timeout_s, self.device)
         self.gradients = GradientBuffers(self.marker_layouts, self.topology, self.accounting, self._reduce_leftover,
-                                         self._grad_accumulators)
+                                         lambda grad, key: self.eager.reduce_grad(grad, key, GRAD_SYNC),
+                                         self.shards, self.flat_shards)
         self.eager = EagerCollectives(self.marker_layouts, self.topology, self.accounting, self.gradients,
                                       self.device)
         self.buffer_pool = BufferPool()  # the comm buffers ``buffer_reuse`` assigns graphs to
@@ -108,6 +107,7 @@ class Runtime:
     grad_mode = _part("gradients", "grad_mode")
     unsynced_bytes = _part("gradients", "unsynced_bytes")
     flush_leftovers_after_backward = _part("gradients", "flush_leftovers_after_backward")
+    prepare_backward = _part("gradients", "prepare_backward")
 
     def start_forward(self) -> None:
         """A forward after a finished backward opens a new step (on a live process group)."""
@@ -131,18 +131,6 @@ class Runtime:
             self.marker_layouts[flat.layout.key] = flat.layout
             self.flat_shards[flat.layout.key] = flat
         registry.register([flat.layout for flat in flat_shards], self)
-
-    def _grad_accumulators(self, key: int) -> tuple[Node, ...]:
-        """The ``AccumulateGrad`` nodes of the parameters marker key ``key`` stands for: its
-        parameter, or the shards of its unit's flat shard. Called with grad enabled."""
-        params = self.flat_shards[key].shards if key in self.flat_shards else (self.shards[key],)
-        nodes = []
-        for param in params:
-            # the leaf's AccumulateGrad is the next edge of any differentiable op on it: to_local() for
-            # a DTensor (get_gradient_edge's view_as runs DTensor's view, wrong for uneven shards)
-            alias = param.to_local() if isinstance(param, DTensor) else param.view_as(param)
-            nodes.append(alias.grad_fn.next_functions[0][0])
-        return tuple(nodes)
 
     def _reduce_leftover(self, grad: torch.Tensor, key: int) -> None:
         """Reduce one gradient held while unsynced into its shard's ``.grad`` (``GradientBuffers``)."""

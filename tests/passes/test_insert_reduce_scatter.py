@@ -123,3 +123,28 @@ def test_mixed_precision_reduces_in_reduce_dtype():
     assert collective.args[0].meta["val"].dtype == torch.bfloat16  # reduce_dtype defaults to param_dtype
     (out,) = gm.graph.output_node().args[0]
     assert out.meta["val"].dtype == torch.float32  # .grad in the master shard's dtype
+
+
+def test_a_bucket_of_twice_used_parameters_reduces_each_ones_own_sum():
+    """Two parameters of one shape, each read twice (a block called twice): each key's two
+    gradients are summed (one spliced template, whose copies share a fake value) and the bucket's
+    copy-in packs each key's own sum. It once packed the first sum twice (``splice`` traced the
+    two shared values as one input), and every later bucket of that template did too."""
+    b = GraphBuilder([[(4, 4), (4, 4)]], stage=0)
+    act = b.input("act", 4, 4)
+    first_key, second_key = b.keys_of(1)
+    grads = {key: [b.op(aten.mm.default, act, b.input(f"g{key}_{i}", 4, 4)) for i in range(2)]
+             for key in (first_key, second_key)}
+    outs = [b.reduce_grad(grad, key) for key in (first_key, second_key) for grad in grads[key]]
+    gm = b.output(*outs)
+    ctx = b.ctx("backward", stage=0)
+    bucketing(gm, ctx)
+    insert_reduce_scatter(gm, ctx)
+    (pack,) = gm.graph.find_nodes(op="call_function", target=PACK_SHARDS)
+
+    def summed(node):  # the gradients a packed input sums: the mm nodes behind its views and adds
+        if node.target is aten.mm.default:
+            return {node}
+        return set().union(*(summed(n) for n in node.all_input_nodes))
+
+    assert [summed(part) for part in pack.args[0]] == [set(grads[first_key]), set(grads[second_key])]
