@@ -79,6 +79,38 @@ def _blocks(n: int = 3) -> nn.Sequential:
 
 
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_parameters_of_flat_units_stay_autograds_leaves() -> None:
+    """A flat unit's parameters are autograd's leaves (``flat.ShardsAsFlat``): ``backward(inputs=...)``
+    reaches only the named ones and ``autograd.grad`` returns theirs, with eager's numbers (``None``
+    where eager's is); a full backward gives each unit's parameters views of one flat gradient; one
+    graph serves every call. World of one."""
+    reference = _gpt(2)
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    assert len(runtime_of_model(model).flat_shards) == 2
+    ours, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
+    named = [name for name in theirs if name.startswith(("blocks.1.attn", "blocks.0.mlp", "wte"))]
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        model(idx, idx).backward(inputs=[ours[name] for name in named])
+        reference(idx, idx).backward(inputs=[theirs[name] for name in named])
+        for name, expected in theirs.items():
+            assert (ours[name].grad is None) == (expected.grad is None), name
+            if expected.grad is not None:
+                torch.testing.assert_close(ours[name].grad.full_tensor(), expected.grad, rtol=1e-5, atol=1e-6)
+        got = torch.autograd.grad(model(idx, idx), [ours[name] for name in named])
+        want = torch.autograd.grad(reference(idx, idx), [theirs[name] for name in named])
+        for name, grad, expected in zip(named, got, want):
+            torch.testing.assert_close(grad.full_tensor(), expected, rtol=1e-5, atol=1e-6, msg=name)
+    model.zero_grad(set_to_none=True)
+    model(idx, idx).backward()
+    for flat in runtime_of_model(model).flat_shards.values():
+        assert len({shard.grad.to_local().untyped_storage().data_ptr() for shard in flat.shards}) == 1
+    assert len(graphs_of(model)) == 1
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_accumulation_optimizer_and_checkpoint_match_eager() -> None:
     """World size 1: three AdamW steps of two micro-batches each (the second with sync off and
     on, as with DDP's ``no_sync``), ``zero_grad(set_to_none=True)`` between them, equal eager's;
