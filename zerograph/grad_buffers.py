@@ -111,6 +111,8 @@ class GradientBuffers:
     def prepare_backward(self, grad_mode: str) -> None:
         """Before a forward whose backward may hold (``"accumulate"``) or take (``"flush"``)
         gradients, with grad enabled: find the ``AccumulateGrad`` nodes of the keys it may meet."""
+        if self.unsynced:
+            self._forget_cleared()
         if grad_mode == GRAD_SYNC or not torch.is_grad_enabled():
             return
         for key in tuple(self.layouts if grad_mode == GRAD_ACCUMULATE else self.unsynced):
@@ -123,6 +125,19 @@ class GradientBuffers:
             else:  # a flat shard its unit left (its parameters' own keys stand for them now)
                 continue
             self.accumulators[key] = tuple(_grad_accumulator(param) for param in params)
+
+    def _forget_cleared(self) -> None:
+        """Before a forward: drop the held gradients whose parameters' ``.grad`` were set to ``None``
+        since (``zero_grad()``, whose default is ``set_to_none=True``): an unsynced backward gave each
+        of them a ``.grad`` (zeros), so ``None`` means the caller discarded that micro-batch, as
+        eager's ``zero_grad`` discards it; for a unit's flat gradient, the cleared parameters' parts."""
+        for key in tuple(self.unsynced):
+            params = self.flat_shards[key].shards if key in self.flat_shards else (self.shards.get(key),)
+            kept = tuple(param is not None and param.grad is not None for param in params)
+            if not any(kept):
+                del self.unsynced[key]
+            elif not all(kept):
+                self.flat_shards[key].zero_parts_(self.unsynced[key], kept)
 
     def _accumulates(self, key: int) -> tuple[bool, ...] | None:
         """Inside a backward, per parameter of ``key``: whether it runs its ``AccumulateGrad``
