@@ -109,22 +109,24 @@ class GradientBuffers:
         return out if held is None else out.add_(held)
 
     def prepare_backward(self, grad_mode: str) -> None:
-        """Before a forward whose backward may hold (``"accumulate"``) or take (``"flush"``)
-        gradients, with grad enabled: find the ``AccumulateGrad`` nodes of the keys it may meet."""
+        """Before every forward: forget the held gradients the caller cleared (``_forget_cleared``);
+        then, for a backward that may hold (``"accumulate"``) or take (``"flush"``) gradients, with
+        grad enabled, find the ``AccumulateGrad`` nodes of the keys it may meet."""
         if self.unsynced:
             self._forget_cleared()
         if grad_mode == GRAD_SYNC or not torch.is_grad_enabled():
             return
         for key in tuple(self.layouts if grad_mode == GRAD_ACCUMULATE else self.unsynced):
-            if key in self.accumulators:
-                continue
-            if key in self.flat_shards:
-                params = self.flat_shards[key].shards
-            elif key in self.shards:
-                params = (self.shards[key],)
-            else:  # a flat shard its unit left (its parameters' own keys stand for them now)
-                continue
-            self.accumulators[key] = tuple(_grad_accumulator(param) for param in params)
+            params = self._params_of(key)
+            if key not in self.accumulators and params is not None:
+                self.accumulators[key] = tuple(_grad_accumulator(param) for param in params)
+
+    def _params_of(self, key: int) -> tuple[torch.Tensor, ...] | None:
+        """The parameters ``key``'s gradient goes to: its unit's flat shard's, or its own; ``None``
+        for a flat shard its unit left (its parameters' own keys stand for them now)."""
+        if key in self.flat_shards:
+            return self.flat_shards[key].shards
+        return (self.shards[key],) if key in self.shards else None
 
     def _forget_cleared(self) -> None:
         """Before a forward: drop the held gradients whose parameters' ``.grad`` were set to ``None``
@@ -132,8 +134,7 @@ class GradientBuffers:
         of them a ``.grad`` (zeros), so ``None`` means the caller discarded that micro-batch, as
         eager's ``zero_grad`` discards it; for a unit's flat gradient, the cleared parameters' parts."""
         for key in tuple(self.unsynced):
-            params = self.flat_shards[key].shards if key in self.flat_shards else (self.shards.get(key),)
-            kept = tuple(param is not None and param.grad is not None for param in params)
+            kept = tuple(param.grad is not None for param in self._params_of(key) or ())
             if not any(kept):
                 del self.unsynced[key]
             elif not all(kept):
