@@ -65,8 +65,8 @@ def _through_aliases(node: fx.Node) -> fx.Node:
 def call_of_token(token: fx.Node) -> fx.Node:
     """The ``unit_call`` node whose token ``token`` is (through aliases and the ``getitem``)."""
     token = _through_aliases(token)
-    assert token.target is operator.getitem and token.args[0].target is UNIT_CALL and token.args[1] == 1, \
-        f"{token.name} is not a unit_call's token"
+    assert (token.target is operator.getitem and token.args[0].target is UNIT_CALL
+            and token.args[1] == len(token.args[0].meta["val"]) - 1), f"{token.name} is not a unit_call's token"
     return token.args[0]
 
 
@@ -75,7 +75,7 @@ def _unit_forward(graph: fx.Graph, call: fx.Node, template: Any, args: tuple | N
     in its place (``call``'s token becomes an empty tensor nothing reads once the backward is
     expanded). Returns its saved activations (``getitem`` nodes; those no one reads are left to
     dead-code elimination)."""
-    args = call.args if args is None else args
+    args = _call_args(call) if args is None else args
     values = _empty_like_meta(args[3][0].meta["val"], template.output_metas)
     with graph.inserting_before(call):
         forward = graph.call_function(UNIT_FORWARD, args)
@@ -87,9 +87,9 @@ def _unit_forward(graph: fx.Graph, call: fx.Node, template: Any, args: tuple | N
             item.meta["val"] = value
             items.append(item)
         if call.target is UNIT_CALL:
-            for user in list(call.users):  # getitem 0: the output; getitem 1: the token
-                if user.args[1] == 0:
-                    user.replace_all_uses_with(items[0])
+            for user in list(call.users):  # getitem i < n_outputs: an output; getitem n_outputs: the token
+                if user.args[1] < template.n_outputs:
+                    user.replace_all_uses_with(items[user.args[1]])
                 else:
                     token = graph.call_function(torch.ops.aten.new_empty.default, (items[0], [0]))
                     token.meta["val"] = user.meta["val"]
@@ -101,11 +101,11 @@ def _unit_forward(graph: fx.Graph, call: fx.Node, template: Any, args: tuple | N
 
 def _unit_backward(graph: fx.Graph, call: fx.Node, template: Any, saved: list[fx.Node]) -> None:
     """``unit_backward`` of ``template`` in place of ``call`` (a ``unit_call_backward``), reading ``saved``."""
-    template_id, primals, _, tangent = call.args
+    template_id, primals, _, tangents = call.args
     if call.meta.get(RECOMPUTED):  # it was given every primal: the template's backward reads some
         primals = [primals[i] for i in template.saved_primals]
     with graph.inserting_before(call):
-        backward = graph.call_function(UNIT_BACKWARD, (template_id, primals, saved, [tangent]))
+        backward = graph.call_function(UNIT_BACKWARD, (template_id, primals, saved, tangents))
     backward.meta.update(call.meta)
     call.replace_all_uses_with(backward)
     graph.erase_node(call)
@@ -114,17 +114,24 @@ def _unit_backward(graph: fx.Graph, call: fx.Node, template: Any, saved: list[fx
 def template_of(call: fx.Node) -> Any:
     """The ``unit_trace.UnitTemplate`` a ``unit_call`` node calls (traced already: the node's fake
     implementation looked it up in the registry)."""
-    kind, mode, arg_grads, primals = call.args[:4]
-    return registry.unit_template(kind, mode, arg_grads, [p.meta["val"] for p in primals])
+    kind, mode, arg_grads, primals, call_structure = _call_args(call)
+    return registry.unit_template(kind, mode, arg_grads, [p.meta["val"] for p in primals], call_structure)
+
+
+def _call_args(call: fx.Node) -> tuple:
+    """A ``unit_call`` node's ``(kind, mode, arg_grads, primals, call)``, however the trace passed them."""
+    return (*call.args, *[call.kwargs[name] for name in ("kind", "mode", "arg_grads", "primals", "call")
+                          [len(call.args):]])
 
 
 def expand_forwards(graph: fx.Graph) -> dict[fx.Node, tuple[tuple, Any, list[fx.Node]]]:
-    """Expand every ``unit_call`` of ``graph``: the call (erased) -> (its arguments' scalars, its
-    template, its saved activations there)."""
+    """Expand every ``unit_call`` of ``graph``: the call (erased) -> (its arguments but the
+    primals, its template, its saved activations there)."""
     expanded = {}
     for call in [n for n in graph.nodes if n.target is UNIT_CALL]:
         template = template_of(call)
-        expanded[call] = (call.args[:3], template, _unit_forward(graph, call, template))
+        kind, mode, arg_grads, _, call_structure = _call_args(call)
+        expanded[call] = ((kind, mode, arg_grads, call_structure), template, _unit_forward(graph, call, template))
     return expanded
 
 
@@ -150,8 +157,8 @@ def expand_unit_calls(pair: PartitionedGraphs, ctx: PassContext) -> PassResult:
     saved_of = {forward: saved for forward, (_, _, saved) in in_backward.items()}
     for call in backward_calls:  # a checkpointed unit: its forward again, from the primals it was given
         if call.meta.get(RECOMPUTED) and call_of[call] not in saved_of:
-            scalars, template, _ = in_forward[call_of[call]]
-            saved_of[call] = _unit_forward(bwd.graph, call, template, (*scalars, call.args[1]))
+            (kind, mode, arg_grads, call_structure), template, _ = in_forward[call_of[call]]
+            saved_of[call] = _unit_forward(bwd.graph, call, template, (kind, mode, arg_grads, call.args[1], call_structure))
     handed = list(dict.fromkeys(call_of[c] for c in backward_calls if c not in saved_of and call_of[c] not in saved_of))
     # the activations handed over: first among the saved tensors, in one order on both sides
     inputs = iter(save_for_backward(fwd, bwd, num_fwd_outputs, [v for f in handed for v in in_forward[f][2]]))

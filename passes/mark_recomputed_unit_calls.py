@@ -28,8 +28,8 @@ def mark_recomputed_unit_calls(gm: fx.GraphModule, ctx: PassContext) -> PassResu
         if node.target is UNIT_CALL_BACKWARD:
             call = call_of_token(node.args[2])
             if call.meta.get("recompute") in RECOMPUTE_POLICIES:
-                template_id, _, token, tangent = node.args
-                node.args = (template_id, list(call.args[3]), token, tangent)
+                template_id, _, token, tangents = node.args
+                node.args = (template_id, list(call.args[3]), token, tangents)
                 node.meta[RECOMPUTED] = True
                 marked += 1
     return PassResult(gm, bool(marked), {"recomputed_unit_calls": marked})

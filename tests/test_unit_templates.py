@@ -653,7 +653,7 @@ def test_train_and_eval_get_templates_of_their_own() -> None:
     # train and eval, each for an input without and with a gradient (unit 0's input needs none;
     # unit 1 back in train, under no_grad, reuses unit 0's train template)
     assert len(state_of(model).captured.templates) == 4
-    keys = [(mode, arg_grads) for _, mode, arg_grads in state_of(model).unit_kinds[0].templates]
+    keys = [(key.mode, key.arg_grads) for key in state_of(model).unit_kinds[0].templates]
     assert len({mode for mode, _ in keys}) == 2 and sorted(arg_grads for _, arg_grads in keys) == [0, 0, 1, 1]
 
 

@@ -323,7 +323,7 @@ def test_a_kind_falls_back_in_training_only_and_keeps_its_eval_template() -> Non
     (kind,) = state_of(model).unit_kinds
     train_mode = (1 << len(list(_NormedUnit().modules()))) - 1
     assert list(kind.inline_modes) == [train_mode] and "in place" in kind.inline_modes[train_mode]
-    assert [key[1:] for key in kind.templates] == [(0, 0)]  # the eval template, input without gradient
+    assert [(key.mode, key.arg_grads) for key in kind.templates] == [(0, 0)]  # the eval template, input without gradient
     graph_kinds = [sorted(k for k in record if k != "dynamo") for record in graphs_of(model)]
     assert graph_kinds == [["inference"], ["backward", "forward", "joint", "partitioned"]]
 

@@ -157,6 +157,8 @@ def _install_templates(runtime: Runtime, config: Config, units: list[tuple[str, 
     unit_kinds = install_unit_templates(units, key_of, config.resolved_lowering(runtime.device), captured.templates,
                                         _flat_plan(runtime, config, units, key_of))
     runtime.add_flat_shards([flat for kind in unit_kinds for flat in kind.flat_shards])
+    for kind in unit_kinds:
+        kind.strict = config.strict_templates
     return unit_kinds
 
 

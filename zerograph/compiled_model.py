@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
+from torch._dynamo.exc import BackendCompilerFailed, InternalTorchDynamoError, TorchRuntimeError
 from torch.utils._pytree import tree_map_only
 
 from . import loading
@@ -74,7 +74,7 @@ def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out = _run_falling_back(state, self, args, kwargs)
         state.runtime.flush_leftovers_after_backward(out, mode)
         return out
-    except (BackendCompilerFailed, TorchRuntimeError) as exc:
+    except (BackendCompilerFailed, TorchRuntimeError, InternalTorchDynamoError) as exc:
         # zerograph's own errors raised while Dynamo compiled (a changed requires_grad, a broken
         # pass, a unit template that cannot be traced) reach the user as themselves, not wrapped
         # in Dynamo's compiler or fake-tensor error

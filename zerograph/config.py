@@ -114,12 +114,18 @@ class Config:
             unit's all-gather, reduce-scatter, prefetch and release. At every stage (without hpZ or
             quantized collectives) each such unit's shards also live in one flat buffer, one graph
             input and one all-gather marker per unit (``zerograph.flat``), so compile time grows
-            much more slowly with depth (figures: docs/benchmarks.md, "Compile time"). Units called with keyword
-            or non-tensor arguments run inline. ``False``: the per-parameter build, every unit's
+            much more slowly with depth (figures: docs/benchmarks.md, "Compile time"). Calls take their
+            template with keyword arguments, constants and containers of tensors, under autocast;
+            where a unit cannot, it runs inline and says so (``strict_templates``). ``False``: the per-parameter build, every unit's
             body traced into the graph (one input and marker per parameter). ``None`` (default):
             ``True``, unless ``activation_budget_bytes`` is set (the activation plan moves a
             unit's activations op by op; a template is one op), then ``False``; the field holds
             the resolved value. ``True`` with ``activation_budget_bytes`` raises ``ConfigError``.
+        strict_templates: ``True`` makes every exit of a templated unit from the fast path (a
+            call it runs inline, a kind that falls back to inline or to islands, a trace with
+            dynamic shapes) raise ``TemplateFallbackError`` naming the kind and the reason, for
+            CI that must keep the fast path. ``False`` (default): each reason is logged once per
+            kind and counted (``zerograph.explain``: "Unit paths"; ``zerograph.stats``).
         inductor_islands: under the Inductor lowering with templated units, also lower the
             compute between the units' calls (the root's embedding, final norm and loss, their
             gradients, gradients' pre-divides) with Inductor, each distinct island once
@@ -148,6 +154,7 @@ class Config:
     gather_quantization: str | None = None
     reduce_quantization: str | None = None
     unit_templates: bool | None = None  # resolved by __post_init__: the field then holds a bool
+    strict_templates: bool = False
     secondary_partition_size: int | None = None
     inductor_islands: bool = False
 
@@ -170,7 +177,7 @@ class Config:
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 2):
             raise ConfigError(f"Config.secondary_partition_size must be None or the ranks of a node, at least 2, "
                               f"got {size!r}")
-        for field in ("unit_templates", "inductor_islands"):
+        for field in ("unit_templates", "inductor_islands", "strict_templates"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"Config.{field} must be True or False, got {getattr(self, field)!r}")
         if self.unit_templates and self.activations.budget_bytes is not None:

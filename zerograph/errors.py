@@ -57,6 +57,13 @@ class TemplateUnavailable(ZeroGraphError):
     reaches the user)."""
 
 
+class TemplateFallbackError(ZeroGraphError):
+    """Under ``Config(strict_templates=True)``: a unit left the template fast path (it would run
+    inline, or as an island); the message names the unit's kind and the reason. For CI that must
+    not lose the fast path without a word; the default logs each reason once per kind instead
+    (``zerograph.explain``, ``zerograph.stats``)."""
+
+
 class DynamicShapeTrace(TemplateUnavailable):
     """A unit template met a dynamic shape: the compiled forward traces the model again with every
     templated unit inline, for this trace only (``templates.every_unit_inline``)."""

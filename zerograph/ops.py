@@ -172,20 +172,22 @@ def _empty_like_meta(like: torch.Tensor, metas: Sequence[tuple]) -> list[torch.T
 
 
 @torch.library.custom_op("zerograph::unit_forward", mutates_args=())
-def unit_forward(kind: int, mode: int, arg_grads: int, primals: list[torch.Tensor]) -> list[torch.Tensor]:
+def unit_forward(kind: int, mode: int, arg_grads: int, primals: list[torch.Tensor], call: int) -> list[torch.Tensor]:
     """One unit's forward through its kind's template. ``mode``: the unit's submodules' training
     flags as bits (submodule ``i`` in ``modules()`` order -> bit ``i``); ``arg_grads``: which of
     the unit's tensor arguments need a gradient, as bits (argument ``i`` -> bit ``i``; the
     template differentiates only those, so an input that needs none costs no backward matmul and
     no re-gather of the weights only its gradient would read); ``primals``: the unit's tensor
-    arguments, then its full parameters and buffers (template order) -> the unit's output, then
-    the activations its backward needs (new tensors: none aliases an input or another output)."""
-    return registry.unit_template(kind, mode, arg_grads, primals).forward(primals)
+    arguments (every tensor of its positional and keyword arguments, in call order), then its full
+    parameters and buffers (template order); ``call``: the call's structure around those tensors
+    (``unit_calls.call_key``) -> the unit's output tensors (``UnitTemplate.n_outputs``), then the
+    activations its backward needs (new tensors: none aliases an input or another output)."""
+    return registry.unit_template(kind, mode, arg_grads, primals, call).forward(primals)
 
 
 @unit_forward.register_fake
-def _unit_forward_fake(kind: int, mode: int, arg_grads: int, primals: list[torch.Tensor]) -> list[torch.Tensor]:
-    return _empty_like_meta(primals[0], registry.unit_template(kind, mode, arg_grads, primals).output_metas)
+def _unit_forward_fake(kind: int, mode: int, arg_grads: int, primals: list[torch.Tensor], call: int) -> list[torch.Tensor]:
+    return _empty_like_meta(primals[0], registry.unit_template(kind, mode, arg_grads, primals, call).output_metas)
 
 
 @torch.library.custom_op("zerograph::unit_backward", mutates_args=())
@@ -193,8 +195,8 @@ def unit_backward(template: int, primals: list[torch.Tensor], saved: list[torch.
                   tangents: list[torch.Tensor]) -> list[torch.Tensor]:
     """One unit's backward through template ``template``. ``primals``: the inputs its backward
     reads (``UnitTemplate.saved_primals``); ``saved``: ``unit_forward``'s outputs past the unit's
-    own; ``tangents``: the gradient of each unit output -> the gradient of each differentiable
-    primal (``UnitTemplate.grad_mask``), in primal order."""
+    own; ``tangents``: the gradient of each unit output (zeros where none reached it) -> the
+    gradient of each differentiable primal (``UnitTemplate.grad_mask``), in primal order."""
     return registry.template_of(template).backward(primals, saved, tangents)
 
 
@@ -205,15 +207,15 @@ def _unit_backward_fake(template: int, primals: list[torch.Tensor], saved: list[
 
 
 def _unit_forward_setup(ctx, inputs, output) -> None:
-    kind, mode, arg_grads, primals = inputs
-    template = registry.unit_template(kind, mode, arg_grads, primals)
+    kind, mode, arg_grads, primals, call = inputs
+    template = registry.unit_template(kind, mode, arg_grads, primals, call)
     ctx.template, ctx.template_object = template.id, template  # the object: alive until backward
     ctx.n_primals, ctx.grad_mask, ctx.output_metas = len(primals), template.grad_mask, template.output_metas
     ctx.n_needed = len(template.saved_primals)
     ctx.save_for_backward(*[primals[i] for i in template.saved_primals], *output[template.n_outputs:])
     # the saved activations carry no gradient of their own: said so, AOTAutograd's joint trace
     # skips two detach nodes per saved output (about half a templated unit's trace time)
-    ctx.mark_non_differentiable(*output[template.n_outputs:])
+    ctx.mark_non_differentiable(*output[template.n_outputs:], *_integral(output[:template.n_outputs]))
     # and autograd hands their backward None instead of a zero tensor each: AOTAutograd's joint
     # trace made 15 zeros per GPT block, dead code dropped later (about 40% of the trace's time)
     ctx.set_materialize_grads(False)
@@ -222,44 +224,58 @@ def _unit_forward_setup(ctx, inputs, output) -> None:
 
 def _unit_forward_backward(ctx, grads: list[torch.Tensor | None]):
     if all(g is None for g in grads[:ctx.n_outputs]):  # no gradient reached the unit's outputs
-        return None, None, None, [None] * ctx.n_primals
+        return None, None, None, [None] * ctx.n_primals, None
     values = ctx.saved_tensors
     needed, saved = list(values[:ctx.n_needed]), list(values[ctx.n_needed:])
-    device = next(g.device for g in grads if g is not None)
-    tangents = [g.contiguous() if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-                for g, (shape, _, dtype) in zip(grads[:ctx.n_outputs], ctx.output_metas)]
+    tangents = _tangents(grads[:ctx.n_outputs], ctx.output_metas)
     grad_iter = iter(unit_backward(ctx.template, needed, saved, tangents))
-    return None, None, None, [next(grad_iter) if differentiable else None for differentiable in ctx.grad_mask]
+    return None, None, None, [next(grad_iter) if differentiable else None for differentiable in ctx.grad_mask], None
+
+
+def _integral(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The outputs of a dtype with no gradient (an index, a mask): non-differentiable, as in eager."""
+    return [o for o in outputs if not (o.dtype.is_floating_point or o.dtype.is_complex)]
+
+
+def _tangents(grads: Sequence[torch.Tensor | None], metas: Sequence[tuple]) -> list[torch.Tensor]:
+    """The gradient of each unit output as the template's backward takes it: contiguous, and
+    zeros of the output's shape and dtype where autograd brought none (an output the loss does not
+    read, or one of an integral dtype)."""
+    device = next(g.device for g in grads if g is not None)
+    return [g.contiguous() if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, _, dtype) in zip(grads, metas)]
 
 
 unit_forward.register_autograd(_unit_forward_backward, setup_context=_unit_forward_setup)
 
 
 @torch.library.custom_op("zerograph::unit_call", mutates_args=())
-def unit_call(kind: int, mode: int, arg_grads: int, primals: list[torch.Tensor]) -> list[torch.Tensor]:
+def unit_call(kind: int, mode: int, arg_grads: int, primals: list[torch.Tensor], call: int) -> list[torch.Tensor]:
     """One unit's forward as the model's graphs carry it until the partition: ``unit_forward``'s
-    arguments (same meaning) -> the unit's output (a new tensor, the shape and dtype of the
-    template's first output) and a token (an empty tensor of its own that only the call's backward
-    reads: it pairs the two, ``passes/expand_unit_calls``). The partitioned graphs hold
-    ``unit_forward`` in its place; run as it is, it is ``unit_forward``'s first output and a token."""
-    output = registry.unit_template(kind, mode, arg_grads, primals).forward(primals)[0]
-    return [output, output.new_empty(0)]
+    arguments (same meaning) -> the unit's outputs (new tensors, the shapes and dtypes of the
+    template's first ``n_outputs`` outputs), then a token (an empty tensor of its own that only the
+    call's backward reads: it pairs the two, ``passes/expand_unit_calls``). The partitioned graphs
+    hold ``unit_forward`` in its place; run as it is, it is ``unit_forward``'s outputs and a token."""
+    template = registry.unit_template(kind, mode, arg_grads, primals, call)
+    outputs = template.forward(primals)[:template.n_outputs]
+    return [*outputs, outputs[0].new_empty(0)]
 
 
 @unit_call.register_fake
-def _unit_call_fake(kind: int, mode: int, arg_grads: int, primals: list[torch.Tensor]) -> list[torch.Tensor]:
-    output_meta = registry.unit_template(kind, mode, arg_grads, primals).output_metas[0]
-    return _empty_like_meta(primals[0], [output_meta, ((0,), (1,), output_meta[2])])
+def _unit_call_fake(kind: int, mode: int, arg_grads: int, primals: list[torch.Tensor], call: int) -> list[torch.Tensor]:
+    template = registry.unit_template(kind, mode, arg_grads, primals, call)
+    metas = template.output_metas[:template.n_outputs]
+    return _empty_like_meta(primals[0], [*metas, ((0,), (1,), metas[0][2])])
 
 
 @torch.library.custom_op("zerograph::unit_call_backward", mutates_args=())
 def unit_call_backward(template: int, primals: list[torch.Tensor], token: torch.Tensor,
-                       tangent: torch.Tensor) -> list[torch.Tensor]:
+                       tangents: list[torch.Tensor]) -> list[torch.Tensor]:
     """``unit_call``'s backward until the partition: ``primals`` the inputs template ``template``'s
     backward reads (``UnitTemplate.saved_primals``), ``token`` the token of the ``unit_call`` it
-    is the backward of, ``tangent`` the gradient of that call's output (contiguous) -> the gradient
-    of each differentiable primal (``UnitTemplate.grad_mask``), in primal order, as
-    ``unit_backward`` returns them.
+    is the backward of, ``tangents`` the gradient of each of that call's outputs (contiguous;
+    zeros where none reached it) -> the gradient of each differentiable primal
+    (``UnitTemplate.grad_mask``), in primal order, as ``unit_backward`` returns them.
 
     Raises ``RuntimeError`` if run: every partitioned backward holds ``unit_backward`` in its place."""
     raise RuntimeError("zerograph::unit_call_backward ran; expand_unit_calls should have replaced it with "
@@ -268,27 +284,29 @@ def unit_call_backward(template: int, primals: list[torch.Tensor], token: torch.
 
 @unit_call_backward.register_fake
 def _unit_call_backward_fake(template: int, primals: list[torch.Tensor], token: torch.Tensor,
-                             tangent: torch.Tensor) -> list[torch.Tensor]:
-    return _empty_like_meta(tangent, registry.template_of(template).grad_metas)
+                             tangents: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _empty_like_meta(tangents[0], registry.template_of(template).grad_metas)
 
 
 def _unit_call_setup(ctx, inputs, output) -> None:
-    kind, mode, arg_grads, primals = inputs
-    template = registry.unit_template(kind, mode, arg_grads, primals)
+    kind, mode, arg_grads, primals, call = inputs
+    template = registry.unit_template(kind, mode, arg_grads, primals, call)
     ctx.template, ctx.grad_mask = template.id, template.grad_mask
+    ctx.output_metas = template.output_metas[:template.n_outputs]
     # the token, not the output, names the call: user code may write the output in place
     # (x = block(x); x.mul_(2)), and then the output backward sees is another value
-    ctx.save_for_backward(*[primals[i] for i in template.saved_primals], output[1])
-    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(*[primals[i] for i in template.saved_primals], output[-1])
+    ctx.mark_non_differentiable(output[-1], *_integral(output[:-1]))
     ctx.set_materialize_grads(False)
 
 
 def _unit_call_backward_formula(ctx, grads: list[torch.Tensor | None]):
-    if grads[0] is None:  # no gradient reached the unit's output
-        return None, None, None, [None] * len(ctx.grad_mask)
+    grads = grads[:len(ctx.output_metas)]
+    if all(g is None for g in grads):  # no gradient reached the unit's outputs
+        return None, None, None, [None] * len(ctx.grad_mask), None
     *primals, token = ctx.saved_tensors
-    grad_iter = iter(unit_call_backward(ctx.template, primals, token, grads[0].contiguous()))
-    return None, None, None, [next(grad_iter) if differentiable else None for differentiable in ctx.grad_mask]
+    grad_iter = iter(unit_call_backward(ctx.template, primals, token, _tangents(grads, ctx.output_metas)))
+    return None, None, None, [next(grad_iter) if differentiable else None for differentiable in ctx.grad_mask], None
 
 
 unit_call.register_autograd(_unit_call_backward_formula, setup_context=_unit_call_setup)

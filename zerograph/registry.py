@@ -60,12 +60,13 @@ def unit_kind(kind: int) -> Any:
     return unit_kind
 
 
-def unit_template(kind: int, mode: int, arg_grads: int, primals: Any) -> Any:
+def unit_template(kind: int, mode: int, arg_grads: int, primals: Any, call: int) -> Any:
     """The ``UnitTemplate`` of unit kind ``kind`` in training-flag ``mode``, differentiating the
-    arguments of ``arg_grads``'s bits, for inputs like ``primals`` (traced on first use)."""
+    arguments of ``arg_grads``'s bits, for inputs like ``primals`` passed as call ``call``
+    (``unit_calls.call_key``), traced on first use."""
     unit_kind = _UNIT_KINDS[kind]()
     assert unit_kind is not None, f"unit kind {kind} outlived its model"
-    return unit_kind.template(mode, arg_grads, primals)
+    return unit_kind.template(mode, arg_grads, primals, call)
 
 
 def next_template_id() -> int:

@@ -85,14 +85,15 @@ def read_values(module: nn.Module, reads: frozenset[tuple[int, str]] | None) -> 
 
 
 def trace_key(module: nn.Module, lowering: str, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
-              device: torch.device, values: bool = True) -> tuple:
+              device: torch.device, call: int, values: bool = True) -> tuple:
     """What a template's trace reads besides its primals' values, so that two units with equal
     keys, in any models, trace to the same graphs: the unit's structure (``unit_signature``), the
     code its modules run (``_class_key``: each class's methods, class attributes and the globals
     its methods name, so a class or flag patched between two compiles traces again), how its flat
     shard, if any, cuts the
     parameters out, the primals' shapes, strides and dtypes, the training-flag ``mode``, the
-    arguments differentiated, the device and lowering, and the settings a trace, the partitioner or
+    arguments differentiated, the call's structure and autocast state (``unit_calls.call_key``),
+    the device and lowering, and the settings a trace, the partitioner or
     Inductor read (default dtype, deterministic algorithms, matmul precision, their configs).
     ``module``: the kind's first unit; ``lowering``: ``"eager"`` or ``"inductor"``; ``values=False``:
     the plain attributes by name only (``templates.shared_template`` adds ``read_values``)."""
@@ -107,7 +108,7 @@ def trace_key(module: nn.Module, lowering: str, metas: tuple[TensorMeta, ...], m
         import torch._inductor.config as inductor_config
 
         settings += (_config_key(inductor_config),)
-    return (unit_signature(module, values), code, cuts, metas, mode, arg_grads, str(device), lowering, settings)
+    return (unit_signature(module, values), code, cuts, metas, mode, arg_grads, call, str(device), lowering, settings)
 
 
 def _class_key(cls: type) -> tuple:

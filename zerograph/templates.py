@@ -64,7 +64,7 @@ import logging
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 from torch import nn
@@ -73,12 +73,13 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from . import registry, unit_watch
 from . import sharding as _sharding
-from .errors import DynamicShapeTrace, ShardingError, TemplateUnavailable
+from .errors import DynamicShapeTrace, ShardingError, TemplateFallbackError, TemplateUnavailable
 from .flat import FlatShard
 from .ops import UNIT_CALL as _unit_call
 from .ops import unit_forward
 from .sharding import full_parameter, own_code
 from .template_keys import read_values, trace_key, unit_signature
+from .unit_calls import TENSOR, call_key, describe, rebuild, unsupported
 from .unit_islands import run_island
 from .unit_trace import UNIT_ATTR, TensorMeta, UnitTemplate, trace_unit
 
@@ -100,6 +101,15 @@ log = logging.getLogger(__name__)
 DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
 
 
+class TemplateKey(NamedTuple):
+    """What one template of a kind is traced for."""
+
+    metas: tuple[TensorMeta, ...]  # (shape, stride, dtype) of each primal
+    mode: int  # the unit's submodules' training flags, as bits
+    arg_grads: int  # which tensor arguments need a gradient, as bits
+    call: int  # the call's structure and autocast state (unit_calls.call_key)
+
+
 class UnitKind:
     """The units that share one structure, and the templates traced for them (one per input
     signature and training-flag mode). The representative ``module`` is the kind's first unit:
@@ -111,7 +121,12 @@ class UnitKind:
         self.units: list[str] = [name]
         self.modules: list[nn.Module] = [module]  # every unit of the kind
         self.watch = unit_watch.KindWatch()  # its units as compile grouped them (check_unchanged)
-        self.templates: dict[tuple, UnitTemplate] = {}  # (input metas, mode, arg_grads) -> template
+        self.templates: dict[TemplateKey, UnitTemplate] = {}
+        # (call, mode) -> the structure of the body's output (unit_calls.flatten_output), as its traces agree
+        self.output_structures: dict[tuple[int, int], Any] = {}
+        # why units of the kind left the fast path -> traces (or eager calls) that took that exit
+        self.exits: collections.Counter[str] = collections.Counter()
+        self.strict = False  # Config.strict_templates: an exit raises TemplateFallbackError
         self.inline_reason: str | None = None  # set when the kind fell back to running inline (in some mode)
         self.inline_modes: dict[int, str] = {}  # training-flag mode -> why the kind runs inline in it
         self.holds_lstm = any(isinstance(m, nn.LSTM) for m in module.modules())  # runs inline: see template()
@@ -123,13 +138,12 @@ class UnitKind:
         self.retire: Callable[[FlatShard], None] = lambda flat: None  # forgets a flat shard (FlatPlan.retire)
         self._record = record
 
-    def template(self, mode: int, arg_grads: int, primals: Sequence[torch.Tensor]) -> UnitTemplate:
+    def template(self, mode: int, arg_grads: int, primals: Sequence[torch.Tensor], call: int) -> UnitTemplate:
         if any(not isinstance(d, int) for p in primals for d in (*p.shape, *p.stride())):
             # this trace only: the graphs traced for static shapes keep their templates (no flag
             # for their guards to read, unlike fall_back's), the dynamic one runs every unit inline
             self._runs_inline("an input has a dynamic shape (a template is traced for static shapes)")
-            log.warning("zerograph: unit template for %s not used in a trace with dynamic shapes, every unit of "
-                        "it runs inline (a template is traced for static shapes)", self.name)
+            self.note_exit("a trace with dynamic shapes runs every unit inline (a template is traced for static shapes)")
             raise DynamicShapeTrace(f"unit {self.name!r}: {self.inline_reason}")
         if self.holds_lstm:
             # its fused kernel's outputs differ between the trace and the run (the mkldnn layer's
@@ -137,14 +151,30 @@ class UnitKind:
             # cannot return them. A GRU's trace fails on its own and falls back. Inline is exact
             self.fall_back("it holds an nn.LSTM (its fused kernel's workspace is not a template output)")
         metas = tuple((tuple(p.shape), tuple(p.stride()), p.dtype) for p in primals)
-        template = self.templates.get((metas, mode, arg_grads))
+        key = TemplateKey(metas, mode, arg_grads, call)
+        template = self.templates.get(key)
         if template is None:
-            template = shared_template(self, metas, mode, arg_grads, primals[0].device)
+            template = shared_template(self, metas, mode, arg_grads, call, primals[0].device)
             if self.flat_shards and any(template.grad_mask):  # one for no_grad() input has no say
                 self.note_reach(template.no_grad_params)
-            self.templates[metas, mode, arg_grads] = template
+            known = self.output_structures.setdefault((call, mode), template.output_structure)
+            if known != template.output_structure:  # the unit's rebuild of its output is one per call
+                self.fall_back("its output's structure depends on its inputs' shapes", mode)
+            self.templates[key] = template
             self._record.append(template)
         return template
+
+    def note_exit(self, reason: str) -> None:
+        """Count one exit of the kind's units from the fast path (a trace, or an eager call, that
+        runs them inline), log it once per reason, and raise ``TemplateFallbackError`` under
+        ``Config(strict_templates=True)``."""
+        first = reason not in self.exits
+        self.exits[reason] += 1
+        if self.strict:
+            raise TemplateFallbackError(f"unit {self.name!r} (and {len(self.units) - 1} more of its kind) left the "
+                                        f"template fast path: {reason} (Config.strict_templates)")
+        if first:
+            log.warning("zerograph: units of kind %s (%d units) run inline: %s", self.name, len(self.units), reason)
 
     def note_reach(self, no_grad: frozenset[int]) -> None:
         """Record which parameters one trace of the body (a template's, or one that failed after
@@ -224,8 +254,7 @@ class UnitKind:
             self.inline_modes[mode] = reason
         for module in self.modules:
             object.__setattr__(module, INLINE_ATTR if mode is None else f"{INLINE_MODE_PREFIX}{mode}", True)
-        log.warning("zerograph: unit template for %s (%d units) not used, they run inline%s: %s", self.name,
-                    len(self.modules), "" if mode is None else f" in mode {mode:#b} (training flags)", reason)
+        self.note_exit(reason if mode is None else f"{reason} (in training-flag mode {mode:#b})")
 
 
 def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[int, int], lowering: str,
@@ -357,53 +386,86 @@ def every_unit_inline() -> Iterator[None]:
 
 def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """A templated unit's ``forward``: its parameters (unshard markers) and buffers, then one
-    ``unit_forward`` in the mode of its submodules' training flags (``MODE_ATTR``, read here, so
-    Dynamo guards on it and ``eval()`` retraces). The body runs inline instead for keyword or non-tensor
-    arguments, under autocast (a template is traced without it), once its kind fell back to
-    inline (in this mode or every mode), in the template's own trace of the body, and outside the model's forward (a direct
-    call of the unit, which the body refuses with ``ShardingError`` as without templates).
+    ``unit_forward`` of the call's tensors (every tensor of its positional and keyword arguments,
+    nested in tuples, lists and dicts) in the mode of its submodules' training flags
+    (``MODE_ATTR``, read here, so Dynamo guards on it and ``eval()`` retraces), keyed by the call's
+    structure and autocast state (``unit_calls``); the op's outputs put back into the body's output
+    structure. The body runs inline instead once its kind fell back to inline (in this mode or
+    every mode), for a call with no tensor or with an argument no template can take (an object:
+    counted and logged, ``UnitKind.note_exit``), in the template's own trace of the body, and
+    outside the model's forward (a direct call of the unit, which the body refuses with
+    ``ShardingError`` as without templates).
 
     Dynamo traces this once per unit, so it is written for Dynamo's cost, which is per bytecode
     and higher still per inlined call: plain loops instead of generators (``all``, ``sum`` and
     ``enumerate`` of a generator run as Dynamo polyfills), the module flags read directly instead
     of through their accessors, and the ops called as ``OpOverload``s (a ``CustomOpDef``'s
-    ``__call__`` is one more Python frame to inline; ``full_parameter`` calls its op that way too).
-    Measured on the tests' GPT: 297 of Dynamo's bytecode steps per unit in this function and what
-    it called, 160 after; Dynamo's own time in a 32-block first step, 0.99-1.07 s before,
-    0.86-0.93 s after."""
+    ``__call__`` is one more Python frame to inline; ``full_parameter`` calls its op that way too)."""
     body = type(self).forward
     mode = getattr(self, MODE_ATTR)  # one guard per unit; refresh_unit_modes keeps it current
-    # len() where `not` would do: Dynamo traces `not` of a tuple only as a branch condition
-    inline = (len(kwargs) > 0 or len(args) == 0 or getattr(self, INLINE_ATTR)
-              or getattr(self, f"{INLINE_MODE_PREFIX}{mode}", False) or inlining_every_unit()
-              or _sharding._tracing_unit or not _sharding._gathering)
-    # Dynamo guards on each input's requires_grad already: a constant for this trace
-    arg_grads, bit = 0, 1
-    for arg in args:
-        if not isinstance(arg, torch.Tensor):
-            inline = True
-            break
-        if arg.requires_grad:
-            arg_grads |= bit
-        bit <<= 1
-    if inline or torch.is_autocast_enabled(args[0].device.type):
+    inline = (getattr(self, INLINE_ATTR) or getattr(self, f"{INLINE_MODE_PREFIX}{mode}", False)
+              or inlining_every_unit() or _sharding._tracing_unit or not _sharding._gathering)
+    if inline:
         if getattr(self, ISLAND_ATTR) and _sharding._gathering and not _sharding._tracing_unit:
             return run_island(self, args, kwargs)
         return body(self, *args, **kwargs)
     kind, param_slots, buffer_slots, keys, _, flat = getattr(self, UNIT_ATTR)
-    if flat is not None and _sharding._substituted:  # functional_call: the slots' tensors, read inline
+    tensors: list[torch.Tensor] = []
+    arguments = (describe(args, tensors), describe(kwargs, tensors))
+    # len() where `not` would do: Dynamo traces `not` of a list only as a branch condition
+    exit_reason = _call_exit(arguments) if len(tensors) > 0 else "a call with no tensor argument"
+    if exit_reason is None and flat is not None and _sharding._substituted:
+        exit_reason = "functional_call substitutes its parameters (the slots' tensors are read inline)"
+    if exit_reason is not None:
+        _note_exit(kind, exit_reason)
         return body(self, *args, **kwargs)
+    device_type = tensors[0].device.type
+    autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    call = call_key((*arguments, autocast))
+    # Dynamo guards on each input's requires_grad already: a constant for this trace
+    arg_grads, bit = 0, 1
+    for tensor in tensors:
+        if tensor.requires_grad:
+            arg_grads |= bit
+        bit <<= 1
     # the shards straight from their slots, not through the parameter properties: the same
     # markers, for less of Dynamo's time per parameter
     if flat is not None:  # one marker for the unit: the template cuts the parameters out of its output
-        primals = [*args, full_parameter(flat.input, flat.layout.key)]
+        primals = [*tensors, full_parameter(flat.input, flat.layout.key)]
     else:
-        primals = [*args, *[full_parameter(mod._parameters[name], key) for (mod, name), key in zip(param_slots, keys)]]
+        primals = [*tensors, *[full_parameter(mod._parameters[name], key) for (mod, name), key in zip(param_slots, keys)]]
     for mod, name in buffer_slots:
         primals.append(mod._buffers[name])
-    if torch.compiler.is_compiling():  # the traces see one node per unit, its output and a token (ops.unit_call)
-        return _unit_call(kind, mode, arg_grads, primals)[0]
-    return _unit_forward(kind, mode, arg_grads, primals)[0]
+    if torch.compiler.is_compiling():  # the traces see one node per unit, its outputs and a token (ops.unit_call)
+        outputs = _unit_call(kind, mode, arg_grads, primals, call)
+    else:
+        outputs = _unit_forward(kind, mode, arg_grads, primals, call)
+    structure = _output_structure(kind, call, mode)
+    if structure == TENSOR:
+        return outputs[0]
+    return rebuild(structure, iter(outputs))
+
+
+def _call_exit(arguments: tuple) -> str | None:
+    """Why a call of these arguments' structures cannot take a template, or ``None``."""
+    bad = unsupported(arguments[0])
+    if bad is None:
+        bad = unsupported(arguments[1])
+    return None if bad is None else f"an argument of type {bad} (a template takes tensors and constants)"
+
+
+@torch._dynamo.assume_constant_result
+def _note_exit(kind: int, reason: str) -> bool:
+    """``UnitKind.note_exit`` of ``kind``, once per trace under Dynamo (a constant of the graph)."""
+    registry.unit_kind(kind).note_exit(reason)
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def _output_structure(kind: int, call: int, mode: int) -> Any:
+    """The structure the body's output had when traced for ``call`` in ``mode`` (the op that ran
+    just before, or its fake implementation under Dynamo, traced it)."""
+    return registry.unit_kind(kind).output_structures[call, mode]
 
 
 @torch._dynamo.assume_constant_result
@@ -431,19 +493,19 @@ _READS: dict[tuple, list[frozenset[tuple[int, str]] | None]] = {}
 TRACED_LIMIT = 64
 
 
-def shared_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
+def shared_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int, call: int,
                     device: torch.device) -> UnitTemplate:
-    """``kind``'s template for ``metas``, ``mode`` and ``arg_grads``: a copy of one this process
+    """``kind``'s template for ``metas``, ``mode``, ``arg_grads`` and ``call``: a copy of one this process
     traced before for a unit that matches ``trace_key`` in all but the values of the attributes
     that trace did not read (``_TRACED``; the same graphs and lowered callables,
     a template id and unit names of its own, ``reused_from`` naming the original), or a new trace
     (``trace_template``, which raises as documented there). Source: the reuse Dynamo's cache gives
     FSDP2 + ``torch.compile`` of identical blocks, kept across models."""
-    loose = trace_key(kind.module, kind.lowering, metas, mode, arg_grads, device, values=False)
+    loose = trace_key(kind.module, kind.lowering, metas, mode, arg_grads, device, call, values=False)
     key = next((k for reads in _READS.get(loose, ()) if (k := (loose, read_values(kind.module, reads))) in _TRACED),
                None)
     if key is None:
-        traced = trace_template(kind, metas, mode, arg_grads, device)
+        traced = trace_template(kind, metas, mode, arg_grads, call, device)
         seen = _READS.setdefault(loose, [])
         if traced.read_attrs not in seen:
             seen.append(traced.read_attrs)
@@ -461,26 +523,27 @@ def shared_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, ar
     return template
 
 
-def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
+def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int, call: int,
                    device: torch.device) -> UnitTemplate:
-    """Trace ``kind``'s body for primals of ``metas`` with its submodules' training flags set from
-    ``mode``, differentiating the floating-point arguments of ``arg_grads``'s bits and the
+    """Trace ``kind``'s body for primals of ``metas`` passed as call ``call`` (``unit_calls``), with
+    its submodules' training flags set from ``mode``, differentiating the floating-point arguments of ``arg_grads``'s bits and the
     trainable parameters: forward + backward on fake tensors, the min-cut partitioner, lowering. Runs in a
     thread of its own: it is called from the op's fake implementation inside Dynamo's and
     AOTAutograd's traces, below autograd and under their fake modes, and the trace needs autograd
     and a fake mode of its own.
 
     Raises:
-        TemplateUnavailable: the body cannot be a template (it returns something other than one
-            tensor, cannot be traced on fake tensors, e.g. data-dependent control flow, or writes
-            an input or buffer in place); the kind's units then run inline.
+        TemplateUnavailable: the body cannot be a template (it returns an object other than
+            tensors in tuples, lists and dicts beside constants, cannot be traced on fake
+            tensors, e.g. data-dependent control flow, or writes an input or buffer in place);
+            the kind's units then run inline.
         ShardingError: the body writes a parameter in place (refused inline as well).
     """
     outcome: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            outcome["template"] = trace_unit(kind, metas, mode, arg_grads, device, outcome)
+            outcome["template"] = trace_unit(kind, metas, mode, arg_grads, call, device, outcome)
         except BaseException as exc:  # handed to the calling thread
             outcome["error"] = exc
 

@@ -11,6 +11,7 @@ block instead of a whole graph.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import time
@@ -31,6 +32,7 @@ from .attribute_reads import instance_reads, recording_reads
 from .parameter_writes import parameter_write_error
 from .passes._fx import sink_to_first_use
 from .sharding import set_tracing_unit
+from .unit_calls import TENSOR, call_arguments, call_structure, flatten_output
 from .unit_flat_grad import write_flat_gradient_in_place
 from .unit_saved import rebase_saved_views, recompute_norms
 
@@ -70,8 +72,10 @@ class UnitTemplate:
         id: the registry id ``zerograph::unit_backward`` names it by.
         kind: the unit kind it belongs to.
         input_metas: ``(shape, stride, dtype)`` of each primal (unit arguments, parameters, buffers).
-        n_outputs: outputs of the unit itself (1: the unit returns one tensor); ``unit_forward``
+        n_outputs: tensors of the unit's own output (1: the unit returns one tensor); ``unit_forward``
             returns these first, then the activations the backward needs.
+        output_structure: where those tensors sit in the body's output (``unit_calls``: ``TENSOR``
+            for one tensor; a tuple such as ``(hidden, None)`` or a dict otherwise).
         output_metas: ``(shape, stride, dtype)`` of every ``unit_forward`` output.
         saved_primals: indices of the primals the backward reads (saved by autograd, not returned,
             since a custom op's output may not alias its input).
@@ -110,6 +114,7 @@ class UnitTemplate:
     units: list[str] = dataclasses.field(default_factory=list)
     reused_from: int | None = None
     read_attrs: frozenset[tuple[int, str]] | None = None  # instance attributes the body read (None: all)
+    output_structure: Any = TENSOR
 
     def forward(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(self.run_forward(*primals))
@@ -122,13 +127,15 @@ class UnitTemplate:
         return [grad for grad, wanted in zip(grads, self.grad_mask) if wanted]
 
 
-def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int,
+def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int, call: int,
                device: torch.device, reach: dict[str, Any] | None = None) -> UnitTemplate:
     """``kind``'s body for primals of ``metas`` (``(shape, stride, dtype)`` each: the unit's tensor
-    arguments, then its parameters, or its one flat shard, then its buffers), with its submodules'
-    training flags from ``mode``'s bits and gradients for the arguments of ``arg_grads``'s bits
-    and the trainable parameters, as a registered, lowered ``UnitTemplate``. Call from a thread
-    with autograd on and no fake mode active (``templates.trace_template``).
+    arguments, then its parameters, or its one flat shard, then its buffers) passed as call
+    ``call`` (``unit_calls.call_key``: where the tensors sit among the call's constants, and the
+    autocast dtype the forward runs under), with its submodules' training flags from ``mode``'s
+    bits and gradients for the arguments of ``arg_grads``'s bits and the trainable parameters, as
+    a registered, lowered ``UnitTemplate``. Call from a thread with autograd on and no fake mode
+    active (``templates.trace_template``).
 
     Raises whatever the trace meets (the caller makes the kind run inline), or ``ShardingError``
     for a body that writes a parameter in place. Once autograd's pass has run, ``reach["no_grad"]``
@@ -136,7 +143,7 @@ def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_g
     where some gradient is asked for: a later failure (the partition, a write check) leaves the kind
     that answer for its inline units."""
     start = time.perf_counter()
-    body = _Body(kind.module, mode, len(metas))
+    body = _Body(kind.module, mode, len(metas), call, device)
     wants_grad = body.wants_grad(metas, arg_grads)
     # a ShapeEnv (no symbol is made: every size is an int) so that Inductor's FX graph cache takes
     # the lowered body: without one it bypasses the cache ("No shape env"), and a restart lowered
@@ -154,6 +161,7 @@ def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_g
     if body.flat is not None and kind.lowering != "inductor":  # the flat gradient held once, not twice
         write_flat_gradient_in_place(bwd, body.n_args)
     template = _template(kind, metas, fwd, bwd, fake_mode, primals, tangents, grad_mask, no_grad_params)
+    template.output_structure = body.output_structure
     template.read_attrs = instance_reads(body.modules, body.reads)
     template.trace_seconds = time.perf_counter() - start
     template.units = kind.units
@@ -163,11 +171,16 @@ def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_g
 class _Body:
     """A unit's body as a function of its primals, for ``make_fx``: a call puts the primals in the
     unit's parameter and buffer slots (a flat shard cut into its parameters first) and its
-    submodules' training flags from ``mode``'s bits, runs the class's ``forward``, and puts
-    everything back, whatever the forward raised."""
+    submodules' training flags from ``mode``'s bits, runs the class's ``forward`` on the call's
+    arguments (``unit_calls.call_arguments``) under the call's autocast state, puts everything
+    back, whatever the forward raised, and returns the output's tensors (its structure in
+    ``output_structure``)."""
 
-    def __init__(self, module: nn.Module, mode: int, n_primals: int) -> None:
-        self.module, self.mode = module, mode
+    def __init__(self, module: nn.Module, mode: int, n_primals: int, call: int, device: torch.device) -> None:
+        self.module, self.mode, self.call = module, mode, call
+        self.autocast = call_structure(call)[2]
+        self.device_type = device.type
+        self.output_structure: Any = None
         _, self.param_slots, self.buffer_slots, _, self.modules, self.flat = getattr(module, UNIT_ATTR)
         self.n_params = 1 if self.flat is not None else len(self.param_slots)
         self.n_args = n_primals - self.n_params - len(self.buffer_slots)
@@ -214,17 +227,19 @@ class _Body:
                 table[name] = value
             for i, m in enumerate(self.modules):  # the calling unit's train / eval flags
                 m.training = bool(self.mode >> i & 1)
-            with recording_reads(self.modules, self.reads):
-                out = type(self.module).forward(self.module, *p[:n_args])
+            args, kwargs = call_arguments(self.call, list(p[:n_args]))
+            autocast = (torch.autocast(self.device_type, dtype=self.autocast) if self.autocast is not None
+                        else contextlib.nullcontext())
+            with recording_reads(self.modules, self.reads), autocast:
+                out = type(self.module).forward(self.module, *args, **kwargs)
         finally:
             for (table, name), value in zip(slots, previous_values):
                 table[name] = value
             for m, flag in zip(self.modules, previous_flags):
                 m.training = flag
             set_tracing_unit(previous)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"it returned {type(out).__name__}; a template returns one tensor")
-        return [out]
+        self.output_structure, tensors = flatten_output(out)
+        return tensors
 
 
 def _joint(body: _Body, primals: list[torch.Tensor], tangents: list[torch.Tensor], wants_grad: list[bool],
@@ -238,7 +253,12 @@ def _joint(body: _Body, primals: list[torch.Tensor], tangents: list[torch.Tensor
     def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list, list]:
         outs = body(*primals)
         differentiable = [p for p in primals if p.requires_grad]
-        grads = list(torch.autograd.grad(outs, differentiable, tangents, allow_unused=True)) if differentiable else []
+        # outputs autograd can differentiate (an index, a detached value has no grad_fn)
+        reached_outs = [(o, t) for o, t in zip(outs, tangents) if o.requires_grad]
+        grads = [None] * len(differentiable)
+        if differentiable and reached_outs:
+            grads = list(torch.autograd.grad([o for o, _ in reached_outs], differentiable,
+                                             [t for _, t in reached_outs], allow_unused=True))
         reached["primals"] = [g is not None for g in grads]
         reached["cut_out"] = [_reaches(outs, t) for t in body.cut_params]
         grads_iter = iter(grads)
