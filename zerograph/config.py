@@ -116,8 +116,8 @@ class Config:
             input and one all-gather marker per unit (``zerograph.flat``), so compile time grows
             much more slowly with depth (figures: docs/benchmarks.md, "Compile time"). Calls take their
             template with keyword arguments, constants and containers of tensors, under autocast;
-            where a unit cannot, it runs inline and says so (``strict_templates``). ``False``: the per-parameter build, every unit's
-            body traced into the graph (one input and marker per parameter). ``None`` (default):
+            where a unit cannot, it runs inline and says so (``strict_templates``). ``False``: the
+            per-parameter build, every unit's body traced into the graph (one input and marker per parameter). ``None`` (default):
             ``True``, unless ``activation_budget_bytes`` is set (the activation plan moves a
             unit's activations op by op; a template is one op), then ``False``; the field holds
             the resolved value. ``True`` with ``activation_budget_bytes`` raises ``ConfigError``.
