@@ -137,7 +137,7 @@ def _run_falling_back(state: ZeroGraphState, model: nn.Module, args: tuple, kwar
     # a kind falls back at most three times (in a training-flag mode, off its flat shards, to islands)
     for _ in range(3 * len(state.unit_kinds) + 2):
         try:
-            with inline_trace:
+            with inline_trace, shape_policy(state, args, kwargs):
                 return state.compiled_forward(model, *args, **kwargs)
         except Exception as exc:
             error = own_error(exc)
@@ -168,6 +168,31 @@ class _ForwardSideEffects:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+# distinct input shapes a model with unit templates traces static, each with templates of its own
+# (a batch size for evaluation, a shorter last batch, a few sequence lengths), before Dynamo's
+# automatic dynamic shapes, whose trace runs every unit inline (counted as an exit of each kind)
+STATIC_SHAPES = 8
+# Dynamo's recompile limit for the compiled forward: the static shapes times the graphs a shape can
+# need (train and eval, gradient sync on, off and flushing), so no trace falls back to eager Python
+RECOMPILE_LIMIT = 64
+
+
+def shape_policy(state: ZeroGraphState, args: tuple, kwargs: dict) -> contextlib.AbstractContextManager:
+    """The Dynamo settings this forward is traced under: with unit templates, the first
+    ``STATIC_SHAPES`` distinct input shapes are traced static (Dynamo's automatic dynamic shapes
+    off), so a new batch size or sequence length keeps every unit on its template; past them,
+    Dynamo's default. The recompile limit is ``RECOMPILE_LIMIT`` either way. Source:
+    ``torch._dynamo.config`` (``automatic_dynamic_shapes``, ``recompile_limit``)."""
+    settings: dict[str, Any] = {"recompile_limit": max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)}
+    if state.unit_kinds:
+        shapes = tuple(tuple(t.shape) for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor))
+        if shapes in state.static_shapes or len(state.static_shapes) < STATIC_SHAPES:
+            state.static_shapes.add(shapes)
+            settings["automatic_dynamic_shapes"] = False
+    return torch._dynamo.config.patch(**settings)
 
 
 def own_error(exc: BaseException) -> ZeroGraphError | None:

@@ -50,6 +50,8 @@ class ZeroGraphState:
         self.watch = watch
         self.uninitialised = uninitialised
         self.unit_kinds = unit_kinds or []
+        # the input shapes traced static so far (compiled_model.shape_policy): each a template per kind
+        self.static_shapes: set[tuple] = set()
 
 
 def is_compiled(model: nn.Module) -> bool:

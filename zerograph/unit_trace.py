@@ -34,6 +34,7 @@ from .passes._fx import sink_to_first_use
 from .sharding import set_tracing_unit
 from .unit_calls import TENSOR, call_arguments, call_structure, flatten_output
 from .unit_flat_grad import write_flat_gradient_in_place
+from .unit_in_place import functionalize_fresh_writes, save_random_values
 from .unit_saved import rebase_saved_views, recompute_norms
 
 if TYPE_CHECKING:
@@ -154,6 +155,9 @@ def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_g
                    for (shape, stride, dtype), grad in zip(metas, wants_grad)]
         tangents = [torch.empty_like(o, memory_format=torch.contiguous_format) for o in body(*primals)]
     joint_graph, grad_mask, no_grad_params = _joint(body, primals, tangents, wants_grad, fake_mode)
+    if functionalize_fresh_writes(joint_graph.graph):  # dropout's mask, made out-of-place for the partitioner
+        joint_graph.recompile()
+    save_random_values(joint_graph.graph)  # and drawn once, in forward
     if reach is not None and body.flat is not None and any(grad_mask):
         reach["no_grad"] = no_grad_params
     _check_no_writes(kind.name, joint_graph, len(metas), body.parameter_names(), body.cut_out)
