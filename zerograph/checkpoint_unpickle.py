@@ -49,6 +49,8 @@ _ADMITTED: dict[tuple[str, str], Any] = {
 }
 for _module in ("pathlib", "pathlib._local"):  # Python 3.13 moved the classes into pathlib._local
     _ADMITTED[(_module, "PosixPath")] = pathlib.PosixPath
+# a dtype pickles as its name in ``torch``; vars(), not getattr: torch's module __getattr__ imports
+_ADMITTED.update({("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -60,8 +62,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         admitted = _ADMITTED.get((module, name))
-        if admitted is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            admitted = getattr(torch, name)
         if admitted is None:
             raise CheckpointError(
                 f"the DCP metadata of {self._source!r} holds a {module}.{name}, which DCP metadata never does; "
@@ -71,7 +71,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class RestrictedFileSystemReader(dcp.FileSystemReader):
-    """``dcp.FileSystemReader`` whose ``read_metadata`` runs no code from the checkpoint.
+    """``dcp.FileSystemReader`` that runs no code from the checkpoint: ``read_metadata`` admits only
+    DCP's metadata types, and ``read_data`` reads the non-tensor values (through the planner's
+    ``load_bytes``) before any tensor.
 
     Pass it as ``dcp.load(..., storage_reader=RestrictedFileSystemReader(path))``, with a
     ``WeightsOnlyLoadPlanner``. It reads any checkpoint written by DCP's ``FileSystemWriter`` with
@@ -93,7 +95,6 @@ class RestrictedFileSystemReader(dcp.FileSystemReader):
             loaded.storage_meta = metadata.StorageMeta()
         loaded.storage_meta.load_id = self.load_id
         return loaded
-
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """DCP's ``read_data``, non-tensor values first: a value refused by ``WeightsOnlyLoadPlanner``
