@@ -311,3 +311,141 @@ def test_unwritable_path_and_destroyed_group_raise_zerograph_errors(tmp_path) ->
     for step in (lambda: lone(torch.randn(2, 8)), lambda: checkpoint.save(lone, opt, tmp_path / "gone")):
         error = _error(step)
         assert isinstance(error, ProcessGroupError) and "was destroyed" in str(error), error
+
+
+class _Planted:
+    """Planted in a checkpoint: unpickling it writes the file ``path`` (its ``__setstate__`` runs)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __setstate__(self, state: dict) -> None:
+        with open(state["path"], "w") as f:
+            f.write("ran")
+
+
+class _Shell:
+    """Planted in a checkpoint: unpickling it runs ``touch path`` through ``os.system``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        import os
+        import shlex
+
+        return os.system, (f"touch {shlex.quote(self.path)}",)
+
+
+def _raised(step) -> Exception | None:
+    """The exception ``step()`` raised, or ``None``."""
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001 - the error a user sees
+        return exc
+    return None
+
+
+def _values(model, opt) -> dict[str, torch.Tensor]:
+    """Copies of the model's full parameters and the optimizer's full state tensors, by name."""
+    values = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        for key, value in opt.state.get(p, {}).items():
+            values[f"{name}.{key}"] = value.full_tensor().clone() if hasattr(value, "full_tensor") else value.clone()
+    return values
+
+
+def _plant(checkpoint_dir, name: str, data: bytes) -> None:
+    """Replace the file ``name`` with ``data`` and record its size and digest in the marker, as anyone
+    who can write the folder can."""
+    import json
+
+    import xxhash
+
+    from zerograph import checkpoint
+
+    (checkpoint_dir / name).write_bytes(data)
+    marker_file = checkpoint_dir / checkpoint.MARKER
+    marker = json.loads(marker_file.read_text())
+    marker["files"][name] = {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+    marker_file.write_text(json.dumps(marker))
+
+
+def test_a_planted_pickle_in_the_metadata_runs_nothing(tmp_path) -> None:
+    """A ``.metadata`` replaced by DCP metadata that carries a payload (the digest rewritten to match):
+    ``load`` raises ``CheckpointError`` naming the refused type, and the payload never ran."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from zerograph import checkpoint
+
+    model, opt = _linear_stack(2)
+    checkpoint.save(model, opt, tmp_path / "ck")
+    saved = _values(model, opt)
+    honest = (tmp_path / "ck" / ".metadata").read_bytes()
+    metadata = dcp.FileSystemReader(tmp_path / "ck").read_metadata()  # the honest file, before planting
+    ran = tmp_path / "payload_ran"
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()  # the model moves on from the checkpoint: a refused load must leave it here
+    before = _values(model, opt)
+    for payload, name in ((_Shell(str(ran)), ".system"), (_Planted(str(ran)), "test_checkpoint._Planted")):
+        metadata.planner_data = payload
+        _plant(tmp_path / "ck", ".metadata", pickle.dumps(metadata))
+        error = _raised(lambda: checkpoint.load(model, opt, tmp_path / "ck"))
+        assert not ran.exists(), f"loading ran the planted {type(payload).__name__}"
+        assert isinstance(error, checkpoint.CheckpointError) and name in str(error), error
+    after = _values(model, opt)
+    assert all(torch.equal(before[key], after[key]) for key in before), "the refused load changed the model"
+    _plant(tmp_path / "ck", ".metadata", honest)
+    checkpoint.load(model, opt, tmp_path / "ck")
+    assert all(torch.equal(saved[key], value) for key, value in _values(model, opt).items())
+
+
+def test_a_planted_pickle_in_a_saved_value_runs_nothing(tmp_path) -> None:
+    """A non-tensor value (an optimizer hyperparameter, saved by ``torch.save`` into a ``.distcp``
+    file) that carries a payload: refused by name at load, and the payload never ran."""
+    from zerograph import checkpoint
+
+    ran = tmp_path / "payload_ran"
+    for payload, name in ((_Shell(str(ran)), ".system"), (_Planted(str(ran)), "test_checkpoint._Planted")):
+        model, opt = _linear_stack(2)
+        opt.param_groups[0]["planted"] = payload
+        checkpoint.save(model, opt, tmp_path / "ck")
+        fresh, fresh_opt = _linear_stack(2, seed=1)
+        fresh_opt.param_groups[0]["planted"] = None
+        before = _values(fresh, fresh_opt)
+        error = _raised(lambda: checkpoint.load(fresh, fresh_opt, tmp_path / "ck"))
+        assert not ran.exists(), f"loading ran the planted {type(payload).__name__}"
+        assert isinstance(error, checkpoint.CheckpointError) and name in str(error), error
+        after = _values(fresh, fresh_opt)
+        assert all(torch.equal(before[key], after[key]) for key in before), "the refused load changed the model"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist: a single process, as meant
+@pytest.mark.parametrize("single_file_per_rank", [True, False])
+def test_checkpoints_plain_dcp_writes_load_through_the_restricted_reader(tmp_path, single_file_per_rank) -> None:
+    """What ``torch.distributed.checkpoint.save`` writes with a ``FileSystemWriter`` (dtypes, a
+    channels-last tensor, nested non-tensor values) loads exactly through ``RestrictedFileSystemReader``
+    and ``WeightsOnlyLoadPlanner``."""
+    import torch.distributed.checkpoint as dcp
+
+    from zerograph.checkpoint_unpickle import RestrictedFileSystemReader, WeightsOnlyLoadPlanner
+
+    torch.manual_seed(0)
+    saved = {
+        "w": torch.randn(3, 4), "half": torch.randn(5).to(torch.bfloat16), "ids": torch.arange(6),
+        "mask": torch.rand(4) > 0.5, "image": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "hyper": {"lr": 0.1, "betas": (0.9, 0.99), "names": ["a", "b"], "none": None, "steps": 7, "tag": "x",
+                  "device": torch.device("cpu")},
+    }
+    writer = dcp.FileSystemWriter(tmp_path / "plain", single_file_per_rank=single_file_per_rank)
+    dcp.save(saved, storage_writer=writer, no_dist=True)
+    loaded = {key: torch.zeros_like(value) if isinstance(value, torch.Tensor) else None for key, value in saved.items()}
+    loaded["hyper"] = {key: None for key in saved["hyper"]}
+    dcp.load(loaded, storage_reader=RestrictedFileSystemReader(tmp_path / "plain"), planner=WeightsOnlyLoadPlanner(),
+             no_dist=True)
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+    assert loaded["hyper"] == saved["hyper"]

@@ -30,6 +30,9 @@ one rank finds a problem, so no rank waits for a peer that gave up):
   ``XXH3-128`` (the ``xxhash`` package) detects corruption, not tampering; measured 0.21 s per
   GB hashed from the page cache on one core (BLAKE2b from ``hashlib``: 2.2 s per GB), each rank
   hashing about 1/N of the checkpoint at save and at load.
+- **What runs** at load: nothing from the checkpoint. Its pickles (DCP's ``.metadata`` and the
+  non-tensor values) are read with allow-lists (``checkpoint_unpickle``); another type is a
+  ``CheckpointError`` naming it, raised before any tensor is overwritten.
 
 Buffers (e.g. BatchNorm running statistics) are plain tensors, one copy per rank; DCP saves one
 rank's copy and every rank loads it (as with FSDP2 and DDP checkpoints).
@@ -56,7 +59,6 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -67,6 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .checkpoint_agreement import CheckpointError, agree, attempt, dcp_call, gather, group_of, raise_first
+from .checkpoint_unpickle import RestrictedFileSystemReader, WeightsOnlyLoadPlanner
 from .state import state_of
 
 log = logging.getLogger(__name__)
@@ -160,7 +163,8 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.Path
             interrupted save, or a directory not written by ``save``); the marker is malformed; a
             file is missing, truncated or corrupt (the message says "corrupt" and names the file);
             the checkpoint does not fit (the first line names a key: missing, unexpected, or of
-            another shape, or the optimizer class).
+            another shape, or the optimizer class); a pickle in it names a type outside DCP's
+            metadata and plain data (the message names the type; nothing of it ran).
         CollectiveError: a peer rank died or stopped during the load.
         ShardingError: ``model`` was not compiled by zerograph.
         ProcessGroupError: the model's process group was destroyed.
@@ -180,8 +184,8 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.Path
         state = {"model": get_model_state_dict(model)}
     agree(group, attempt(lambda: _fit_problem(state, path, marker, optimizer, strict)), "checking the fit")
     groups_params = [list(g["params"]) for g in state.get("optimizer", {}).get("param_groups", [])]
-    dcp_call(lambda: dcp.load(state, checkpoint_id=path, process_group=group,
-                               planner=DefaultLoadPlanner(allow_partial_load=not strict)),
+    dcp_call(lambda: dcp.load(state, storage_reader=RestrictedFileSystemReader(path), process_group=group,
+                               planner=WeightsOnlyLoadPlanner(allow_partial_load=not strict)),
               f"reading the checkpoint at {path!r}")
     for group_state, params in zip(state.get("optimizer", {}).get("param_groups", []), groups_params):
         group_state["params"] = params  # this optimizer's parameter names, not the saved list
@@ -387,7 +391,9 @@ def _fit_problem(state: dict, path: str, marker: dict, optimizer: torch.optim.Op
     template, _ = flatten_state_dict(state)
     sections = tuple(f"{section}." for section in state)
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = RestrictedFileSystemReader(path).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as exc:  # unpickling a damaged file raises anything; format 1 has no digest to catch it first
         raise CheckpointError(f"the DCP metadata of {path!r} is corrupt: {type(exc).__name__}: {exc}") from exc
     saved = {k: v for k, v in metadata.state_dict_metadata.items() if k.startswith(sections)}

@@ -76,6 +76,8 @@ def dcp_call(step: Callable[[], None], what: str) -> None:
         causes = [pair[0] for pair in exc.failures.values() if isinstance(pair, tuple) and pair]
         if causes and all(is_communication_failure(c) for c in causes):
             raise CollectiveError(f"{what} failed: a peer rank probably died. Cause: {exc}") from exc
+        if causes and all(isinstance(c, CheckpointError) for c in causes):  # ours, raised inside DCP: its text
+            raise CheckpointError(f"{what} failed on ranks {sorted(exc.failures)}: {causes[0]}") from exc
         raise CheckpointError(f"{what} failed on ranks {sorted(exc.failures)}: {exc}") from exc
     except (RuntimeError, dist.DistError) as exc:
         if is_communication_failure(exc):
