@@ -314,8 +314,8 @@ def _no_sync_step(model, x, opt, i, compiled, record):
     """Two micro-batches, the first accumulated without a collective, the second synced, with
     ``torch.autograd.grad`` of the ``NAMED`` parameters (``None`` for the unused ones) and a
     backward reaching only them (``inputs=``; the others keep what they had): step 0 takes the
-    gradients before the micro-batches, discards an unsynced one (``zero_grad()``), runs the first
-    one's backward after leaving ``no_sync``
+    gradients before the micro-batches, discards an unsynced one (``zero_grad()``; step 1:
+    ``zero_grad(set_to_none=False)``), runs the first one's backward after leaving ``no_sync``
     (its forward decided: held) and names them in the second's; step 1 names them in the unsynced backward and
     takes the gradients inside ``no_sync``."""
     if not compiled and dist.is_initialized():  # the global micro-batches are the ranks' halves
@@ -330,9 +330,10 @@ def _no_sync_step(model, x, opt, i, compiled, record):
 
     if i == 0:
         grad_of_named()
-        with model.no_sync() if compiled else contextlib.nullcontext():  # a micro-batch discarded:
-            model(second).backward()
-        opt.zero_grad()  # set_to_none: what no_sync held goes, as eager's .grad goes
+    with model.no_sync() if compiled else contextlib.nullcontext():  # a micro-batch discarded:
+        model(second).backward()
+    # step 0 sets .grad to None, step 1 zeroes it in place: either way what no_sync held goes, as eager's .grad goes
+    opt.zero_grad(set_to_none=i == 0)
     with model.no_sync() if compiled else contextlib.nullcontext():
         out = model(first).mul(0.5)
         if i == 1:

@@ -59,6 +59,10 @@ class GradientBuffers:
         self.accumulators: dict[int, tuple[Node, ...]] = {}
         self.requires_gradient_sync = True
         self.unsynced: dict[int, torch.Tensor] = {}
+        # key -> each parameter's (.grad, its version) when the last holding backward ended: a
+        # caller's in-place write since (zero_grad(set_to_none=False)) shows as a new version
+        self.held_grads: dict[int, tuple[tuple[torch.Tensor | None, int], ...]] = {}
+        self._noting = False  # a callback noting held_grads is queued for the running backward
 
     def grad_mode(self) -> str:
         """What the next forward's backward does with full gradients (``sharding.GRAD_MODES``):
@@ -94,6 +98,9 @@ class GradientBuffers:
                 self.unsynced[key] = kept
             else:
                 held.add_(kept)
+            if not self._noting:  # once AccumulateGrad has run: what .grad then is
+                self._noting = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._note_held_grads)
         return grad.new_zeros(layout.local_shape(self.topology.rank), dtype=layout.dtype)
 
     def take(self, grad: torch.Tensor, key: int) -> torch.Tensor:
@@ -128,13 +135,26 @@ class GradientBuffers:
             return self.flat_shards[key].shards
         return (self.shards[key],) if key in self.shards else None
 
+    def _note_held_grads(self) -> None:
+        """At the end of a backward that held gradients: each held key's parameters' ``.grad``
+        and its version (``_version``, which every in-place write moves)."""
+        self._noting = False
+        self.held_grads = {key: tuple((p.grad, p.grad._version if p.grad is not None else 0)
+                                      for p in self._params_of(key) or ())
+                           for key in self.unsynced}
+
     def _forget_cleared(self) -> None:
-        """Before a forward: drop the held gradients whose parameters' ``.grad`` were set to ``None``
-        since (``zero_grad()``, whose default is ``set_to_none=True``): an unsynced backward gave each
-        of them a ``.grad`` (zeros), so ``None`` means the caller discarded that micro-batch, as
-        eager's ``zero_grad`` discards it; for a unit's flat gradient, the cleared parameters' parts."""
+        """Before a forward: drop the held gradients whose parameters' ``.grad`` the caller cleared
+        since the backward that held them, as eager's ``zero_grad`` discards the micro-batches so
+        far: set to ``None`` (``zero_grad()``, ``set_to_none=True``), written in place
+        (``zero_grad(set_to_none=False)``, ``.grad.zero_()``: a new version) or replaced. An unsynced
+        backward gave each a ``.grad`` of zeros, so any of these means the caller discarded it; for a
+        unit's flat gradient, the cleared parameters' parts. Source: the version counter
+        autograd keeps for in-place checks (``Tensor._version``)."""
         for key in tuple(self.unsynced):
-            kept = tuple(param.grad is not None for param in self._params_of(key) or ())
+            noted = self.held_grads.get(key, ())
+            kept = tuple(_unchanged(param.grad, noted[i] if i < len(noted) else None)
+                         for i, param in enumerate(self._params_of(key) or ()))
             if not any(kept):
                 del self.unsynced[key]
             elif not all(kept):
@@ -173,6 +193,11 @@ class GradientBuffers:
     def _reduce_leftovers(self) -> None:
         for key in sorted(self.unsynced):
             self.reduce_leftover(self.unsynced.pop(key), key)
+
+
+def _unchanged(grad: torch.Tensor | None, noted: tuple[torch.Tensor | None, int] | None) -> bool:
+    """Whether ``grad`` is not ``None`` and, where noted, the same tensor at the same version."""
+    return grad is not None and (noted is None or (noted[0] is grad and noted[1] == grad._version))
 
 
 def _grad_accumulator(param: torch.Tensor) -> Node:
