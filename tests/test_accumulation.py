@@ -211,3 +211,31 @@ def test_zero_grad_in_place_discards_the_held_gradients(templates) -> None:
             param.grad.zero_()
         model(x, y).backward()
         assert runtime.unsynced_bytes() == 0
+
+
+def test_set_requires_gradient_sync_is_read_at_backward() -> None:
+    """FSDP2's switch decides when the backward runs (torchtitan sets it before ``backward``): a
+    forward run with sync off whose backward runs with it back on reduces its gradients and
+    what earlier micro-batches held, holding nothing; a ``no_sync()`` forward holds whenever its
+    backward runs (DDP's), and a loss summing it with a synced forward's reduces both. In process
+    (a fake world of 2): held bytes and reductions, not values."""
+    with fake_rank(2):
+        model = zerograph.compile(build("mlp"), stage=3)
+        runtime = runtime_of_model(model)
+        x, y = global_batch("mlp", 0, 4)
+        model.set_requires_gradient_sync(False)
+        model(x, y).backward()
+        assert runtime.unsynced_bytes() > 0
+        loss = model(x, y)
+        model.set_requires_gradient_sync(True)
+        loss.backward()
+        assert runtime.unsynced_bytes() == 0
+        assert zerograph.stats(model).comm_elements["reduce_scatter"] > 0
+        with model.no_sync():
+            loss = model(x, y)
+        loss.backward()  # the forward decided: held
+        assert runtime.unsynced_bytes() > 0
+        with model.no_sync():
+            unsynced = model(x, y)
+        (unsynced + model(x, y)).backward()
+        assert runtime.unsynced_bytes() == 0

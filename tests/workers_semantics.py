@@ -317,7 +317,8 @@ def _no_sync_step(model, x, opt, i, compiled, record):
     gradients before the micro-batches, discards an unsynced one (``zero_grad()``; step 1:
     ``zero_grad(set_to_none=False)``), runs the first one's backward after leaving ``no_sync``
     (its forward decided: held) and names them in the second's; step 1 names them in the unsynced backward and
-    takes the gradients inside ``no_sync``."""
+    takes the gradients inside ``no_sync``, and runs the second's forward with
+    ``set_requires_gradient_sync(False)``, turning it back on before its backward (read then)."""
     if not compiled and dist.is_initialized():  # the global micro-batches are the ranks' halves
         world = dist.get_world_size()
         x = x.view(world, 2, -1, x.shape[-1]).transpose(0, 1).reshape(-1, x.shape[-1])
@@ -341,7 +342,11 @@ def _no_sync_step(model, x, opt, i, compiled, record):
             grad_of_named()
     if i == 0:  # a forward run with sync off, its backward after leaving no_sync: held all the same
         out.backward()
+    if compiled and i == 1:  # FSDP2's switch, read at backward: this forward runs with sync off
+        model.set_requires_gradient_sync(False)
     loss = model(second).mul(0.5)
+    if compiled:
+        model.set_requires_gradient_sync(True)
     loss.backward(inputs=named if i == 0 else None)
     return loss
 
