@@ -20,7 +20,7 @@ import torch
 import zerograph
 from zerograph.state import runtime_of_model
 
-from .distributed import spawn
+from .distributed import fake_rank, spawn
 from .models import build, global_batch, reference_training
 from .workers_precision import ACC_STEPS, MICRO, accumulation_reference, accumulation_runs, build_acc
 
@@ -181,3 +181,61 @@ def test_no_sync_restores_the_previous_setting() -> None:
     with model.no_sync():
         pass
     assert not runtime.requires_gradient_sync
+
+
+@pytest.mark.parametrize("templates", [True, False], ids=["unit_templates", "per_parameter"])
+def test_zero_grad_in_place_discards_the_held_gradients(templates) -> None:
+    """``zero_grad(set_to_none=False)`` (or ``.grad.zero_()``) between micro-batches discards what
+    the unsynced backwards held, as eager's zeroing discards the sum so far: the next forward holds
+    nothing, where it once reduced the held sum too (a + b for eager's b). A backward that holds
+    again after the zeroing is kept. In process (a fake world of 2): held bytes, not values."""
+    with fake_rank(2):
+        model = zerograph.compile(build("mlp"), stage=3, config=zerograph.Config(unit_templates=templates))
+        runtime = runtime_of_model(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        x, y = global_batch("mlp", 0, 4)
+        with model.no_sync():
+            model(x, y).backward()
+            held = runtime.unsynced_bytes()
+            assert held > 0
+            model(x, y).backward()  # a second holding backward writes .grad too: still held
+            assert runtime.unsynced_bytes() == held
+            model(x, y)  # the forward before which the zeroing is looked for
+            assert runtime.unsynced_bytes() == held
+        opt.zero_grad(set_to_none=False)
+        model(x, y)
+        assert runtime.unsynced_bytes() == 0
+        with model.no_sync():
+            model(x, y).backward()
+        for param in model.parameters():
+            param.grad.zero_()
+        model(x, y).backward()
+        assert runtime.unsynced_bytes() == 0
+
+
+def test_set_requires_gradient_sync_is_read_at_backward() -> None:
+    """FSDP2's switch decides when the backward runs (torchtitan sets it before ``backward``): a
+    forward run with sync off whose backward runs with it back on reduces its gradients and
+    what earlier micro-batches held, holding nothing; a ``no_sync()`` forward holds whenever its
+    backward runs (DDP's), and a loss summing it with a synced forward's reduces both. In process
+    (a fake world of 2): held bytes and reductions, not values."""
+    with fake_rank(2):
+        model = zerograph.compile(build("mlp"), stage=3)
+        runtime = runtime_of_model(model)
+        x, y = global_batch("mlp", 0, 4)
+        model.set_requires_gradient_sync(False)
+        model(x, y).backward()
+        assert runtime.unsynced_bytes() > 0
+        loss = model(x, y)
+        model.set_requires_gradient_sync(True)
+        loss.backward()
+        assert runtime.unsynced_bytes() == 0
+        assert zerograph.stats(model).comm_elements["reduce_scatter"] > 0
+        with model.no_sync():
+            loss = model(x, y)
+        loss.backward()  # the forward decided: held
+        assert runtime.unsynced_bytes() > 0
+        with model.no_sync():
+            unsynced = model(x, y)
+        (unsynced + model(x, y)).backward()
+        assert runtime.unsynced_bytes() == 0

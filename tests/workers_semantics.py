@@ -314,10 +314,11 @@ def _no_sync_step(model, x, opt, i, compiled, record):
     """Two micro-batches, the first accumulated without a collective, the second synced, with
     ``torch.autograd.grad`` of the ``NAMED`` parameters (``None`` for the unused ones) and a
     backward reaching only them (``inputs=``; the others keep what they had): step 0 takes the
-    gradients before the micro-batches, discards an unsynced one (``zero_grad()``), runs the first
-    one's backward after leaving ``no_sync``
+    gradients before the micro-batches, discards an unsynced one (``zero_grad()``; step 1:
+    ``zero_grad(set_to_none=False)``), runs the first one's backward after leaving ``no_sync``
     (its forward decided: held) and names them in the second's; step 1 names them in the unsynced backward and
-    takes the gradients inside ``no_sync``."""
+    takes the gradients inside ``no_sync``, and runs the second's forward with
+    ``set_requires_gradient_sync(False)``, turning it back on before its backward (read then)."""
     if not compiled and dist.is_initialized():  # the global micro-batches are the ranks' halves
         world = dist.get_world_size()
         x = x.view(world, 2, -1, x.shape[-1]).transpose(0, 1).reshape(-1, x.shape[-1])
@@ -330,9 +331,10 @@ def _no_sync_step(model, x, opt, i, compiled, record):
 
     if i == 0:
         grad_of_named()
-        with model.no_sync() if compiled else contextlib.nullcontext():  # a micro-batch discarded:
-            model(second).backward()
-        opt.zero_grad()  # set_to_none: what no_sync held goes, as eager's .grad goes
+    with model.no_sync() if compiled else contextlib.nullcontext():  # a micro-batch discarded:
+        model(second).backward()
+    # step 0 sets .grad to None, step 1 zeroes it in place: either way what no_sync held goes, as eager's .grad goes
+    opt.zero_grad(set_to_none=i == 0)
     with model.no_sync() if compiled else contextlib.nullcontext():
         out = model(first).mul(0.5)
         if i == 1:
@@ -340,7 +342,11 @@ def _no_sync_step(model, x, opt, i, compiled, record):
             grad_of_named()
     if i == 0:  # a forward run with sync off, its backward after leaving no_sync: held all the same
         out.backward()
+    if compiled and i == 1:  # FSDP2's switch, read at backward: this forward runs with sync off
+        model.set_requires_gradient_sync(False)
     loss = model(second).mul(0.5)
+    if compiled:
+        model.set_requires_gradient_sync(True)
     loss.backward(inputs=named if i == 0 else None)
     return loss
 

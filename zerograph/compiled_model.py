@@ -223,7 +223,11 @@ def _cast_inputs(policy: MixedPrecisionPolicy, args: tuple, kwargs: dict) -> tup
 def set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool) -> None:
     """Turn gradient reduction across ranks on or off for the backwards of the following forwards.
 
-    The setting is read when a forward runs and fixes what its backward does. Off (gradient
+    The setting is read when a forward runs (which graph it runs) and again when its backward
+    runs, which decides, as FSDP2's post-backward reads it: a forward run with sync off whose
+    backward runs with it back on reduces its gradients (and what earlier micro-batches held) one
+    parameter at a time, outside the graph; one run with sync on reduces in its graph whatever
+    the setting at backward. ``no_sync()`` is decided by the forward instead. Off (gradient
     accumulation without communication): backward runs no reduce-scatter or all-reduce; each rank
     adds its full, unreduced gradients, in ``Config.reduce_dtype``, to buffers the runtime holds,
     and the shards' ``.grad`` receive zeros (created if ``None``). Back on, while such buffers are
@@ -252,11 +256,13 @@ def set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool) ->
 @contextlib.contextmanager
 def no_sync(self: nn.Module):
     """Context manager: ``set_requires_gradient_sync(False)`` inside, the previous setting after
-    (DDP's ``no_sync``). Backwards of forwards run inside it keep their gradients unreduced."""
-    runtime = state_of(self).runtime
-    previous = runtime.requires_gradient_sync
-    runtime.requires_gradient_sync = False
+    (DDP's ``no_sync``). Decided by the forward, as DDP's: the backwards of forwards run inside it
+    keep their gradients unreduced wherever they run, unless a synced forward's backward runs in
+    the same backward (a loss summing both), which reduces them at its end."""
+    gradients = state_of(self).runtime.gradients
+    previous = gradients.requires_gradient_sync, gradients.no_sync
+    gradients.requires_gradient_sync, gradients.no_sync = False, True
     try:
         yield
     finally:
-        runtime.requires_gradient_sync = previous
+        gradients.requires_gradient_sync, gradients.no_sync = previous

@@ -5,7 +5,8 @@ a backward reduces nothing: each full gradient is added to a buffer here, in ``r
 (``accumulate``, what ``zerograph::accumulate_unsynced`` runs), and the shard's ``.grad`` gets
 zeros. The next synced backward adds the held sum to each gradient before its one reduction
 (``take``, what ``zerograph::take_unsynced`` runs); what no gradient of it took is reduced once
-its backward ends (``flush_leftovers_after_backward``). ``GradientBuffers.grad_mode`` says which
+its backward ends (``flush_leftovers_after_backward``). ``set_requires_gradient_sync`` is read again
+when the backward runs (``holds_now``); ``no_sync()`` is decided by the forward. ``GradientBuffers.grad_mode`` says which
 of the three a forward's backward does (``sharding.GRAD_MODES``); each traces its own graph.
 
 Layer: execution.
@@ -57,16 +58,32 @@ class GradientBuffers:
         # each key's parameters' AccumulateGrad nodes (found at a forward: the custom ops' bodies, where
         # accumulate and take run, record no autograd to find them by); held, so autograd reuses them
         self.accumulators: dict[int, tuple[Node, ...]] = {}
-        self.requires_gradient_sync = True
+        self.requires_gradient_sync = True  # FSDP2's switch: read when the backward runs
+        self.no_sync = False  # inside DDP's no_sync() (sync off too): its forwards hold, whenever their backward runs
+        self.ever_unsynced = False  # sync was off once: synced backwards look for held gradients to reduce
+        self._backward_holds = False  # a no_sync forward's backward is running
+        self._backward_syncs = False  # another forward's backward is running
         self.unsynced: dict[int, torch.Tensor] = {}
+        # key -> each parameter's (.grad, its version) when the last holding backward ended: a
+        # caller's in-place write since (zero_grad(set_to_none=False)) shows as a new version
+        self.held_grads: dict[int, tuple[tuple[torch.Tensor | None, int], ...]] = {}
+        self._noting = False  # a callback noting held_grads is queued for the running backward
 
     def grad_mode(self) -> str:
         """What the next forward's backward does with full gradients (``sharding.GRAD_MODES``):
         keep them here while sync is off, add the kept ones before reducing once it is back on,
         else reduce them (the only mode, and graph, of a run that never turns sync off)."""
         if not self.requires_gradient_sync:
+            self.ever_unsynced = True
             return GRAD_ACCUMULATE
         return GRAD_FLUSH if self.unsynced else GRAD_SYNC
+
+    def holds_now(self) -> bool:
+        """Inside a backward: whether gradients are held, not reduced. Sync off
+        (``set_requires_gradient_sync(False)``, read now, as FSDP2 reads it in its post-backward),
+        inside ``no_sync()``, or the backward of a forward run inside ``no_sync()`` (DDP's
+        ``no_sync`` is decided by the forward)."""
+        return not self.requires_gradient_sync or self._backward_holds
 
     def unsynced_bytes(self) -> int:
         """Bytes of full gradients held while gradient sync is off (Ψ in ``reduce_dtype`` at most)."""
@@ -84,6 +101,8 @@ class GradientBuffers:
         runs = self._accumulates(key)
         if runs is None:
             return self.reduce_now(grad, key)
+        if not self.holds_now():  # a forward traced unsynced, its backward run with sync back on
+            return self.reduce_now(self.take(grad, key), key)
         if any(runs):
             # a contiguous copy of our own: the graph may reuse grad's storage
             kept = grad.to(layout.reduce_dtype, copy=True, memory_format=torch.contiguous_format)
@@ -94,6 +113,9 @@ class GradientBuffers:
                 self.unsynced[key] = kept
             else:
                 held.add_(kept)
+            if not self._noting:  # once AccumulateGrad has run: what .grad then is
+                self._noting = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._note_held_grads)
         return grad.new_zeros(layout.local_shape(self.topology.rank), dtype=layout.dtype)
 
     def take(self, grad: torch.Tensor, key: int) -> torch.Tensor:
@@ -128,13 +150,26 @@ class GradientBuffers:
             return self.flat_shards[key].shards
         return (self.shards[key],) if key in self.shards else None
 
+    def _note_held_grads(self) -> None:
+        """At the end of a backward that held gradients: each held key's parameters' ``.grad``
+        and its version (``_version``, which every in-place write moves)."""
+        self._noting = False
+        self.held_grads = {key: tuple((p.grad, p.grad._version if p.grad is not None else 0)
+                                      for p in self._params_of(key) or ())
+                           for key in self.unsynced}
+
     def _forget_cleared(self) -> None:
-        """Before a forward: drop the held gradients whose parameters' ``.grad`` were set to ``None``
-        since (``zero_grad()``, whose default is ``set_to_none=True``): an unsynced backward gave each
-        of them a ``.grad`` (zeros), so ``None`` means the caller discarded that micro-batch, as
-        eager's ``zero_grad`` discards it; for a unit's flat gradient, the cleared parameters' parts."""
+        """Before a forward: drop the held gradients whose parameters' ``.grad`` the caller cleared
+        since the backward that held them, as eager's ``zero_grad`` discards the micro-batches so
+        far: set to ``None`` (``zero_grad()``, ``set_to_none=True``), written in place
+        (``zero_grad(set_to_none=False)``, ``.grad.zero_()``: a new version) or replaced. An unsynced
+        backward gave each a ``.grad`` of zeros, so any of these means the caller discarded it; for a
+        unit's flat gradient, the cleared parameters' parts. Source: the version counter
+        autograd keeps for in-place checks (``Tensor._version``)."""
         for key in tuple(self.unsynced):
-            kept = tuple(param.grad is not None for param in self._params_of(key) or ())
+            noted = self.held_grads.get(key, ())
+            kept = tuple(_unchanged(param.grad, noted[i] if i < len(noted) else None)
+                         for i, param in enumerate(self._params_of(key) or ()))
             if not any(kept):
                 del self.unsynced[key]
             elif not all(kept):
@@ -151,28 +186,45 @@ class GradientBuffers:
             return None
 
     def flush_leftovers_after_backward(self, outputs: Any, grad_mode: str) -> None:
-        """After a flushing forward (``grad_mode`` ``"flush"``: sync back on while unsynced
-        gradients are held; any other mode returns at once): make its backward, once done, reduce
-        the held gradients that no gradient of it took (a parameter used in the unsynced
-        micro-batches, e.g. a head, but not in this one), each into its shard's ``.grad``, so
-        ``.grad`` holds the rank-averaged sum of every micro-batch, as DDP's ``no_sync`` gives,
-        and nothing is carried into the next step. The flushing graph cannot: it reduces the
-        parameters whose gradients it produces. Rank-agreed: every rank held the same keys
-        (ranks that ran other graphs fail the schedule check first), reduced in key order.
-        Source: FSDP2's post-backward final callback (``Variable._execution_engine.queue_callback``
-        from a hook on the forward's outputs)."""
-        if grad_mode != GRAD_FLUSH or not self.unsynced or not torch.is_grad_enabled():
+        """After a forward (once sync was ever off): make its backward, when it starts, say
+        whether it holds (a forward run inside ``no_sync()``: DDP's ``no_sync`` is decided by the
+        forward) or syncs (any other), and, when the backward ends, reduce each held gradient into
+        its shard's ``.grad`` if it synced and sync is on then (``_end_backward``): what no gradient
+        of it took (a parameter used in the unsynced micro-batches, e.g. a head, but not in this
+        one; a ``no_sync`` forward's loss summed with a synced one's), so ``.grad`` holds the
+        rank-averaged sum of every micro-batch, as eager's does, and nothing is carried into the
+        next step. The graphs cannot: each reduces the parameters whose gradients it produces.
+        Rank-agreed: every rank held the same keys (ranks that ran other graphs fail the schedule
+        check first), reduced in key order. Source: FSDP2's post-backward final callback
+        (``Variable._execution_engine.queue_callback`` from a hook on the forward's outputs)."""
+        if not (self.ever_unsynced or self.unsynced) or not torch.is_grad_enabled():
             return
         tensors = [t for t in torch.utils._pytree.tree_leaves(outputs)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grads: torch.autograd.Variable._execution_engine.queue_callback(
-                    self._reduce_leftovers), mode="any")
+        holds = self.no_sync and grad_mode == GRAD_ACCUMULATE
 
-    def _reduce_leftovers(self) -> None:
-        for key in sorted(self.unsynced):
-            self.reduce_leftover(self.unsynced.pop(key), key)
+        def started(grads: Any) -> None:
+            if holds:
+                self._backward_holds = True
+            else:
+                self._backward_syncs = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, started, mode="any")
+
+    def _end_backward(self) -> None:
+        """Once per backward's end (later calls find nothing left): the held gradients reduced
+        where a synced forward's backward ran in it and sync is on now."""
+        syncs, self._backward_holds, self._backward_syncs = self._backward_syncs, False, False
+        if syncs and self.requires_gradient_sync:
+            for key in sorted(self.unsynced):
+                self.reduce_leftover(self.unsynced.pop(key), key)
+
+
+def _unchanged(grad: torch.Tensor | None, noted: tuple[torch.Tensor | None, int] | None) -> bool:
+    """Whether ``grad`` is not ``None`` and, where noted, the same tensor at the same version."""
+    return grad is not None and (noted is None or (noted[0] is grad and noted[1] == grad._version))
 
 
 def _grad_accumulator(param: torch.Tensor) -> Node:
