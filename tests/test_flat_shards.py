@@ -149,6 +149,45 @@ def test_accumulation_optimizer_and_checkpoint_match_eager() -> None:
 
 
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_an_ema_of_the_state_dicts_deepcopy_follows_eager(stage) -> None:
+    """An EMA kept as ``copy.deepcopy(model.state_dict())`` of the default build (flat shards, whose
+    parameters' local tensors are views at offsets of one buffer): the copy holds DTensors of the same
+    placements and values on storage of its own, training does not move it, ``lerp_`` updates it as
+    eager's, and ``load_state_dict`` of it puts eager's averages back. World of one."""
+    reference = _blocks()
+    model = zerograph.compile(copy.deepcopy(reference), stage)
+    assert len(runtime_of_model(model).flat_shards) == 3
+    state = model.state_dict()
+    assert any(v.to_local().storage_offset() != 0 for v in state.values())  # views inside the flat buffers
+    ema, ref_ema = copy.deepcopy(state), copy.deepcopy(reference.state_dict())
+    for name, value in state.items():
+        assert type(ema[name]) is type(value) and ema[name].placements == value.placements, name
+        assert torch.equal(ema[name].to_local(), value.to_local()), name
+        assert ema[name].to_local().untyped_storage().data_ptr() != value.to_local().untyped_storage().data_ptr()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    for x in [torch.randn(4, 8) for _ in range(3)]:
+        before = {k: v.full_tensor().clone() for k, v in ema.items()}
+        for m, o in ((model, opt), (reference, ref_opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+        assert all(torch.equal(ema[k].full_tensor(), v) for k, v in before.items())  # the step left it alone
+        with torch.no_grad():
+            for (name, value), ref_value in zip(model.state_dict().items(), reference.state_dict().values()):
+                ema[name].lerp_(value, 0.25)
+                ref_ema[name].lerp_(ref_value, 0.25)
+    for name, value in ema.items():
+        torch.testing.assert_close(value.full_tensor(), ref_ema[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert not torch.equal(value.full_tensor(), model.get_parameter(name).full_tensor()), name
+    model.load_state_dict(ema)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.full_tensor(), ref_ema[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_a_parameter_moved_out_of_its_flat_buffer_is_refused() -> None:
     model = zerograph.compile(_blocks(2), 3, config=TEMPLATES)
     model(torch.randn(2, 8)).sum().backward()

@@ -1,8 +1,9 @@
 """Models that do not fit on one rank (issue 15): meta-device construction, ``init_weights``,
 ``load_state_dict`` of full plain tensors, safetensors loading by slices, and their errors.
 
-Multi-rank checks run in two spawns (world 2; world 4 with the memory run); the error cases run
-in-process at world size 1.
+Multi-rank checks run in two spawns (world 2; world 4 with the memory run), plus a short one of a
+whole-model ``init_weights`` over gloo; rows per rank run as ranks of a fake world in process, the
+error cases in process at world size 1.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .workers_meta import (
     UNEVEN_GPT,
     gpt_init_passes,
     llama_meta_init,
+    llama_whole_model_inits,
     meta_gpt,
     meta_parity_and_llama,
     meta_parity_and_memory,
@@ -217,6 +219,34 @@ def test_torchtitan_llama_meta_init_reassigning_its_rope_buffer_equals_the_ordin
     assert result["units"] == ["<root>"] + [f"layers.{i}" for i in range(TITAN_LLAMA.n_layers)]
 
 
+@pytest.mark.parametrize("through_zerograph", [False, True], ids=["direct", "zerograph_init_weights"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_whole_model_init_weights_gives_each_rank_the_ordinary_builds_rows(rank, through_zerograph) -> None:
+    """torchtitan's recipe as torchtitan runs it: one ``model.init_weights()`` on the root, which
+    initialises every block (each a unit of its own) through its attributes. Called directly or
+    handed to ``zerograph.init_weights``, each rank's rows are bitwise the ordinary build's at every
+    stage (each unit run on full tensors as it is reached, this rank's rows kept), where a direct
+    call drew every rank's shard from the same stream and ``zerograph.init_weights`` refused it.
+    Rank ``rank`` of a fake world of 2; test_whole_model_init_weights_on_two_ranks checks the
+    full tensors over gloo."""
+    results = run_as_rank(llama_whole_model_inits, 2, STAGES, rank=rank)
+    for stage in STAGES:
+        result = results[stage, through_zerograph]
+        assert result["left"] == [], stage
+        assert result["rows_differ"] == [], stage
+        assert result["buffer_equal"], stage
+
+
+@pytest.mark.distributed
+def test_whole_model_init_weights_on_two_ranks() -> None:
+    """The same over two gloo ranks: the gathered full parameters equal the ordinary build's, and no
+    parameter's two halves are one draw (what a direct call gave: every rank the same stream)."""
+    for rank_results in spawn(llama_whole_model_inits, 2, [1, 3], timeout_s=300):
+        for (stage, through), result in rank_results.items():
+            assert result["left"] == [] and result["rows_differ"] == [], (stage, through)
+            assert result["full_differ"] == [] and result["halves_equal"] == [], (stage, through)
+
+
 def test_reassigned_buffers_of_another_shape_are_refused_and_others_stay_as_assigned() -> None:
     from zerograph.models.llama import Llama
 
@@ -251,6 +281,22 @@ def test_init_weights_refuses_an_fn_that_writes_another_units_shards() -> None:
 
     with pytest.raises(zerograph.ShardingError, match="blocks.0"):
         zerograph.init_weights(model, root_loop)
+
+
+def test_a_full_tensor_written_after_its_unit_was_put_back_is_refused() -> None:
+    """The root's fn reaches each block's parameters through attributes, one block unit open at a
+    time: a tensor of the first block kept and written after reading the second's would reach no
+    shard, and is refused by name (not lost)."""
+    model = meta_gpt(UNEVEN_GPT, stage=3)
+
+    def keeps_the_first_block(module: nn.Module) -> None:
+        if isinstance(module, GPT):
+            first = module.blocks[0].attn.qkv.weight  # blocks.0 materialised
+            nn.init.ones_(module.blocks[1].attn.qkv.weight)  # blocks.1 now: blocks.0 put back
+            nn.init.zeros_(first)
+
+    with pytest.raises(zerograph.ShardingError, match=r"wrote blocks\.0\.attn\.qkv\.weight after reading"):
+        zerograph.init_weights(model, keeps_the_first_block)
 
 
 def test_init_weights_reinitialises_a_model_that_holds_values() -> None:

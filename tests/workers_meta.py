@@ -214,6 +214,43 @@ def llama_meta_init(rank: int, world_size: int, steps: int = 0, forward: bool = 
     return out
 
 
+def llama_whole_model_init(rank: int, world_size: int, stage: int, through_zerograph: bool) -> dict:
+    """torchtitan's whole-model ``init_weights()`` (the root initialising every unit's parameters and
+    re-assigning ``freqs_cis``) on a meta-built Llama compiled at ``stage``: called directly, as
+    torchtitan does, or handed to ``zerograph.init_weights`` as the root's function. Returns what
+    is left uninitialised, the parameters whose rows on this rank differ from the ordinary build's
+    and, where the collectives are real, those whose full tensors differ and those (not constant)
+    whose two halves are equal: one draw on every rank."""
+    cfg = TITAN_LLAMA
+    with torch.device("meta"):
+        model = zerograph.compile(Llama(cfg), stage=stage, device="cpu")
+    torch.manual_seed(0)
+    if through_zerograph:
+        left = zerograph.init_weights(model, lambda module: module.init_weights() if module is model else None)
+    else:
+        model.init_weights()
+        tracker = zerograph.state.state_of(model).uninitialised
+        left = tracker.pending() if tracker is not None else []
+    ordinary = ordinary_llama(cfg, 0)
+    rows = local_rows(model)
+    out: dict = {"left": left, "rows_differ": [name for name, p in model.named_parameters()
+                                               for _, start, stop in [rows[id(p)]]
+                                               if not torch.equal(p.to_local(), ordinary.get_parameter(name)[start:stop])]}
+    out["buffer_equal"] = torch.equal(model.freqs_cis, ordinary.freqs_cis)
+    if not zerograph.fake.is_fake_world():
+        out["full_differ"] = [name for name, p in model.named_parameters()
+                              if not torch.equal(p.full_tensor(), ordinary.get_parameter(name).detach())]
+        out["halves_equal"] = [name for name, p in model.named_parameters() for full in [p.full_tensor()]
+                               if p.shape[0] % 2 == 0 and full.unique().numel() > 1 and torch.equal(*full.chunk(2))]
+    return out
+
+
+def llama_whole_model_inits(rank: int, world_size: int, stages: list[int]) -> dict:
+    """``llama_whole_model_init`` at each stage, called directly and through ``zerograph.init_weights``."""
+    return {(stage, through): llama_whole_model_init(rank, world_size, stage, through)
+            for stage in stages for through in (False, True)}
+
+
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 

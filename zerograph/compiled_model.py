@@ -7,7 +7,9 @@ methods (FSDP2's ``fully_shard`` swaps the class the same way).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,7 +17,7 @@ from torch import nn
 from torch._dynamo.exc import BackendCompilerFailed, InternalTorchDynamoError, TorchRuntimeError
 from torch.utils._pytree import tree_map_only
 
-from . import loading
+from . import init, loading
 from .errors import DynamicShapeTrace, SyncedForHooksWarning, TemplateUnavailable, ZeroGraphError
 from .policies import MixedPrecisionPolicy
 from .sharding import forget_shape_history, set_gathering, set_grad_mode, set_substituted
@@ -26,11 +28,26 @@ from .vocab import GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC
 
 def compiled_class(cls: type) -> type:
     """``cls`` with the compiled model's ``forward``, ``set_requires_gradient_sync``, ``no_sync``
-    and ``load_state_dict`` (full tensors or shards, ``loading.load_state_dict``); same name."""
-    return type(cls.__name__, (cls,), {"forward": compiled_forward,
-                                       "set_requires_gradient_sync": set_requires_gradient_sync,
-                                       "no_sync": no_sync, "load_state_dict": loading.load_state_dict,
-                                       "__deepcopy__": _refuse_deepcopy})
+    and ``load_state_dict`` (full tensors or shards, ``loading.load_state_dict``), and, where
+    ``cls`` defines one, its ``init_weights`` run unit by unit on full tensors
+    (``init.init_whole_model``: torchtitan's whole-model init); same name."""
+    methods = {"forward": compiled_forward, "set_requires_gradient_sync": set_requires_gradient_sync,
+               "no_sync": no_sync, "load_state_dict": loading.load_state_dict, "__deepcopy__": _refuse_deepcopy}
+    if callable(getattr(cls, "init_weights", None)):
+        methods["init_weights"] = _init_unit_by_unit(cls.init_weights)
+    return type(cls.__name__, (cls,), methods)
+
+
+def _init_unit_by_unit(init_weights: Callable[..., Any]) -> Callable[..., Any]:
+    """The model's own ``init_weights`` (torchtitan's: the root initialises every block through its
+    attributes), run by ``init.init_whole_model``: called directly, on shards, every rank drew the
+    same values for its rows."""
+
+    @functools.wraps(init_weights)
+    def compiled_init_weights(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return init.init_whole_model(self, lambda: init_weights(self, *args, **kwargs))
+
+    return compiled_init_weights
 
 
 def _refuse_deepcopy(self: nn.Module, memo: dict) -> nn.Module:

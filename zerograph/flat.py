@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from .errors import ModelChangedError
 from .sharding import FLAT_READS_ATTR, SUBSTITUTED_ATTR, ParamLayout, full_parameter
@@ -85,6 +86,8 @@ class FlatShard:
     unreached_read: Callable[[], None] = lambda: None
     # each module that holds some of the shards, with (attribute, shard) of each (install_reads)
     slots: tuple[tuple[nn.Module, tuple[tuple[str, nn.Parameter], ...]], ...] = ()
+    # the state_dict post-hooks of those modules (install_reads; removed by restore_)
+    state_dict_hooks: tuple[RemovableHandle, ...] = ()
     input: torch.Tensor | None = None
 
     def open_forward(self) -> None:
@@ -130,6 +133,8 @@ class FlatShard:
                 object.__setattr__(module, SUBSTITUTED_ATTR, frozenset())
                 slots.append((module, tuple((name, module._parameters[name]) for name in reads)))
         self.slots = tuple(slots)
+        self.state_dict_hooks = tuple(module.register_state_dict_post_hook(functools.partial(_copyable_values, tuple(
+            name for name, _ in shards))) for module, shards in slots)
 
     def restore_(self) -> None:
         """Undo ``flatten_unit_`` and ``install_reads``: each parameter's local tensor gets a
@@ -142,7 +147,9 @@ class FlatShard:
         for module, _ in self.slots:
             object.__delattr__(module, FLAT_READS_ATTR)
             object.__delattr__(module, SUBSTITUTED_ATTR)
-        self.slots = ()
+        for handle in self.state_dict_hooks:
+            handle.remove()
+        self.slots, self.state_dict_hooks = (), ()
 
     def substituted(self) -> bool:
         """Whether some module slot of the unit's parameters holds another tensor than its shard
@@ -239,6 +246,32 @@ def grad_like(shard: DTensor, local: torch.Tensor) -> DTensor:
     with ``DTensor``'s constructor, as FSDP2 builds its sharded gradients: ``from_local`` would
     add an autograd function and a new spec per parameter (about 0.1 ms each on CPU)."""
     return DTensor(local, shard._spec, requires_grad=False)
+
+
+def _copyable_values(names: tuple[str, ...], module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                     local_metadata: dict) -> None:
+    """``nn.Module`` state_dict post-hook of a module holding flat-shard parameters: each of their
+    entries, ``param.detach()``, becomes the same ``DTensor`` (same local tensor: an alias of the
+    parameter, as in eager) in a wrapper at storage offset 0, so that ``copy.deepcopy`` of the state
+    dict copies it. ``DTensor``'s constructor gives its wrapper the local tensor's storage offset,
+    and ``Tensor.__deepcopy__`` takes a wrapper whose ``data_ptr()`` is not 0 for one with a storage
+    of its own: copying that storage raised "Attempted to call copy_() on an invalid python storage"
+    for every parameter but the first of a flat shard. (``keep_vars=True`` entries, the parameters
+    themselves, keep the wrapper they were built with, at offset 0, and are left as they are.)"""
+    for name in names:
+        value = state_dict.get(prefix + name)
+        if isinstance(value, DTensor) and value.storage_offset() != 0:
+            state_dict[prefix + name] = _offset_free_wrapper(value)
+
+
+def _offset_free_wrapper(value: DTensor) -> DTensor:
+    """``value``'s local tensor and spec in a new ``DTensor`` wrapper at storage offset 0, as
+    ``DTensor.__new__`` built it before it took the local tensor's (``_make_wrapper_subclass``)."""
+    wrapper = torch.Tensor._make_wrapper_subclass(
+        DTensor, value.shape, strides=value.stride(), storage_offset=0, dtype=value.dtype, device=value.device,
+        layout=value.layout, requires_grad=value.requires_grad)
+    wrapper._spec, wrapper._local_tensor = value._spec, value._local_tensor
+    return wrapper
 
 
 def flatten_unit_(unit: int, name: str, shards: Sequence[nn.Parameter], layouts: Sequence[ParamLayout],

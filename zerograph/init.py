@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import sharding
 from .errors import ShardingError
 from .loading import local_rows
 from .sharding import ROOT_INDEX, ParamLayout
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 ModuleInit = Callable[[nn.Module], None]
+T = TypeVar("T")
 
 
 def reset_parameters(module: nn.Module) -> None:
@@ -66,11 +68,15 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
     all-gathers of already initialised parameters. A unit is materialised each time the walk
     enters it: the root unit of a transformer twice (embeddings first, final norm and head last).
 
-    Rules for ``fn``: it writes the parameters of the module it is given (and of its
-    submodules), in place; writes that reach a shard directly (a module holding several units
-    initialising the parameters of another, e.g. a root-level loop over ``model.parameters()``)
-    would draw from DTensor's RNG instead and are refused. A parameter that no ``fn`` wrote stays
-    uninitialised (NaN while materialised; it is not written back), and is returned.
+    Rules for ``fn``: it writes parameters in place. Those of the module it is given are
+    materialised before the call; one of another unit is materialised when ``fn`` reads it
+    through its module's attribute (``self.layers[i].wq.weight``), so a whole-model init given
+    for the root (torchtitan's ``model.init_weights()``) runs unit by unit, one such unit open at
+    a time: a full tensor kept and written after ``fn`` read another unit's parameter reaches no
+    shard and is refused. Writes that reach a shard directly (a root-level loop over
+    ``model.blocks.parameters()``: those slots hold shards) would draw from DTensor's RNG instead
+    and are refused. A parameter that no ``fn`` wrote stays uninitialised (NaN while
+    materialised; it is not written back), and is returned.
 
     Args:
         model: a model returned by ``zerograph.compile``, e.g. built on the meta device.
@@ -87,28 +93,74 @@ def init_weights(model: nn.Module, fn: ModuleInit | Iterable[ModuleInit] | None 
     Raises:
         ShardingError: ``model`` was not compiled by zerograph; ``fn`` draws random numbers but the
             ranks' RNG states differ (seed every rank alike first: ``torch.manual_seed(seed)``;
-            raised before the first random value is written); ``fn`` wrote a shard directly; ``fn``
+            raised before the first random value is written); ``fn`` wrote a shard directly, or a
+            full tensor after its unit was put back; ``fn``
             re-assigned an empty buffer with another shape or dtype (or deleted it).
 
     Source: FSDP2's meta-device initialisation (``to_empty`` + ``reset_parameters``) and
     torchtitan's per-module ``init_weights``; DeepSpeed's ``zero.Init`` gathers-then-slices the same way.
     """
     passes = [reset_parameters] if fn is None else ([fn] if callable(fn) else list(fn))
-    state = state_of(model)
-    walk = _UnitWalk(model, state.runtime, torch.device(device))
-    empty_buffers = _empty_buffer_slots(model, state.uninitialised)
-    try:
+
+    def every_module(walk: _UnitWalk) -> None:
         for init in passes:
             for mod in model.modules():
                 walk.enter(mod)
                 init(mod)
-                if empty_buffers:
-                    empty_buffers = _adopt_reassigned_buffers(empty_buffers)
+                walk.adopt_reassigned_buffers()
             walk.release_all()
+
+    _with_units_materialised(model, torch.device(device), every_module)
+    state = state_of(model)
+    return state.uninitialised.pending() if state.uninitialised is not None else []
+
+
+def init_whole_model(model: nn.Module, init: Callable[[], T]) -> T:
+    """Run ``init()``, a whole-model initialisation such as torchtitan's ``model.init_weights()``
+    (the root initialising every block's parameters through their modules' attributes), on a
+    compiled model as ``init_weights`` runs ``fn``: each unit's parameters are materialised in
+    full, on the shards' device, when ``init`` first reads one of them, and this rank's rows kept
+    when it moves on to another unit (one unit open at a time), so the same seed gives the
+    ordinary build's values, not one draw repeated on every rank. A compiled model's own
+    ``init_weights`` method runs through this (``compiled_model``). Inside ``init_weights`` (an
+    ``fn`` calling it) it just calls ``init()``. Returns what ``init()`` returns.
+
+    Raises:
+        ShardingError: as ``init_weights``; also when ``init`` wrote a parameter's full tensor after
+            its unit had been put back (it held on to it while reading another unit's).
+
+    Source: torchtitan's ``model.init_weights(buffer_device=...)`` after FSDP2's ``to_empty``.
+    """
+    if sharding.init_reads_active():
+        return init()
+    result: list[T] = []
+
+    def run(walk: _UnitWalk) -> None:
+        result.append(init())
+        walk.adopt_reassigned_buffers()
+        walk.release_all()
+
+    _with_units_materialised(model, _shards_device(model), run)
+    return result[0]
+
+
+def _with_units_materialised(model: nn.Module, device: torch.device, run: Callable[[_UnitWalk], None]) -> None:
+    """``run(walk)`` with parameter attribute reads materialising their units (``_UnitWalk.read``);
+    then every shard back in its module, and writes that missed the full tensors refused."""
+    walk = _UnitWalk(model, state_of(model).runtime, device)
+    previous = sharding.set_init_read(walk.read)
+    try:
+        run(walk)
     finally:  # on an error in fn: put every shard back, write nothing more
+        sharding.set_init_read(previous)
         walk.put_back()
     walk.refuse_direct_writes()
-    return state.uninitialised.pending() if state.uninitialised is not None else []
+
+
+def _shards_device(model: nn.Module) -> torch.device:
+    """The device of the model's shards (``init_whole_model`` draws there: an ordinary build on it)."""
+    param = next(model.parameters(), None)
+    return _local(param).device if param is not None else torch.device("cpu")
 
 
 class _UnitWalk:
@@ -136,15 +188,36 @@ class _UnitWalk:
         self.unit_roots = {id(model.get_submodule(u.name)) for u in runtime.units if u.index != ROOT_INDEX}
         self.unit_of_key = {key: u.index for u in runtime.units for key in u.keys}
         self.open_units: dict[int, dict[int, torch.Tensor]] = {}  # unit -> key -> full tensor (swapped in)
+        self.needed: set[int] = set()  # the units of the module fn now runs for (enter)
+        # full tensors put back, which fn may still hold: (a tensor sharing only the full tensor's
+        # version counter, the version then, name); a write to the full tensor moves it
+        self.put_back_fulls: list[tuple[torch.Tensor, int, str]] = []
+        self.empty_buffers = _empty_buffer_slots(model, state_of(model).uninitialised)
 
     def enter(self, mod: nn.Module) -> None:
         """Open the units ``fn(mod)`` needs (``_units_needed``), releasing the other open ones."""
         needed = _units_needed(mod, self.unit_of_module, self.unit_roots, self.unit_of_key, self.key_of)
         if needed:  # else (no parameters in reach) keep what is open: no gather thrash
+            self.needed = needed
             for unit in [u for u in self.open_units if u not in needed]:
                 self.release(unit)
             for unit in sorted(needed - self.open_units.keys()):
                 self.materialise(unit)
+
+    def read(self, mod: nn.Module, name: str) -> torch.Tensor:
+        """A parameter attribute read while ``fn`` runs (``sharding.set_init_read``): the full
+        tensor, its unit materialised first if closed (releasing the other units opened so, not
+        those ``fn``'s module needs: one unit at a time beyond them)."""
+        key = self.key_of.get(id(mod._parameters[name]))
+        if key is not None and self.unit_of_key[key] not in self.open_units:
+            for unit in [u for u in self.open_units if u not in self.needed]:
+                self.release(unit)
+            self.materialise(self.unit_of_key[key])
+        return mod._parameters[name]
+
+    def adopt_reassigned_buffers(self) -> None:
+        if self.empty_buffers:
+            self.empty_buffers = _adopt_reassigned_buffers(self.empty_buffers)
 
     def materialise(self, unit: int) -> None:
         """Swap full parameters of ``unit`` (gathered, or NaN while pending) into its modules."""
@@ -171,6 +244,7 @@ class _UnitWalk:
         self.direct.update(k for k in keys if versions(self.shard_of[k]) != self.written[k])
         for key, full in self.open_units.pop(unit).items():
             del self.key_of[id(full)]
+            self.put_back_fulls.append((_version_tracker(full), full._version, self.layout_of[key].fqn))
             for mod, name in self.holders[key]:
                 mod._parameters[name] = self.shard_of[key]
             if key in self.pending and full.is_floating_point() and _all_nan(full):
@@ -185,6 +259,18 @@ class _UnitWalk:
     def release_all(self) -> None:
         for unit in list(self.open_units):
             self.release(unit)
+        self.refuse_stale_writes()
+
+    def refuse_stale_writes(self) -> None:
+        """Raise ``ShardingError`` when ``fn`` wrote a full tensor after its unit was put back (it
+        kept it while reading another unit's parameters): the write reached no shard. Checked at
+        the end of each walk (O(parameters)), not at each read."""
+        stale = [name for tracker, version, name in self.put_back_fulls if tracker._version != version]
+        if stale:
+            raise ShardingError(
+                f"init_weights: fn wrote {', '.join(stale[:5])} after reading a parameter of another sharding unit, "
+                "when its unit's full tensors had been put back (one unit is materialised at a time), so the write "
+                "reached no shard: read each parameter through its module's attribute just before writing it")
 
     def put_back(self) -> None:
         """Put every open unit's shards back in their modules, writing nothing (after an error in ``fn``)."""
@@ -199,9 +285,10 @@ class _UnitWalk:
         direct_names = [self.layout_of[k].fqn for k in sorted(self.direct)]
         if direct_names:
             raise ShardingError(
-                f"init_weights: fn wrote the shards of {', '.join(direct_names[:5])} directly (a module initialised "
-                "parameters of another sharding unit, outside the ones materialised for it), so they hold DTensor "
-                "random values, not an ordinary build's: write fn to initialise the module it is given")
+                f"init_weights: fn wrote the shards of {', '.join(direct_names[:5])} directly (reached through "
+                "parameters() or _parameters of a module whose unit was not materialised, not through the module's "
+                "attribute), so they hold DTensor random values, not an ordinary build's: write fn to initialise "
+                "the module it is given, or reach each parameter through its module's attribute")
 
 
 BufferSlot = tuple[str, nn.Module, str, torch.Tensor]  # (qualified name, module, attribute, the buffer compile made)
@@ -241,6 +328,15 @@ def _adopt_reassigned_buffers(slots: list[BufferSlot]) -> list[BufferSlot]:
             buf.copy_(new)
         mod._buffers[name] = buf
     return waiting
+
+
+def _version_tracker(full: torch.Tensor) -> torch.Tensor:
+    """A tensor that shares ``full``'s version counter but not its storage (``detach`` shares both;
+    assigning ``.data`` drops the storage and keeps the counter), so that it sees a write to
+    ``full`` while ``fn`` holds it, and after, without keeping its memory alive."""
+    tracker = full.detach()
+    tracker.data = torch.empty(0, dtype=full.dtype)
+    return tracker
 
 
 def _local(shard: torch.Tensor) -> torch.Tensor:

@@ -222,11 +222,30 @@ def set_substituted(active: bool) -> bool:
     return previous
 
 
+# Set while ``init_weights`` runs (``init._UnitWalk``): called with the module and the parameter's
+# name at each parameter attribute read outside forward, it materialises the parameter's unit
+# (full plain tensors in the module slots) and returns what the slot then holds, so that an init
+# reaching the parameters of another unit through attributes writes full tensors, not shards.
+_init_read: Callable[[nn.Module, str], torch.Tensor] | None = None
+
+
+def set_init_read(read: Callable[[nn.Module, str], torch.Tensor] | None) -> Callable | None:
+    """Install (or, with ``None``, remove) ``init_weights``'s attribute read; returns the previous."""
+    global _init_read
+    previous, _init_read = _init_read, read
+    return previous
+
+
+def init_reads_active() -> bool:
+    """Whether ``init_weights`` reads parameter attributes now (``set_init_read``)."""
+    return _init_read is not None
+
+
 def _param_property(name: str, key: int) -> property:
     def get(self: nn.Module) -> torch.Tensor:
         shard = self._parameters[name]
         if not _gathering or _tracing_unit:
-            return shard
+            return shard if _init_read is None else _init_read(self, name)
         flat_read = getattr(self, FLAT_READS_ATTR, {}).get(name)
         # its unit's shards live in one flat buffer: read it through that, unless another tensor
         # stands in the slot for this forward (functional_call), which is then read itself
