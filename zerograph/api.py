@@ -159,6 +159,8 @@ def _install_templates(runtime: Runtime, config: Config, units: list[tuple[str, 
     runtime.add_flat_shards([flat for kind in unit_kinds for flat in kind.flat_shards])
     for kind in unit_kinds:
         kind.strict = config.strict_templates
+    kinds = list(unit_kinds)  # weakly held elsewhere: the report reads them through the state's list
+    captured.unit_paths = lambda: [kind.path() for kind in kinds]
     return unit_kinds
 
 

@@ -51,6 +51,8 @@ class CapturedGraphs:
         # (graph id, kind) -> (islands, distinct islands compiled) under the Inductor lowering (islands.py)
         self.islands: dict[tuple[int, str], tuple[int, int]] = {}
         self.templates: list = []  # unit_trace.UnitTemplate, one per unit kind and input signature traced
+        # the path each templated unit kind takes (templates.UnitKind.path), read at report time
+        self.unit_paths: Callable[[], list[dict]] = list
 
 
 class ZeroGraphBackend:

@@ -70,6 +70,9 @@ class Stats:
             ``comm_elements`` / ``comm_bytes``.
         replicas: R, the replicate dim's size (1 without a 2-D mesh); ``world_size`` is the
             shard dim's S, so gradients are averaged over ``world_size * replicas`` ranks.
+        template_exits: ``"<kind>: <reason>"`` -> traces (or eager calls) in which units of that
+            kind left the template fast path for that reason, since compile (``zerograph.explain``'s
+            "Unit paths"); empty while every unit runs its template.
         fake_world: the step ran as one rank of a fake world (``zerograph.fake_world``): bytes
             and counts are this rank's real ones, but no collective moved data, so the values
             the step computed were meaningless. ``str()`` says so on its first line.
@@ -90,6 +93,7 @@ class Stats:
     comm_elements_per_dim: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     comm_bytes_per_dim: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     replicas: int = 1
+    template_exits: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         if not self.fake_world:
@@ -189,4 +193,6 @@ def stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> S
                  formula, transient, saved, offloaded, fake_world=rt.fake_world,
                  comm_elements_per_dim={d: dict(c) for d, c in step.dim_elements.items()},
                  comm_bytes_per_dim={d: dict(c) for d, c in step.dim_bytes.items()},
-                 replicas=rt.replicate_size, secondary_partition_bytes=secondary)
+                 replicas=rt.replicate_size, secondary_partition_bytes=secondary,
+                 template_exits={f"{kind.name}: {reason}": count for kind in state.unit_kinds
+                                 for reason, count in kind.exits.items()})

@@ -164,6 +164,17 @@ class UnitKind:
             self._record.append(template)
         return template
 
+    def path(self) -> dict[str, Any]:
+        """The path the kind's units take, as plain data for ``explain`` and ``stats``: ``"island"``
+        (eager, gathered once on entry), ``"inline"`` (every mode), ``"template"`` (with the
+        training-flag modes that run inline listed in ``inline_modes``), whether its units keep
+        flat shards, the templates traced, and each exit from the fast path with its count."""
+        unit = self.modules[0]
+        path = "island" if getattr(unit, ISLAND_ATTR) else "inline" if getattr(unit, INLINE_ATTR) else "template"
+        return {"kind": self.name, "units": len(self.units), "path": path, "templates": len(self.templates),
+                "inline_modes": {f"{mode:#b}": reason for mode, reason in self.inline_modes.items()},
+                "flat_shards": self.flat_reason is None, "exits": dict(self.exits)}
+
     def note_exit(self, reason: str) -> None:
         """Count one exit of the kind's units from the fast path (a trace, or an eager call, that
         runs them inline), log it once per reason, and raise ``TemplateFallbackError`` under

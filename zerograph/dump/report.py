@@ -53,7 +53,7 @@ def build_report(runtime: Any, captured: Any, stats: Any | None) -> dict[str, An
     report: dict[str, Any] = {"rank": rank, "world_size": runtime.world_size, "stage": runtime.stage,
                               "replicas": runtime.replicate_size,
                               "graphs": len(captured.graphs), "units": rows, "passes": _pass_times(captured),
-                              "templates": _templates(captured)}
+                              "templates": _templates(captured), "unit_paths": captured.unit_paths()}
     if stats is not None:
         report["totals"] = _totals(stats)
     return report
@@ -141,6 +141,7 @@ def summary_markdown(report: Mapping[str, Any]) -> str:
             f"| {u['shard_bytes']:,} | {_where(u['gathered'], many, _gathered_at)} "
             f"| {_where(u['gathered'], many, _wait_after)} | {_where(u['released'], many, _released_at)} "
             f"| {_where(u['reduced'], many, _reduced_at)} |")
+    lines += _unit_path_lines(report.get("unit_paths", []))
     lines += _template_lines(report.get("templates", []))
     lines += _pass_time_lines(report.get("passes", []), many)
     totals = report.get("totals")
@@ -170,6 +171,23 @@ def summary_markdown(report: Mapping[str, Any]) -> str:
         paper = f"{formula:,.0f} bytes" if formula is not None else "-"
         lines.append(f"| {key} held at most (sec. 5) | {held:,} bytes{extra} | {paper} |")
     return "\n".join(lines) + "\n"
+
+
+def _unit_path_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The "Unit paths" table: per kind of templated unit, the path its units took and every exit
+    from the fast path (``Config(strict_templates=True)`` turns an exit into an error)."""
+    if not rows:
+        return []
+    lines = ["", "## Unit paths", "",
+             "Per kind of unit: `template` (one traced call per unit), `inline` (its body traced into the model's "
+             "graph) or `island` (eager, gathered once on entry); the exits from the template path, each with the "
+             "number of traces (or eager calls) that took it.", "",
+             "| kind | units | path | templates | flat shards | exits |", "|---|---:|---|---:|---|---|"]
+    for row in rows:
+        exits = "; ".join(f"{reason} (x{count})" for reason, count in row["exits"].items()) or "-"
+        lines.append(f"| {row['kind']} | {row['units']} | {row['path']} | {row['templates']} "
+                     f"| {'yes' if row['flat_shards'] else 'no'} | {exits.replace('|', '/')} |")
+    return lines
 
 
 def _template_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
