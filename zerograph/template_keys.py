@@ -45,16 +45,32 @@ _MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "_non_pers
     k for k in vars(nn.Module()) if k.endswith("hooks") or "hooks_" in k or k.endswith("_hooks_with_kwargs")}
 
 
-def _attribute_key(value: Any) -> Any:
-    """``value`` as part of a signature: plain values and containers by value, anything else
-    (functions, closures, bound methods, objects) by identity (``_Identity``)."""
+def _attribute_key(value: Any, depth: int = 0) -> Any:
+    """``value`` as part of a signature: plain values and containers by value; an object of a
+    Python class that holds no tensor, parameter or submodule (a Hugging Face layer's kernel
+    wrapper, a settings object) by its class and its attributes' keys, two levels deep; anything
+    else (functions, closures, bound methods, tensors, deeper objects) by identity (``_Identity``)."""
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         return value
     if isinstance(value, (tuple, list, frozenset)):
-        return (type(value).__name__, tuple(_attribute_key(v) for v in value))
+        return (type(value).__name__, tuple(_attribute_key(v, depth) for v in value))
     if isinstance(value, dict):
-        return ("dict", tuple(sorted((str(k), _attribute_key(v)) for k, v in value.items())))
+        return ("dict", tuple(sorted((str(k), _attribute_key(v, depth)) for k, v in value.items())))
+    if depth < 2 and _plain_object(value):
+        attrs = tuple(sorted((k, _attribute_key(v, depth + 1)) for k, v in vars(value).items() if _keyed(k, "sub")))
+        return ("object", type(value), attrs)
     return _Identity(value)
+
+
+def _plain_object(value: Any) -> bool:
+    """An instance of a Python class with a ``__dict__`` and no tensor state of its own (a module
+    without parameters, buffers or submodules); not a function, class or module."""
+    if isinstance(value, (torch.Tensor, type, types.FunctionType, types.MethodType, types.ModuleType,
+                          types.BuiltinFunctionType)) or not hasattr(value, "__dict__"):
+        return False
+    if isinstance(value, nn.Module):
+        return not (value._parameters or value._buffers or value._modules)
+    return True
 
 
 class _Identity:
