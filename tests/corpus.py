@@ -8,8 +8,8 @@ cross-entropy loss. The corpus is the catalogue's fragments one by one plus seed
 compositions (``corpus()``): the same names, bodies and initial weights in every process.
 
 ``Body.expects`` says which path the default build should take for the body's units: ``"template"``
-or ``"inline"`` (a body that writes a buffer or returns more than one tensor runs inline,
-``templates.py``); ``"template-kwargs"`` marks bodies called with keyword arguments,
+or ``"inline"`` (a body that writes a buffer, draws random numbers or returns more than one
+tensor runs inline, ``templates.py``); ``"template-kwargs"`` marks bodies called with keyword arguments,
 which run inline until the template path takes them.
 """
 from __future__ import annotations
@@ -226,9 +226,8 @@ class MaskBuffer(Fragment):
 
 
 FRAGMENTS: dict[str, type[Fragment]] = {cls.__name__: cls for cls in Fragment.__subclasses__()}
-# fragments whose units run inline whatever the call shape (a write to a buffer; dropout's draws
-# are the template's own, made where eager makes them)
-INLINE_FRAGMENTS = frozenset({"RunningStat"})
+# fragments whose units run inline whatever the call shape (a write to a buffer, random draws)
+INLINE_FRAGMENTS = frozenset({"RunningStat", "Dropout"})
 SHAPES = ("tensor", "tuple", "dict", "kwargs")  # how a block is called and what it returns
 
 

@@ -150,6 +150,7 @@ def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_g
     if reach is not None and body.flat is not None and any(grad_mask):
         reach["no_grad"] = no_grad_params
     check_no_writes(kind.name, joint_graph, len(metas), body.parameter_names(), body.cut_out)
+    _check_no_random(kind.name, joint_graph)
     joint_graph = functional_joint(joint_graph, primals, tangents, fake_mode)
     fwd, bwd = _partition(joint_graph, primals, tangents, body.n_args if body.flat is not None else None)
     if body.flat is not None and kind.lowering != "inductor":  # the flat gradient held once, not twice
@@ -421,6 +422,20 @@ def _slot_name(module: nn.Module, slot: tuple[nn.Module, str]) -> str:
     """A parameter slot's name inside its unit (``attn.proj.weight``)."""
     paths = {id(m): path for path, m in module.named_modules()}
     return f"{paths[id(slot[0])]}.{slot[1]}".lstrip(".")
+
+
+def _check_no_random(name: str, joint: fx.GraphModule) -> None:
+    """Refuse (``ValueError``: the kind runs inline) a body that draws random numbers (dropout):
+    a template recomputed in backward (under a checkpoint) would draw them again, where eager's
+    checkpoint restores the generator's state."""
+    for node in joint.graph.nodes:
+        if not isinstance(node.target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in node.target.tags:
+            continue
+        schema = node.target._schema.arguments  # attention is seeded for its dropout_p, which may be 0
+        args = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+                for i, a in enumerate(schema)}
+        if args.get("dropout_p", 1.0) != 0:
+            raise ValueError(f"unit {name!r} draws random numbers ({node.target}); its units run inline")
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:
