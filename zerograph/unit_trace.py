@@ -29,13 +29,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import registry
 from .attribute_reads import instance_reads, recording_reads
-from .parameter_writes import parameter_write_error
 from .passes._fx import sink_to_first_use
 from .sharding import set_tracing_unit
 from .unit_calls import TENSOR, call_arguments, call_structure, flatten_output
 from .unit_flat_grad import write_flat_gradient_in_place
 from .unit_in_place import functionalize_fresh_writes, save_random_values
 from .unit_saved import rebase_saved_views, recompute_norms
+from .unit_writes import check_no_writes, functional_joint
 
 if TYPE_CHECKING:
     from torch import nn
@@ -160,7 +160,9 @@ def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_g
     save_random_values(joint_graph.graph)  # and drawn once, in forward
     if reach is not None and body.flat is not None and any(grad_mask):
         reach["no_grad"] = no_grad_params
-    _check_no_writes(kind.name, joint_graph, len(metas), body.parameter_names(), body.cut_out)
+    check_no_writes(kind.name, joint_graph, len(metas), body.parameter_names(), body.cut_out)
+    _check_no_random(kind.name, joint_graph)
+    joint_graph = functional_joint(joint_graph, primals, tangents, fake_mode)
     fwd, bwd = _partition(joint_graph, primals, tangents, body.n_args if body.flat is not None else None)
     if body.flat is not None and kind.lowering != "inductor":  # the flat gradient held once, not twice
         write_flat_gradient_in_place(bwd, body.n_args)
@@ -446,35 +448,18 @@ def _slot_name(module: nn.Module, slot: tuple[nn.Module, str]) -> str:
     return f"{paths[id(slot[0])]}.{slot[1]}".lstrip(".")
 
 
-def _check_no_writes(name: str, joint: fx.GraphModule, n_primals: int, parameters: dict[int, str],
-                     cut_out: dict[StorageWeakRef, str] | None = None) -> None:
-    """Refuse a body that writes a primal in place: a parameter with ``ShardingError`` (as
-    ``parameter_writes.check_no_parameter_writes`` refuses it inline: the write would be lost), anything
-    else (an argument, a buffer: a batch norm's statistics) with ``ValueError``, which makes the
-    kind run inline. ``parameters``: primal index -> the parameter's name in the unit;
-    ``cut_out``: storages of parameters cut out of a flat shard -> their names (writes refused too)."""
-    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"][:n_primals]
-    index_of: dict[StorageWeakRef, int | str] = {
-        StorageWeakRef(n.meta["val"].untyped_storage()): i for i, n in enumerate(placeholders)
-        if isinstance(n.meta.get("val"), torch.Tensor)}
-    for ref, param_name in (cut_out or {}).items():
-        index_of.setdefault(ref, param_name)
+def _check_no_random(name: str, joint: fx.GraphModule) -> None:
+    """Refuse (``ValueError``: the kind runs inline) a body that draws random numbers (dropout):
+    a template recomputed in backward (under a checkpoint) would draw them again, where eager's
+    checkpoint restores the generator's state."""
     for node in joint.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if not isinstance(node.target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in node.target.tags:
             continue
-        for i, arg in enumerate(node.target._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            val = value.meta.get("val") if isinstance(value, fx.Node) else None
-            index = index_of.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
-            if index is None:
-                continue
-            if isinstance(index, str) or index in parameters:
-                param_name = index if isinstance(index, str) else parameters[index]
-                raise parameter_write_error(f"{name}.{param_name}", str(node.target), f"{node.name} in the unit's body")
-            raise ValueError(f"unit {name!r} writes an input or buffer in place ({node.target}); a template's "
-                             "inputs are copies")
+        schema = node.target._schema.arguments  # attention is seeded for its dropout_p, which may be 0
+        args = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+                for i, a in enumerate(schema)}
+        if args.get("dropout_p", 1.0) != 0:
+            raise ValueError(f"unit {name!r} draws random numbers ({node.target}); its units run inline")
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:
