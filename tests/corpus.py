@@ -8,9 +8,8 @@ cross-entropy loss. The corpus is the catalogue's fragments one by one plus seed
 compositions (``corpus()``): the same names, bodies and initial weights in every process.
 
 ``Body.expects`` says which path the default build should take for the body's units: ``"template"``
-or ``"inline"`` (a body that writes a buffer, draws random numbers or returns more than one
-tensor runs inline, ``templates.py``); ``"template-kwargs"`` marks bodies called with keyword arguments,
-which run inline until the template path takes them.
+(any call and return shape, random draws included) or ``"inline"`` (a body that writes a buffer in
+place runs inline, ``templates.py``).
 """
 from __future__ import annotations
 
@@ -226,8 +225,8 @@ class MaskBuffer(Fragment):
 
 
 FRAGMENTS: dict[str, type[Fragment]] = {cls.__name__: cls for cls in Fragment.__subclasses__()}
-# fragments whose units run inline whatever the call shape (a write to a buffer, random draws)
-INLINE_FRAGMENTS = frozenset({"RunningStat", "Dropout"})
+# fragments whose units run inline whatever the call shape (a write to a buffer)
+INLINE_FRAGMENTS = frozenset({"RunningStat"})
 SHAPES = ("tensor", "tuple", "dict", "kwargs")  # how a block is called and what it returns
 
 
@@ -263,11 +262,8 @@ class Body:
 
     @property
     def expects(self) -> str:
-        """The path the default build should take: ``"template"``, ``"inline"`` or
-        ``"template-kwargs"`` (a keyword call: templated once the template path takes keywords)."""
-        if INLINE_FRAGMENTS & set(self.fragments) or self.shape in ("tuple", "dict"):
-            return "inline"
-        return "template-kwargs" if self.shape == "kwargs" else "template"
+        """The path the default build should take: ``"template"`` or ``"inline"``."""
+        return "inline" if INLINE_FRAGMENTS & set(self.fragments) else "template"
 
 
 def body_class(body: Body) -> type[Block]:

@@ -131,12 +131,8 @@ def check_path(name: str, path: str) -> None:
 
 
 def check(name: str, stage: int) -> None:
-    """``check_body``, then the path its blocks took; a keyword call that still runs inline is an
-    expected failure, which passes once the template path takes keyword arguments."""
-    path = check_body(name, stage)
-    if BODIES[name].expects == "template-kwargs" and path.startswith("inline"):
-        pytest.xfail(f"{name}: keyword arguments run inline until the template path takes them")
-    check_path(name, path)
+    """``check_body``, then the path its blocks took."""
+    check_path(name, check_body(name, stage))
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -170,3 +170,28 @@ def test_an_object_output_leaves_the_path_by_name() -> None:
         lowering="eager", unit_classes=(KeywordBlock,), strict_templates=True))
     with pytest.raises(TemplateFallbackError, match="_Output"):
         strict(torch.randn(4, WIDTH))
+
+
+class _Checkpointed(nn.Module):
+    """Three dropout blocks, each under ``torch.utils.checkpoint`` (eager restores the generator's
+    state when it recomputes a block; a template recomputed would draw another mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([KeywordBlock() for _ in range(3)])
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        rope = (torch.cos(x), torch.sin(x))
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, position_embeddings=rope, use_reentrant=False)
+        return self.head(x).square().mean()
+
+
+def test_a_checkpointed_dropout_block_keeps_its_forward_mask() -> None:
+    """Under an activation checkpoint a templated block with dropout is not run again in
+    backward (its activations are handed over), so its gradients are eager's, whose checkpoint
+    replays the same mask."""
+    torch.manual_seed(0)
+    compiled = _train_both(_Checkpointed(), 3, [torch.randn(4, WIDTH) for _ in range(2)])
+    _on_template(compiled, templates=2)  # the first block's input needs no gradient

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import zerograph
+from zerograph import compiled_model
 from zerograph.errors import ShardingError
 from zerograph.models.gpt import GPT, GPTConfig
 from zerograph.ops import UNIT_FORWARD
@@ -24,9 +25,13 @@ from .test_unit_templates import TEMPLATES, _Block, _grads_equal
 
 
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
-def test_shapes_that_change_fall_back_to_inline_and_keep_parity() -> None:
-    """A sequence length that changes between steps (Dynamo then makes it dynamic): the kind
-    falls back to running inline (a template is traced for static shapes), with eager's numbers."""
+@pytest.mark.parametrize("static_shapes", [compiled_model.STATIC_SHAPES, 1])
+def test_shapes_that_change_keep_parity(static_shapes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sequence length that changes between steps: within ``STATIC_SHAPES`` distinct shapes each
+    is traced static with a template of its own; past them (here after one), Dynamo makes the
+    length dynamic and the kind runs inline (a template is traced for static shapes). Eager's
+    numbers either way."""
+    monkeypatch.setattr(compiled_model, "STATIC_SHAPES", static_shapes)
     torch.manual_seed(0)
     reference = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
@@ -41,7 +46,10 @@ def test_shapes_that_change_fall_back_to_inline_and_keep_parity() -> None:
         for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
     (kind,) = state_of(model).unit_kinds
-    assert "dynamic shape" in kind.inline_reason
+    if static_shapes == 1:
+        assert "dynamic shape" in kind.inline_reason
+    else:
+        assert kind.inline_reason is None and kind.exits == {} and len(kind.templates) == 3
 
 
 def _symbolic(graph: torch.fx.Graph) -> bool:
@@ -90,11 +98,14 @@ def _inline_gpt_config(dropout: float = 0.0) -> GPTConfig:
 
 @pytest.fixture(scope="module")
 def templated_gpt_on_two_lengths() -> nn.Module:
-    """The templated GPT at lengths 16 then 8 (dynamic), evaluated around its steps: one compile
-    of each graph for test_a_dynamic_shape_leaves_the_static_graphs_their_templates and the
-    dynamic-shapes case of test_units_that_run_inline_gather_again_in_backward (its evals add an
-    inference graph, no backward one)."""
-    return _gpt_on_lengths(_inline_gpt_config(), True, (16, 8), evaluate_around=True)
+    """The templated GPT at lengths 16 then 8 (dynamic: one static shape allowed, not
+    ``STATIC_SHAPES``), evaluated around its steps: one compile of each graph for
+    test_a_dynamic_shape_leaves_the_static_graphs_their_templates and the dynamic-shapes case of
+    test_units_that_run_inline_gather_again_in_backward (its evals add an inference graph, no
+    backward one)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled_model, "STATIC_SHAPES", 1)
+        return _gpt_on_lengths(_inline_gpt_config(), True, (16, 8), evaluate_around=True)
 
 
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
@@ -247,16 +258,20 @@ def test_blocks_holding_an_lstm_run_inline_with_eagers_numbers() -> None:
 
 
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
-def test_dropout_blocks_run_inline() -> None:
-    """Dropout's random ops do not go through the template's partition: the kind runs inline,
-    trains, and says why (the untemplated build's behaviour, compile time aside)."""
+def test_dropout_blocks_take_their_template_with_eagers_masks() -> None:
+    """Dropout's in-place mask is made out-of-place for the partition and saved for backward:
+    the kind runs its template, and with the same seed draws eager's masks (gradients equal)."""
     torch.manual_seed(0)
-    model = zerograph.compile(nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3)),
-                                            nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3))), 3, config=TEMPLATES)
-    model(torch.randn(4, 8)).sum().backward()
-    assert all(p.grad is not None for p in model.parameters())
+    reference = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3)),
+                              nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3)))
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    x = torch.randn(4, 8)
+    for net in (model, reference):
+        torch.manual_seed(1)
+        net(x).sum().backward()
+    _grads_equal(model, reference)
     (kind,) = state_of(model).unit_kinds
-    assert kind.inline_reason is not None
+    assert kind.inline_reason is None and kind.exits == {} and all(t.draws_random for t in kind.templates.values())
 
 
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
@@ -281,7 +296,9 @@ def test_units_that_run_inline_gather_again_in_backward(request: pytest.FixtureR
                                 for record in graphs_of(model) if "backward" in record]
         if templates:
             (kind,) = state_of(model).unit_kinds
-            assert kind.inline_reason is not None and kind.flat_shards  # inline, on flat shards
+            assert kind.flat_shards
+            # dropout takes its template; a dynamic shape runs the kind inline, on its flat shards
+            assert (kind.inline_reason is not None) == (why == "dynamic shapes")
     assert len(schedules[True]) == len(lengths) and schedules[True] == schedules[False]
     for entries in schedules[True]:
         assert {e.units for e in entries if e.kind == "all_gather"} == {(0,), (1,), (2,)}

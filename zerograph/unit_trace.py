@@ -33,9 +33,8 @@ from .passes._fx import sink_to_first_use
 from .sharding import set_tracing_unit
 from .unit_calls import TENSOR, call_arguments, call_structure, flatten_output
 from .unit_flat_grad import write_flat_gradient_in_place
-from .unit_in_place import functionalize_fresh_writes, save_random_values
 from .unit_saved import rebase_saved_views, recompute_norms
-from .unit_writes import check_no_writes, functional_joint
+from .unit_writes import check_no_writes, functional_joint, save_random_values
 
 if TYPE_CHECKING:
     from torch import nn
@@ -116,6 +115,7 @@ class UnitTemplate:
     reused_from: int | None = None
     read_attrs: frozenset[tuple[int, str]] | None = None  # instance attributes the body read (None: all)
     output_structure: Any = TENSOR
+    draws_random: bool = False  # its forward draws random numbers (dropout): run once, never recomputed
 
     def forward(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(self.run_forward(*primals))
@@ -155,19 +155,17 @@ def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_g
                    for (shape, stride, dtype), grad in zip(metas, wants_grad)]
         tangents = [torch.empty_like(o, memory_format=torch.contiguous_format) for o in body(*primals)]
     joint_graph, grad_mask, no_grad_params = _joint(body, primals, tangents, wants_grad, fake_mode)
-    if functionalize_fresh_writes(joint_graph.graph):  # dropout's mask, made out-of-place for the partitioner
-        joint_graph.recompile()
-    save_random_values(joint_graph.graph)  # and drawn once, in forward
     if reach is not None and body.flat is not None and any(grad_mask):
         reach["no_grad"] = no_grad_params
     check_no_writes(kind.name, joint_graph, len(metas), body.parameter_names(), body.cut_out)
-    _check_no_random(kind.name, joint_graph)
     joint_graph = functional_joint(joint_graph, primals, tangents, fake_mode)
+    draws_random = save_random_values(joint_graph.graph) > 0  # dropout's mask drawn once, in forward
     fwd, bwd = _partition(joint_graph, primals, tangents, body.n_args if body.flat is not None else None)
     if body.flat is not None and kind.lowering != "inductor":  # the flat gradient held once, not twice
         write_flat_gradient_in_place(bwd, body.n_args)
     template = _template(kind, metas, fwd, bwd, fake_mode, primals, tangents, grad_mask, no_grad_params)
     template.output_structure = body.output_structure
+    template.draws_random = draws_random
     template.read_attrs = instance_reads(body.modules, body.reads)
     template.trace_seconds = time.perf_counter() - start
     template.units = kind.units
@@ -446,20 +444,6 @@ def _slot_name(module: nn.Module, slot: tuple[nn.Module, str]) -> str:
     """A parameter slot's name inside its unit (``attn.proj.weight``)."""
     paths = {id(m): path for path, m in module.named_modules()}
     return f"{paths[id(slot[0])]}.{slot[1]}".lstrip(".")
-
-
-def _check_no_random(name: str, joint: fx.GraphModule) -> None:
-    """Refuse (``ValueError``: the kind runs inline) a body that draws random numbers (dropout):
-    a template recomputed in backward (under a checkpoint) would draw them again, where eager's
-    checkpoint restores the generator's state."""
-    for node in joint.graph.nodes:
-        if not isinstance(node.target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in node.target.tags:
-            continue
-        schema = node.target._schema.arguments  # attention is seeded for its dropout_p, which may be 0
-        args = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
-                for i, a in enumerate(schema)}
-        if args.get("dropout_p", 1.0) != 0:
-            raise ValueError(f"unit {name!r} draws random numbers ({node.target}); its units run inline")
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:

@@ -1,6 +1,7 @@
 """In-place writes in a unit's joint graph (``unit_trace``): writes to its primals are refused
 (``check_no_writes``), writes to its intermediates made out-of-place (``functional_joint``)
-before the min-cut partitioner, which, as AOTAutograd's, expects a functional graph.
+before the min-cut partitioner, which, as AOTAutograd's, expects a functional graph, and random
+ops marked to be saved, not drawn again in backward (``save_random_values``).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import CheckpointPolicy
 
 from .parameter_writes import parameter_write_error
 
@@ -67,3 +69,17 @@ def _written(node: fx.Node) -> list[Any]:
     return [node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
             for i, arg in enumerate(node.target._schema.arguments)
             if arg.alias_info is not None and arg.alias_info.is_write]
+
+
+def save_random_values(graph: fx.Graph) -> int:
+    """Mark each random op of ``graph`` (ATen's ``nondeterministic_seeded`` tag: ``bernoulli``,
+    ``rand``, ``normal``...) ``MUST_SAVE``, so the partitioner hands its value to backward instead
+    of drawing it again there (a second draw is another mask: eager's backward reuses the
+    forward's). Returns the number of ops marked."""
+    marked = 0
+    for node in graph.nodes:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            marked += 1
+    return marked
