@@ -389,6 +389,39 @@ def _flip_step(model, x, opt, i, compiled, record):
     return loss
 
 
+class TwoHeads(Net):
+    """``Net`` with two heads: forward returns both losses, a tuple, and stores the blocks' output
+    on the model (``self.last_hidden``), as models keep hidden states for a loss of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        self.last_hidden = h
+        return self.out(h).pow(2).mean(), self.other(h).pow(2).mean()
+
+
+def _partly_read_step(model, x, opt, i, compiled, record):
+    """A loss that reads some of a graph's outputs: the second member of the returned tuple (step
+    0), the intermediate the model stored (step 1: neither head reached), the first member of a
+    second forward's tuple, the first forward's outputs unread (step 2). Eager leaves the heads
+    it does not reach ``None``, so AdamW's weight decay leaves them as they are."""
+    if i == 0:
+        loss = model(x)[1]
+    elif i == 1:
+        model(x)
+        loss = model.last_hidden.pow(2).mean()
+    else:
+        model(x)
+        loss = model(x)[0]
+    loss.backward()
+    return loss
+
+
 # each case several features that do not interact, so the matrix costs a few compiles per stage;
 # the features each covers are in its name (docs/semantics.md lists them one by one)
 CASES: dict[str, Case] = {
@@ -402,6 +435,8 @@ CASES: dict[str, Case] = {
     "unused parameters, no_sync, backward(inputs=), autograd.grad": Case(build=UnusedNet, step=_no_sync_step),
     "in-place buffer updates, RNN modules": Case(build=BufferNet, step=_eval_step),
     "rank-divergent routing": Case(build=lambda: Net(MoEBlock)),
+    "outputs read in part: a tuple's member, a stored intermediate, a second forward": Case(
+        build=TwoHeads, step=_partly_read_step, steps=3),
 }
 # left out of the spawned runs: at stage 0 no forward collective lets the schedule check see the
 # per-parameter build's ranks run different graphs, and their backward all-reduces then wait for

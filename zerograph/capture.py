@@ -34,6 +34,7 @@ from .lowering import decompositions, lower
 from .ops import UNIT_BACKWARD
 from .parameter_writes import check_no_parameter_writes
 from .runtime import Runtime
+from .unreached import none_for_unreached, output_reach
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +102,15 @@ class ZeroGraphBackend:
             flat.layout.fqn: {offset: layout.fqn for offset, layout in zip(flat.offsets, flat.layouts)}
             for flat in self.runtime.flat_shards.values()})
         graph = _GraphCompile(self, next(self._graph_ids), gm, example_inputs)
-        return aot_module_simplified(
+        reach = output_reach(gm)
+        compiled = aot_module_simplified(
             gm, example_inputs,
             fw_compiler=functools.partial(graph.compile_graph, "forward"),
             bw_compiler=functools.partial(graph.compile_graph, "backward"),
             inference_compiler=functools.partial(graph.compile_graph, "inference"),
             partition_fn=graph.partition, decompositions=decompositions(self.lowering),
         )
+        return none_for_unreached(compiled, reach, self.runtime.world_group, self.runtime.device)
 
 
 class _GraphCompile:
