@@ -15,9 +15,9 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from passes._fx import find_collectives
-from passes.context import PassContext
 from zerograph.ops import REDUCE_GRAD, UNSHARD
+from zerograph.passes._fx import find_collectives
+from zerograph.passes.context import PassContext
 from zerograph.sharding import ROOT_INDEX, ParamLayout, Unit, make_layout
 from zerograph.vocab import COLLECTIVE_KINDS, WAIT
 
@@ -173,8 +173,8 @@ def gathered_forward(units: int = 4, **knobs) -> tuple[GraphBuilder, fx.GraphMod
     """``linear_chain(units)`` after ``bucketing`` and ``insert_allgather`` (a forward graph as the
     schedule passes receive it: each unit's gather right before its first use). ``knobs``:
     ``PassContext`` fields (``schedule=SchedulePolicy(...)``, ``buffer_pool=0``, ...)."""
-    from passes.bucketing import bucketing
-    from passes.insert_allgather import insert_allgather
+    from zerograph.passes.bucketing import bucketing
+    from zerograph.passes.insert_allgather import insert_allgather
 
     b, gm = linear_chain(units)
     ctx = b.ctx("forward", **knobs)
@@ -185,8 +185,8 @@ def gathered_forward(units: int = 4, **knobs) -> tuple[GraphBuilder, fx.GraphMod
 
 def reduced_backward(units: int = 3, stage: int = 3, **knobs) -> tuple[GraphBuilder, fx.GraphModule, PassContext]:
     """``backward_chain(units)`` after ``bucketing`` and ``insert_reduce_scatter``."""
-    from passes.bucketing import bucketing
-    from passes.insert_reduce_scatter import insert_reduce_scatter
+    from zerograph.passes.bucketing import bucketing
+    from zerograph.passes.insert_reduce_scatter import insert_reduce_scatter
 
     b, gm = backward_chain(units, stage=stage)
     ctx = b.ctx("backward", stage=stage, **knobs)
@@ -263,8 +263,8 @@ def gathered_joint(units: int = 3, *, bucketed: bool = True, world_size: int = 2
     gather per parameter) and ``insert_allgather``: a stage-3 joint graph as ``selective_unshard``,
     ``secondary_partition`` and ``activation_partition`` receive it, every gather chain tagged
     ``MUST_RECOMPUTE``. ``knobs``: ``PassContext`` fields."""
-    from passes.bucketing import bucketing
-    from passes.insert_allgather import insert_allgather
+    from zerograph.passes.bucketing import bucketing
+    from zerograph.passes.insert_allgather import insert_allgather
 
     b, gm = joint_mlp(units, world_size=world_size, dropout=dropout)
     ctx = b.ctx("joint", **knobs)

@@ -1,9 +1,9 @@
 """``bucketing`` on hand-built forward and backward graphs: which markers share a collective."""
-from passes.bucketing import assign_buckets, bucketing
-from passes.insert_allgather import insert_allgather
-from passes.insert_reduce_scatter import insert_reduce_scatter
 from tests.passes.graphs import backward_chain, collectives, linear_chain
 from zerograph.ops import REDUCE_GRAD, UNSHARD
+from zerograph.passes.bucketing import assign_buckets, bucketing
+from zerograph.passes.insert_allgather import insert_allgather
+from zerograph.passes.insert_reduce_scatter import insert_reduce_scatter
 from zerograph.policies import SchedulePolicy
 from zerograph.vocab import TAG
 

@@ -3,13 +3,13 @@
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from passes._fx import is_alias_of_input
-from passes.bucketing import bucketing
-from passes.insert_allgather import insert_allgather
-from passes.manager import check_collectives_waited
 from tests.passes.graphs import GraphBuilder, aten, collectives, count, linear_chain, positions, waits
 from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED
 from zerograph.ops import UNSHARD
+from zerograph.passes._fx import is_alias_of_input
+from zerograph.passes.bucketing import bucketing
+from zerograph.passes.insert_allgather import insert_allgather
+from zerograph.passes.manager import check_collectives_waited
 from zerograph.vocab import TAG, WAIT
 
 

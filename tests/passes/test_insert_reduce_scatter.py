@@ -2,12 +2,12 @@
 exactly once, where the stage says, averaged over the ranks."""
 import torch
 
-from passes.bucketing import bucketing
-from passes.insert_reduce_scatter import insert_reduce_scatter
-from passes.manager import check_collectives_waited
 from tests.passes.graphs import GraphBuilder, aten, backward_chain, collectives, count, positions
 from zerograph.kernels.ops import PACK_SHARDS
 from zerograph.ops import REDUCE_GRAD
+from zerograph.passes.bucketing import bucketing
+from zerograph.passes.insert_reduce_scatter import insert_reduce_scatter
+from zerograph.passes.manager import check_collectives_waited
 from zerograph.vocab import WAIT
 
 

@@ -1,7 +1,7 @@
 """The "partitioned" pipeline: rewrites of the forward / backward pair the partitioner returns,
 run by the pass manager with its contracts, checks and dump like every other pipeline.
 
-The pair is built by hand in AOTAutograd's convention (``passes.context.PartitionedGraphs``): the
+The pair is built by hand in AOTAutograd's convention (``zerograph.passes.context.PartitionedGraphs``): the
 forward returns its own outputs, the saved tensors, then opaque objects and symbols; the backward
 takes the saved symbols, the saved values in the same order, then the tangents.
 """

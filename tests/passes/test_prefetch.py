@@ -1,8 +1,8 @@
 """``prefetch`` on a hand-built forward graph: each gather's start moves ``prefetch_depth``
 gathers earlier (within the byte budget), its wait and copy-out stay, and the collectives keep
 their order."""
-from passes.prefetch import is_free_view, prefetch, prefetch_distance
 from tests.passes.graphs import aten, collectives, gathered_forward, gathers, positions
+from zerograph.passes.prefetch import is_free_view, prefetch, prefetch_distance
 from zerograph.policies import SchedulePolicy
 
 GATHER_BYTES = 2 * (2 * 4 + 2) * 4  # one unit's gathered buffer: N x (weight + bias shard) fp32

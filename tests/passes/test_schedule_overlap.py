@@ -1,9 +1,9 @@
 """``schedule_overlap`` on hand-built graphs: gather waits sink to their first use, reduction
 waits sink as far as the in-flight bound allows; starts stay put, every wait precedes its uses."""
-from passes.manager import check_collectives_waited
-from passes.prefetch import prefetch
-from passes.schedule_overlap import schedule_overlap
 from tests.passes.graphs import aten, collectives, gathered_forward, gathers, linear_chain, positions, reduced_backward
+from zerograph.passes.manager import check_collectives_waited
+from zerograph.passes.prefetch import prefetch
+from zerograph.passes.schedule_overlap import schedule_overlap
 from zerograph.policies import SchedulePolicy
 from zerograph.vocab import COLLECTIVE_KINDS, WAIT
 
