@@ -272,3 +272,36 @@ def gathered_joint(units: int = 3, *, bucketed: bool = True, world_size: int = 2
         bucketing(gm, ctx)
     insert_allgather(gm, ctx)
     return b, gm, ctx
+
+
+def _op_name(target) -> str:
+    """``aten.addmm``, ``_c10d_functional.wait_tensor``, ``zerograph.pack_shards``; a Python
+    function by its name (``getitem``)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    return getattr(target, "__name__", str(target))
+
+
+def graph_text(gm: fx.GraphModule, *, args: bool = True) -> str:
+    """The graph as text, one line per node, for expected-graph tests: ``name = op(arguments)``
+    (nodes by name, other arguments as ``repr`` gives them), ``input name``, ``return (...)``.
+    Without ``args``, ``name = op`` only (the order of ops, which a scheduling pass changes)."""
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            lines.append(f"input {node.name}")
+        elif node.op == "output":
+            lines.append(f"return {fx.node.map_arg(node.args[0], lambda n: n.name)}".replace("'", ""))
+        elif not args:
+            lines.append(f"{node.name} = {_op_name(node.target)}")
+        else:
+            shown = fx.node.map_arg(node.args, lambda n: _Name(n.name))
+            lines.append(f"{node.name} = {_op_name(node.target)}({', '.join(map(repr, shown))})")
+    return "\n".join(lines)
+
+
+class _Name(str):
+    """A node's name, shown bare in ``graph_text`` (``repr`` without quotes)."""
+
+    def __repr__(self) -> str:
+        return str(self)
