@@ -2,7 +2,7 @@
 zerograph: backward recomputes each block's forward. Parity with eager training of the same
 model, world of one, exact. The per-parameter build (``unit_templates=False``) is the case: in
 torch 2.13 the partitioner saved the ``DeviceMesh`` input behind the RNG states of the
-recomputed attention (``passes._fx.saved_opaque_objects_last``), and AOTAutograd's runtime
+recomputed attention (``zerograph.passes.saved_opaque_objects_last``), and AOTAutograd's runtime
 refused it. Templated units under a checkpoint: ``tests/test_unit_templates.py``; with hpZ on 4
 ranks: ``tests/test_hpz.py``."""
 from __future__ import annotations

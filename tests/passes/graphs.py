@@ -15,9 +15,9 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from passes._fx import find_collectives
-from passes.context import PassContext
 from zerograph.ops import REDUCE_GRAD, UNSHARD
+from zerograph.passes._fx import find_collectives
+from zerograph.passes.context import PassContext
 from zerograph.sharding import ROOT_INDEX, ParamLayout, Unit, make_layout
 from zerograph.vocab import COLLECTIVE_KINDS, WAIT
 
@@ -173,8 +173,8 @@ def gathered_forward(units: int = 4, **knobs) -> tuple[GraphBuilder, fx.GraphMod
     """``linear_chain(units)`` after ``bucketing`` and ``insert_allgather`` (a forward graph as the
     schedule passes receive it: each unit's gather right before its first use). ``knobs``:
     ``PassContext`` fields (``schedule=SchedulePolicy(...)``, ``buffer_pool=0``, ...)."""
-    from passes.bucketing import bucketing
-    from passes.insert_allgather import insert_allgather
+    from zerograph.passes.bucketing import bucketing
+    from zerograph.passes.insert_allgather import insert_allgather
 
     b, gm = linear_chain(units)
     ctx = b.ctx("forward", **knobs)
@@ -185,8 +185,8 @@ def gathered_forward(units: int = 4, **knobs) -> tuple[GraphBuilder, fx.GraphMod
 
 def reduced_backward(units: int = 3, stage: int = 3, **knobs) -> tuple[GraphBuilder, fx.GraphModule, PassContext]:
     """``backward_chain(units)`` after ``bucketing`` and ``insert_reduce_scatter``."""
-    from passes.bucketing import bucketing
-    from passes.insert_reduce_scatter import insert_reduce_scatter
+    from zerograph.passes.bucketing import bucketing
+    from zerograph.passes.insert_reduce_scatter import insert_reduce_scatter
 
     b, gm = backward_chain(units, stage=stage)
     ctx = b.ctx("backward", stage=stage, **knobs)
@@ -263,8 +263,8 @@ def gathered_joint(units: int = 3, *, bucketed: bool = True, world_size: int = 2
     gather per parameter) and ``insert_allgather``: a stage-3 joint graph as ``selective_unshard``,
     ``secondary_partition`` and ``activation_partition`` receive it, every gather chain tagged
     ``MUST_RECOMPUTE``. ``knobs``: ``PassContext`` fields."""
-    from passes.bucketing import bucketing
-    from passes.insert_allgather import insert_allgather
+    from zerograph.passes.bucketing import bucketing
+    from zerograph.passes.insert_allgather import insert_allgather
 
     b, gm = joint_mlp(units, world_size=world_size, dropout=dropout)
     ctx = b.ctx("joint", **knobs)
@@ -272,3 +272,36 @@ def gathered_joint(units: int = 3, *, bucketed: bool = True, world_size: int = 2
         bucketing(gm, ctx)
     insert_allgather(gm, ctx)
     return b, gm, ctx
+
+
+def _op_name(target) -> str:
+    """``aten.addmm``, ``_c10d_functional.wait_tensor``, ``zerograph.pack_shards``; a Python
+    function by its name (``getitem``)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    return getattr(target, "__name__", str(target))
+
+
+def graph_text(gm: fx.GraphModule, *, args: bool = True) -> str:
+    """The graph as text, one line per node, for expected-graph tests: ``name = op(arguments)``
+    (nodes by name, other arguments as ``repr`` gives them), ``input name``, ``return (...)``.
+    Without ``args``, ``name = op`` only (the order of ops, which a scheduling pass changes)."""
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            lines.append(f"input {node.name}")
+        elif node.op == "output":
+            lines.append(f"return {fx.node.map_arg(node.args[0], lambda n: n.name)}".replace("'", ""))
+        elif not args:
+            lines.append(f"{node.name} = {_op_name(node.target)}")
+        else:
+            shown = fx.node.map_arg(node.args, lambda n: _Name(n.name))
+            lines.append(f"{node.name} = {_op_name(node.target)}({', '.join(map(repr, shown))})")
+    return "\n".join(lines)
+
+
+class _Name(str):
+    """A node's name, shown bare in ``graph_text`` (``repr`` without quotes)."""
+
+    def __repr__(self) -> str:
+        return str(self)

@@ -12,12 +12,12 @@ import logging
 import pytest
 from torch.utils.checkpoint import CheckpointPolicy
 
-import passes.activation_partition as ap
-from passes.activation_partition import ACTIVATION, KEEP, OFFLOAD, PARTITION, RECOMPUTE, activation_partition
-from passes.selective_unshard import selective_unshard
+import zerograph.passes.activation_partition as ap
 from tests.passes.graphs import aten, gathered_joint, gathers
 from zerograph.costmodel import CostModel
 from zerograph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
+from zerograph.passes.activation_partition import ACTIVATION, KEEP, OFFLOAD, PARTITION, RECOMPUTE, activation_partition
+from zerograph.passes.selective_unshard import selective_unshard
 from zerograph.policies import ActivationPolicy, MemoryPolicy
 from zerograph.vocab import TAG
 

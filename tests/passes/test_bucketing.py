@@ -1,9 +1,9 @@
 """``bucketing`` on hand-built forward and backward graphs: which markers share a collective."""
-from passes.bucketing import assign_buckets, bucketing
-from passes.insert_allgather import insert_allgather
-from passes.insert_reduce_scatter import insert_reduce_scatter
-from tests.passes.graphs import backward_chain, collectives, linear_chain
+from tests.passes.graphs import backward_chain, collectives, graph_text, linear_chain
 from zerograph.ops import REDUCE_GRAD, UNSHARD
+from zerograph.passes.bucketing import assign_buckets, bucketing
+from zerograph.passes.insert_allgather import insert_allgather
+from zerograph.passes.insert_reduce_scatter import insert_reduce_scatter
 from zerograph.policies import SchedulePolicy
 from zerograph.vocab import TAG
 
@@ -70,3 +70,15 @@ def test_gathers_follow_the_buckets():
     insert_allgather(gm, ctx)
     (gather,) = collectives(gm, "all_gather")  # three units under one cap: one flat all-gather
     assert gather.meta[TAG]["units"] == [1, 2, 3]
+
+
+def test_expected_buckets_under_a_two_unit_cap():
+    """Every marker in graph order with its bucket: units 1 and 2 fill the cap (bucket 0, the
+    index of its first unit), unit 3 opens bucket 2; no node is added, removed or moved."""
+    b, gm = linear_chain(3)
+    before = graph_text(gm)
+    bucketing(gm, b.ctx(schedule=SchedulePolicy(bucket_bytes=2 * UNIT_BYTES)))
+    assert graph_text(gm) == before
+    tagged = [(n.name, n.args[1], n.meta[TAG]["bucket"]) for n in gm.graph.find_nodes(op="call_function", target=UNSHARD)]
+    assert tagged == [("unshard_default", 0, 0), ("unshard_default_1", 1, 0), ("unshard_default_2", 2, 0),
+                      ("unshard_default_3", 3, 0), ("unshard_default_4", 4, 2), ("unshard_default_5", 5, 2)]

@@ -3,15 +3,15 @@ pool slot; at stage 3 with ``prefetch_depth = d`` the gathered slots number at m
 import pytest
 import torch
 
-from passes.bucketing import bucketing
-from passes.buffer_reuse import PooledBuffer, assign_slots, buffer_reuse, plan_buffers
-from passes.insert_allgather import insert_allgather
-from passes.liveness import storage_root
-from passes.manager import check_collectives_waited
-from passes.prefetch import prefetch
-from passes.schedule_overlap import schedule_overlap
 from tests.passes.graphs import aten, collectives, count, gathered_forward, linear_chain
 from zerograph.buffer_pool import POOL_BUFFER
+from zerograph.passes.bucketing import bucketing
+from zerograph.passes.buffer_reuse import PooledBuffer, assign_slots, buffer_reuse, plan_buffers
+from zerograph.passes.insert_allgather import insert_allgather
+from zerograph.passes.liveness import storage_root
+from zerograph.passes.manager import check_collectives_waited
+from zerograph.passes.prefetch import prefetch
+from zerograph.passes.schedule_overlap import schedule_overlap
 from zerograph.policies import SchedulePolicy
 from zerograph.vocab import COLLECTIVE_KINDS, TAG
 

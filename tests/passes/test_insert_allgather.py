@@ -3,13 +3,13 @@
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from passes._fx import is_alias_of_input
-from passes.bucketing import bucketing
-from passes.insert_allgather import insert_allgather
-from passes.manager import check_collectives_waited
-from tests.passes.graphs import GraphBuilder, aten, collectives, count, linear_chain, positions, waits
+from tests.passes.graphs import GraphBuilder, aten, collectives, count, graph_text, linear_chain, positions, waits
 from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED
 from zerograph.ops import UNSHARD
+from zerograph.passes._fx import is_alias_of_input
+from zerograph.passes.bucketing import bucketing
+from zerograph.passes.insert_allgather import insert_allgather
+from zerograph.passes.manager import check_collectives_waited
 from zerograph.vocab import TAG, WAIT
 
 
@@ -127,3 +127,32 @@ def test_uneven_rows_are_padded_to_chunk_rows():
     assert gather.meta["val"].numel() == 2 * 3 * 4  # N x chunk_rows x row
     (t,) = gm.graph.find_nodes(op="call_function", target=aten.t.default)
     assert tuple(t.args[0].meta["val"].shape) == (5, 4)  # padding dropped in the copy-out
+
+
+def test_expected_graph_of_one_units_gather():
+    """The exact replacement of a unit's two markers over 2 ranks: one flat copy-in of both
+    shards (2 rows each), the all-gather, its wait, then ``unpack_gathered`` and a view per
+    parameter, right before the unit's first use."""
+    b, gm = linear_chain(1)
+    ctx = b.ctx()
+    bucketing(gm, ctx)
+    insert_allgather(gm, ctx)
+    assert graph_text(gm) == """\
+input x
+input shard_0
+input shard_1
+view_default = aten.view(shard_0, [2, 4])
+view_default_1 = aten.view(shard_1, [2])
+pack_shards = zerograph.pack_shards([view_default, view_default_1], [2, 2], 1, torch.float32)
+all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(pack_shards, 2, '0')
+wait_tensor = _c10d_functional.wait_tensor(all_gather_into_tensor)
+unpack_gathered = zerograph.unpack_gathered(wait_tensor, 2, [2, 2], [4, 4], [4, 1])
+slice_1 = aten.slice(unpack_gathered, 0, 0, 16)
+view = aten.view(slice_1, [4, 4])
+slice_2 = aten.slice(unpack_gathered, 0, 16, 20)
+view_1 = aten.view(slice_2, [4])
+t_default = aten.t(view)
+addmm_default = aten.addmm(view_1, x, t_default)
+relu_default = aten.relu(addmm_default)
+sum_default = aten.sum(relu_default)
+return (sum_default,)"""

@@ -1,13 +1,14 @@
 """``insert_reduce_scatter`` on hand-built backward graphs: every trainable gradient reduced
 exactly once, where the stage says, averaged over the ranks."""
 import torch
+from torch.testing import FileCheck
 
-from passes.bucketing import bucketing
-from passes.insert_reduce_scatter import insert_reduce_scatter
-from passes.manager import check_collectives_waited
-from tests.passes.graphs import GraphBuilder, aten, backward_chain, collectives, count, positions
+from tests.passes.graphs import GraphBuilder, aten, backward_chain, collectives, count, graph_text, positions
 from zerograph.kernels.ops import PACK_SHARDS
 from zerograph.ops import REDUCE_GRAD
+from zerograph.passes.bucketing import bucketing
+from zerograph.passes.insert_reduce_scatter import insert_reduce_scatter
+from zerograph.passes.manager import check_collectives_waited
 from zerograph.vocab import WAIT
 
 
@@ -148,3 +149,46 @@ def test_a_bucket_of_twice_used_parameters_reduces_each_ones_own_sum():
         return set().union(*(summed(n) for n in node.all_input_nodes))
 
     assert [summed(part) for part in pack.args[0]] == [set(grads[first_key]), set(grads[second_key])]
+
+
+def test_expected_graph_of_one_units_reduction():
+    """The exact replacement at stage 3 for a unit of a (4, 4) weight and a (4,) bias over 2
+    ranks: one flat copy-in of both gradients (2 rows per rank each), one reduce-scatter, the
+    wait, the division by N, then each shard's rows cut out of the reduced buffer."""
+    b, gm = backward_chain(1)
+    ctx = b.ctx("backward")
+    bucketing(gm, ctx)
+    insert_reduce_scatter(gm, ctx)
+    assert graph_text(gm) == """\
+input act
+input tangent
+mul_tensor = aten.mul(tangent, act)
+t_default = aten.t(mul_tensor)
+mm_default = aten.mm(t_default, act)
+sum_dim_int_list = aten.sum(mul_tensor, [0])
+pack_shards = zerograph.pack_shards([mm_default, sum_dim_int_list], [2, 2], 2, torch.float32)
+reduce_scatter_tensor = _c10d_functional.reduce_scatter_tensor(pack_shards, 'sum', 2, '0')
+wait_tensor = _c10d_functional.wait_tensor(reduce_scatter_tensor)
+div = aten.div(wait_tensor, 2)
+slice_1 = aten.slice(div, 0, 0, 8)
+view = aten.view(slice_1, [-1, 4])
+slice_2 = aten.slice(view, 0, 0, 2)
+clone = aten.clone(slice_2)
+slice_3 = aten.slice(div, 0, 8, 10)
+view_1 = aten.view(slice_3, [-1])
+slice_4 = aten.slice(view_1, 0, 0, 2)
+clone_1 = aten.clone(slice_4)
+return (clone, clone_1)"""
+
+
+def test_expected_graph_stage1_reduces_after_all_compute():
+    """Stage 1 keeps full gradients to the end of backward: both units' compute, then both
+    reductions (last unit's first, as backward produced them)."""
+    b, gm = backward_chain(2, stage=1)
+    ctx = b.ctx("backward", stage=1)
+    bucketing(gm, ctx)
+    insert_reduce_scatter(gm, ctx)
+    (FileCheck().check("mul_tensor = aten.mul").check("mul_tensor_1 = aten.mul").check("sum_dim_int_list_1 = aten.sum")
+     .check_not("aten.mul").check("pack_shards([mm_default, sum_dim_int_list]")
+     .check("reduce_scatter_tensor(pack_shards,").check("pack_shards([mm_default_1, sum_dim_int_list_1]")
+     .check("reduce_scatter_tensor(pack_shards_1,").check_not("aten.mm").check("return").run(graph_text(gm)))

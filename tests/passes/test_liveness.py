@@ -1,9 +1,9 @@
 """``liveness.timeline`` on hand-built graphs: gathered parameters and full gradients are live
 from the node that allocates them to their last read, and nothing is left live at the end."""
-from passes.liveness import storage_root, timeline
-from passes.prefetch import prefetch
 from tests.passes.graphs import aten, collectives, gathered_forward, reduced_backward
 from zerograph.kernels.ops import UNPACK_GATHERED
+from zerograph.passes.liveness import storage_root, timeline
+from zerograph.passes.prefetch import prefetch
 from zerograph.policies import SchedulePolicy
 from zerograph.vocab import WAIT
 

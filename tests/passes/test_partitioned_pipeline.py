@@ -1,7 +1,7 @@
 """The "partitioned" pipeline: rewrites of the forward / backward pair the partitioner returns,
 run by the pass manager with its contracts, checks and dump like every other pipeline.
 
-The pair is built by hand in AOTAutograd's convention (``passes.context.PartitionedGraphs``): the
+The pair is built by hand in AOTAutograd's convention (``zerograph.passes.context.PartitionedGraphs``): the
 forward returns its own outputs, the saved tensors, then opaque objects and symbols; the backward
 takes the saved symbols, the saved values in the same order, then the tangents.
 """
@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from tests.passes.graphs import graph_text
 from zerograph.errors import PassError
 from zerograph.ops import REDUCE_GRAD
 from zerograph.passes.context import PartitionedGraphs, PassContext
@@ -81,6 +82,28 @@ def test_opaque_objects_move_after_every_saved_tensor_on_both_sides() -> None:
     assert _names(placeholders) == ["n_saved", "x_saved", "rng_state_saved", "mesh_saved", "tangent"]
     for gm in (pair.forward, pair.backward):
         gm.graph.lint()
+
+
+def test_expected_pair_after_the_move() -> None:
+    """Both graphs whole: only the forward's saved outputs and the backward's saved inputs
+    change order (tensors, then the opaque object, then the symbol); nothing else moves."""
+    pair = opaque_before_a_tensor()
+    saved_opaque_objects_last(pair, _ctx())
+    assert graph_text(pair.forward) == """\
+input x
+input mesh
+input n
+input rng_state
+relu_default = aten.relu(x)
+return [relu_default, x, rng_state, mesh, n]"""
+    assert graph_text(pair.backward) == """\
+input n_saved
+input x_saved
+input rng_state_saved
+input mesh_saved
+input tangent
+threshold_backward_default = aten.threshold_backward(tangent, x_saved, 0)
+return [threshold_backward_default, mesh_saved, rng_state_saved, n_saved]"""
 
 
 def test_a_pair_already_in_order_is_left_alone() -> None:

@@ -1,8 +1,10 @@
 """``prefetch`` on a hand-built forward graph: each gather's start moves ``prefetch_depth``
 gathers earlier (within the byte budget), its wait and copy-out stay, and the collectives keep
 their order."""
-from passes.prefetch import is_free_view, prefetch, prefetch_distance
-from tests.passes.graphs import aten, collectives, gathered_forward, gathers, positions
+from torch.testing import FileCheck
+
+from tests.passes.graphs import aten, collectives, gathered_forward, gathers, graph_text, positions
+from zerograph.passes.prefetch import is_free_view, prefetch, prefetch_distance
 from zerograph.policies import SchedulePolicy
 
 GATHER_BYTES = 2 * (2 * 4 + 2) * 4  # one unit's gathered buffer: N x (weight + bias shard) fp32
@@ -77,3 +79,17 @@ def test_prefetch_distance_within_depth_and_budget():
     assert prefetch_distance(found, 1, depth=2, max_inflight_bytes=None) == 1  # nothing further back
     assert prefetch_distance(found, 3, depth=2, max_inflight_bytes=2 * GATHER_BYTES) == 1
     assert prefetch_distance(found, 3, depth=2, max_inflight_bytes=GATHER_BYTES) == 0
+
+
+def test_expected_order_at_depth_one():
+    """The first gather starts at the top, before any compute; gather ``i + 1``'s copy-in and
+    start follow gather ``i``'s copy-out at once, ahead of unit ``i``'s compute; waits stay."""
+    b, gm, ctx = gathered_forward(3)
+    prefetch(gm, ctx)
+    (FileCheck().check_not("aten.addmm").check("all_gather_into_tensor = ")
+     .check("wait_tensor = ").check_next("unpack_gathered = ").check_next("pack_shards_1 = ")
+     .check_next("all_gather_into_tensor_1 = ").check("addmm_default = ")
+     .check("wait_tensor_1 = ").check_next("unpack_gathered_1 = ").check_next("pack_shards_2 = ")
+     .check_next("all_gather_into_tensor_2 = ").check("addmm_default_1 = ")
+     .check("wait_tensor_2 = ").check_next("unpack_gathered_2 = ").check("addmm_default_2 = ")
+     .run(graph_text(gm, args=False)))

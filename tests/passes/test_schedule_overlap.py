@@ -1,9 +1,20 @@
 """``schedule_overlap`` on hand-built graphs: gather waits sink to their first use, reduction
 waits sink as far as the in-flight bound allows; starts stay put, every wait precedes its uses."""
-from passes.manager import check_collectives_waited
-from passes.prefetch import prefetch
-from passes.schedule_overlap import schedule_overlap
-from tests.passes.graphs import aten, collectives, gathered_forward, gathers, linear_chain, positions, reduced_backward
+from torch.testing import FileCheck
+
+from tests.passes.graphs import (
+    aten,
+    collectives,
+    gathered_forward,
+    gathers,
+    graph_text,
+    linear_chain,
+    positions,
+    reduced_backward,
+)
+from zerograph.passes.manager import check_collectives_waited
+from zerograph.passes.prefetch import prefetch
+from zerograph.passes.schedule_overlap import schedule_overlap
 from zerograph.policies import SchedulePolicy
 from zerograph.vocab import COLLECTIVE_KINDS, WAIT
 
@@ -79,3 +90,28 @@ def test_deeper_bound_leaves_two_reductions_running():
 def test_no_collectives_is_unchanged():
     b, gm = linear_chain(2)  # markers not expanded: nothing to schedule
     assert not schedule_overlap(gm, b.ctx()).modified
+
+
+def test_expected_order_of_prefetched_forward():
+    """After ``prefetch``: each later gather's wait and copy-out sink below the previous unit's
+    compute, to just before the transpose that first reads the gathered weight."""
+    b, gm, ctx = gathered_forward(2)
+    prefetch(gm, ctx)
+    schedule_overlap(gm, ctx)
+    (FileCheck().check("all_gather_into_tensor_1 = ").check("addmm_default = ").check_next("relu_default = ")
+     .check_next("wait_tensor_1 = ").check_next("unpack_gathered_1 = ").check_next("slice_3 = aten.slice")
+     .check_next("view_2 = aten.view").check_next("t_default_1 = aten.t").check("addmm_default_1 = ")
+     .run(graph_text(gm, args=False)))
+
+
+def test_expected_order_of_backward_at_depth_one():
+    """Reduction ``j`` is issued after its unit's gradients, runs during the next unit's
+    backward compute, and is waited, divided and copied out before reduction ``j + 1``."""
+    b, gm, ctx = reduced_backward(3, schedule=SchedulePolicy(prefetch_depth=1))
+    schedule_overlap(gm, ctx)
+    (FileCheck().check("reduce_scatter_tensor = ").check_next("mul_tensor_1 = aten.mul").check("sum_dim_int_list_1 = ")
+     .check_next("wait_tensor = ").check_next("div = ").check("clone = ").check_next("pack_shards_1 = ")
+     .check_next("reduce_scatter_tensor_1 = ").check_next("mul_tensor_2 = aten.mul").check("sum_dim_int_list_2 = ")
+     .check_next("wait_tensor_1 = ").check("clone_2 = ").check_next("pack_shards_2 = ")
+     .check_next("reduce_scatter_tensor_2 = ").check_next("wait_tensor_2 = ").check("return")
+     .run(graph_text(gm, args=False)))

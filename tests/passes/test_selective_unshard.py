@@ -2,10 +2,10 @@
 recompute tags (saved for backward, not gathered again), smallest first within the budget."""
 from torch.utils.checkpoint import CheckpointPolicy
 
-from passes.bucketing import bucketing
-from passes.insert_allgather import insert_allgather
-from passes.selective_unshard import choose_kept, selective_unshard
 from tests.passes.graphs import aten, gathers, linear_chain
+from zerograph.passes.bucketing import bucketing
+from zerograph.passes.insert_allgather import insert_allgather
+from zerograph.passes.selective_unshard import choose_kept, selective_unshard
 from zerograph.policies import MemoryPolicy
 from zerograph.vocab import TAG
 
