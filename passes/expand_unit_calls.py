@@ -96,7 +96,7 @@ def _unit_forward(graph: fx.Graph, call: fx.Node, template: Any, args: tuple | N
                     user.replace_all_uses_with(token)
                 graph.erase_node(user)
             graph.erase_node(call)
-    return items[template.n_outputs:]
+    return [items[i] for i in template.saved_outputs]
 
 
 def _unit_backward(graph: fx.Graph, call: fx.Node, template: Any, saved: list[fx.Node]) -> None:

@@ -513,7 +513,7 @@ def _train_against_eager(build, steps: int = 2) -> tuple[nn.Module, list[float]]
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_a_second_model_of_the_same_structure_reuses_the_templates(monkeypatch: pytest.MonkeyPatch) -> None:
     """The templates a model traced serve the next model of the same structure in the process
-    (``templates.shared_template``): it traces nothing, its templates are copies that name the
+    (``template_cache.shared_template``): it traces nothing, its templates are copies that name the
     original, and it trains exactly as eager does; a class attribute or a module global its
     ``forward`` reads, patched between two compiles (what its body computes changed), makes the
     next model trace again, and train as the patched eager model does."""

@@ -194,8 +194,8 @@ def _unit_forward_fake(kind: int, mode: int, arg_grads: int, primals: list[torch
 def unit_backward(template: int, primals: list[torch.Tensor], saved: list[torch.Tensor],
                   tangents: list[torch.Tensor]) -> list[torch.Tensor]:
     """One unit's backward through template ``template``. ``primals``: the inputs its backward
-    reads (``UnitTemplate.saved_primals``); ``saved``: ``unit_forward``'s outputs past the unit's
-    own; ``tangents``: the gradient of each unit output (zeros where none reached it) -> the
+    reads (``UnitTemplate.saved_primals``); ``saved``: the ``unit_forward`` outputs it reads
+    (``UnitTemplate.saved_outputs``); ``tangents``: the gradient of each unit output (zeros where none reached it) -> the
     gradient of each differentiable primal (``UnitTemplate.grad_mask``), in primal order."""
     return registry.template_of(template).backward(primals, saved, tangents)
 
@@ -212,7 +212,7 @@ def _unit_forward_setup(ctx, inputs, output) -> None:
     ctx.template, ctx.template_object = template.id, template  # the object: alive until backward
     ctx.n_primals, ctx.grad_mask, ctx.output_metas = len(primals), template.grad_mask, template.output_metas
     ctx.n_needed = len(template.saved_primals)
-    ctx.save_for_backward(*[primals[i] for i in template.saved_primals], *output[template.n_outputs:])
+    ctx.save_for_backward(*[primals[i] for i in template.saved_primals], *[output[i] for i in template.saved_outputs])
     # the saved activations carry no gradient of their own: said so, AOTAutograd's joint trace
     # skips two detach nodes per saved output (about half a templated unit's trace time)
     ctx.mark_non_differentiable(*output[template.n_outputs:], *_integral(output[:template.n_outputs]))

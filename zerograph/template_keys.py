@@ -1,6 +1,6 @@
 """What must match for two units, in any models, to share a traced template: the unit's structure
 (``unit_signature``, which groups a model's units into kinds) and everything else a trace reads
-(``trace_key``, the key of the process-wide template cache, ``templates.shared_template``).
+(``trace_key``, the key of the process-wide template cache, ``template_cache.shared_template``).
 
 Two units with equal keys trace to the same graphs: a key that left out something a trace reads
 would hand one unit another's graphs. Split out of templates.py, which groups units and caches
@@ -112,7 +112,7 @@ def trace_key(module: nn.Module, lowering: str, metas: tuple[TensorMeta, ...], m
     the device and lowering, and the settings a trace, the partitioner or
     Inductor read (default dtype, deterministic algorithms, matmul precision, their configs).
     ``module``: the kind's first unit; ``lowering``: ``"eager"`` or ``"inductor"``; ``values=False``:
-    the plain attributes by name only (``templates.shared_template`` adds ``read_values``)."""
+    the plain attributes by name only (``template_cache.shared_template`` adds ``read_values``)."""
     _, _, _, _, modules, flat = getattr(module, UNIT_ATTR)
     code = tuple(_class_key(original_class(m)) for m in modules)
     cuts = None

@@ -90,7 +90,7 @@ class UnitTemplate:
         trace_seconds: wall seconds the trace, partition and lowering took (0 for a copy).
         units: names of the units that call it (its kind's units).
         reused_from: the id of the template this one copies (traced for another unit kind in
-            this process, ``templates.shared_template``), or ``None`` when traced for this one.
+            this process, ``template_cache.shared_template``), or ``None`` when traced for this one.
         read_attrs: ``(module index, name)`` of each instance attribute of the unit's modules
             (``modules()`` order) the body read while traced, ``None`` when it read them all
             (``attribute_reads``): what ``template_keys.read_values`` compares.
@@ -116,6 +116,7 @@ class UnitTemplate:
     read_attrs: frozenset[tuple[int, str]] | None = None  # instance attributes the body read (None: all)
     output_structure: Any = TENSOR
     draws_random: bool = False  # its forward draws random numbers (dropout): run once, never recomputed
+    saved_outputs: list[int] = dataclasses.field(default_factory=list)  # unit_forward outputs backward reads
 
     def forward(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(self.run_forward(*primals))
@@ -136,7 +137,7 @@ def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_g
     autocast dtype the forward runs under), with its submodules' training flags from ``mode``'s
     bits and gradients for the arguments of ``arg_grads``'s bits and the trainable parameters, as
     a registered, lowered ``UnitTemplate``. Call from a thread with autograd on and no fake mode
-    active (``templates.trace_template``).
+    active (``template_cache.trace_template``).
 
     Raises whatever the trace meets (the caller makes the kind run inline), or ``ShardingError``
     for a body that writes a parameter in place. Once autograd's pass has run, ``reach["no_grad"]``
@@ -305,7 +306,7 @@ def _template(kind: TracedKind, metas: tuple[TensorMeta, ...], fwd: fx.GraphModu
     """The partitioned graphs made a custom op's (no output aliasing an input or another output),
     lowered, and registered as a ``UnitTemplate``."""
     n_outputs = len(tangents)
-    backward_sources, saved_primals = _own_outputs(fwd, n_outputs)
+    backward_sources, saved_primals, saved_outputs = _own_outputs(fwd, n_outputs)
     _own_gradients(bwd)
     template_id = registry.next_template_id()
     outputs = fwd.graph.output_node().args[0]
@@ -313,10 +314,12 @@ def _template(kind: TracedKind, metas: tuple[TensorMeta, ...], fwd: fx.GraphModu
     assert len(bwd_inputs) == len(backward_sources) + n_outputs, (len(bwd_inputs), len(backward_sources))
     output_metas = [_meta(n.meta["val"]) for n in outputs]
     grad_metas = [_meta(primals[i]) for i, wanted in enumerate(grad_mask) if wanted]
-    run_forward, run_backward = _lower(kind.lowering, fwd, bwd, fake_mode, primals, outputs, backward_sources,
+    saved_values = [outputs[i] for i in saved_outputs]
+    run_forward, run_backward = _lower(kind.lowering, fwd, bwd, fake_mode, primals, saved_values, backward_sources,
                                        saved_primals, tangents)
     template = UnitTemplate(template_id, kind.kind, metas, n_outputs, output_metas, saved_primals, grad_mask,
                             grad_metas, fwd, bwd, backward_sources, run_forward, run_backward, no_grad_params)
+    template.saved_outputs = saved_outputs
     registry.register_template_as(template_id, template)
     return template
 
@@ -337,12 +340,14 @@ def _reaches(outs: Sequence[torch.Tensor], tensor: torch.Tensor) -> bool:
     return False
 
 
-def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[list[tuple[str, int]], list[int]]:
+def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[list[tuple[str, int]], list[int], list[int]]:
     """Rewrite the partitioned forward to return the unit's outputs, then each saved activation
-    once, with no output aliasing a primal or an earlier output (a clone where one would); saved
-    primals are left to autograd. Returns where each backward input comes
-    from (``("primal", i)``: the i-th saved primal; ``("output", j)``: ``unit_forward``'s j-th
-    output past the unit's own) and the indices of the saved primals."""
+    that is not one of them once, with no output aliasing a primal or an earlier output (a clone
+    where one would); saved primals are left to autograd. Returns where each backward input comes
+    from (``("primal", i)``: the i-th saved primal; ``("output", j)``: the j-th saved output),
+    the indices of the saved primals, and the indices of the saved outputs among
+    ``unit_forward``'s (``UnitTemplate.saved_outputs``: those past the unit's own, and any of its
+    own outputs backward reads, such as a ``relu``'s result returned by the unit)."""
     graph = fwd.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     primal_index = {n: i for i, n in enumerate(placeholders)}
@@ -352,6 +357,7 @@ def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[list[tuple[str, i
     returned: list[fx.Node] = list(user)
     sources: list[tuple[str, int]] = []
     saved_primals: list[int] = []
+    saved_outputs: list[int] = []
     for node in saved:
         if node in primal_index:
             if primal_index[node] not in saved_primals:
@@ -360,13 +366,13 @@ def _own_outputs(fwd: fx.GraphModule, n_outputs: int) -> tuple[list[tuple[str, i
         else:
             if node not in returned:
                 returned.append(node)
-            sources.append(("output", returned.index(node)))
+            if returned.index(node) not in saved_outputs:
+                saved_outputs.append(returned.index(node))
+            sources.append(("output", saved_outputs.index(returned.index(node))))
     out_node.args = (_unaliased(graph, returned),)
     graph.lint()
     fwd.recompile()
-    # "output" sources index unit_forward's outputs past the unit's own
-    sources = [(s, i - n_outputs if s == "output" else i) for s, i in sources]
-    return sources, saved_primals
+    return sources, saved_primals, saved_outputs
 
 
 def _own_gradients(bwd: fx.GraphModule) -> None:
@@ -451,7 +457,7 @@ def _meta(t: torch.Tensor) -> TensorMeta:
 
 
 def _lower(lowering: str, fwd: fx.GraphModule, bwd: fx.GraphModule, fake_mode: FakeTensorMode,
-           primals: list[torch.Tensor], outputs: Sequence[fx.Node], backward_sources: list[tuple[str, int]],
+           primals: list[torch.Tensor], saved_outputs: Sequence[fx.Node], backward_sources: list[tuple[str, int]],
            saved_primals: list[int], tangents: list[torch.Tensor]) -> tuple[Callable, Callable]:
     if lowering != "inductor":
         return fwd, bwd
@@ -460,8 +466,8 @@ def _lower(lowering: str, fwd: fx.GraphModule, bwd: fx.GraphModule, fake_mode: F
 
     with fake_mode:
         fwd_inputs = [p.detach() for p in primals]
-        saved_values = [n.meta["val"] for n in outputs]
-        bwd_inputs = [fwd_inputs[saved_primals[i]] if s == "primal" else saved_values[len(tangents) + i]
+        saved_values = [n.meta["val"] for n in saved_outputs]
+        bwd_inputs = [fwd_inputs[saved_primals[i]] if s == "primal" else saved_values[i]
                       for s, i in backward_sources] + list(tangents)
         lowered = []
         for gm, inputs, backward in ((fwd, fwd_inputs, False), (bwd, bwd_inputs, True)):
