@@ -2,7 +2,9 @@
 #   make demo        create .venv, install, train the GPT example at ZeRO-3 on 2 CPU ranks
 #   make test        create .venv, install, lint (ruff), build the docs site (warnings as errors), run the whole test suite
 #   make test-fast   lint and the tests that neither spawn gloo ranks nor are marked slow
-# (and `make docs`: build the docs site, mkdocs.yml and docs/, into site/, warnings as errors).
+# (and `make docs`: build the docs site, mkdocs.yml and docs/, into site/, warnings as errors;
+#  `make gpu-check`: on a machine with one CUDA GPU, the real models under zerograph and FSDP2, in minutes;
+#  without CUDA it says it skipped and succeeds).
 # test and test-fast run two pytest-xdist workers: one runs every test that spawns ranks, in order, while the
 # other runs the in-process tests (tests/conftest.py: _xdist_scope), so the 2 cores stay busy
 # without two spawns' ranks competing for them.
@@ -17,7 +19,7 @@ STEPS  ?= 300
 
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast lint bytecode docs install clean
+.PHONY: demo test test-fast lint bytecode docs install clean gpu-check
 
 # uv installs (pip's interface; it resolves, downloads and unpacks in parallel, so a fresh install
 # takes less time than pip's, with the same packages and versions). uv reads no pip.conf, so it is handed pip's find-links, where this
@@ -67,6 +69,11 @@ test: lint bytecode docs
 
 test-fast: lint bytecode
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not distributed and not slow"
+
+# examples/gpu_check.py: step time, max_memory_allocated and templated units of HF GPT-2, HF Llama and
+# the torchtitan-shaped Llama, zerograph (default build, Inductor lowering) beside FSDP2 (eager, compiled)
+gpu-check: install
+	$(BIN)/python examples/gpu_check.py
 
 clean:
 	rm -rf $(VENV) *.egg-info site

@@ -37,6 +37,10 @@ Systems (``--systems``, comma-separated):
 A step is ``loss = model(*batch); loss.backward(); opt.step(); opt.zero_grad()`` with
 ``torch.optim.AdamW`` (no gradient clipping), fp32.
 
+``--model hf-gpt2|hf-llama|titan-llama``: a real model (``real_models``: Hugging Face GPT-2 and
+Llama built from a config and used unchanged, the torchtitan-shaped Llama of
+``zerograph.models.titan_llama``), its loss computed outside the model (``Workload.loss``).
+
 ``--model module:factory``: ``factory()`` returns ``(model, batch_fn)``. ``model`` is a CPU
 ``nn.Module`` whose ``model(*batch)`` returns the scalar mean loss of its inputs; ``batch_fn(step,
 rank, world_size)`` returns this rank's inputs (a tuple of tensors) for step ``step``, the same
@@ -87,7 +91,7 @@ is ``zerograph.timeline.predict``.
 
 Layout (one module per concern): ``cli`` (flags, validation before any rank starts, launch),
 ``systems``, ``workloads``, ``runner`` (the per-rank step loop), ``profiling`` (profiled steps),
-``comm``, ``memory``, ``simulation`` (``--simulate``; per-node times from ``zerograph.profile``),
+``comm``, ``memory``, ``real_models``, ``simulation`` (``--simulate``; per-node times from ``zerograph.profile``),
 ``report`` (text, JSON, PNG). The names below are the package's public surface.
 """
 from __future__ import annotations

@@ -23,11 +23,12 @@ import torch
 from ..config import Config
 from ..costmodel import CLUSTERS_FILE, load_cluster_table
 from ..errors import ConfigError
+from .real_models import REAL_MODELS
 from .report import report
 from .runner import rank_main
 from .simulation import LOCAL_CLUSTER, cluster_links
 from .systems import GRAMMAR, check_world_size, parse_systems
-from .workloads import example_gpt, load_factory
+from .workloads import example_gpt, load_factory, real_model_size
 
 DEFAULT_SYSTEMS = ("zerograph-s0,zerograph-s1,zerograph-s2,zerograph-s3,zerograph-s3-noov,"
                    "ddp,fsdp2,fsdp2-compile")
@@ -38,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the bench's flags on ``parser`` (``zerograph bench`` and ``python -m zerograph.bench``)."""
     defaults = Config()
     parser.add_argument("--model", default="small",
-                        help="GPT example size (tiny, small, medium, gpt2-124m) or module:factory (see the module docstring)")
+                        help="GPT example size (tiny, small, medium, gpt2-124m), a real model (hf-gpt2, hf-llama, "
+                             "titan-llama; width 512 x 4 blocks x 128 tokens unless --n-embd / --n-layer / --seq-len), "
+                             "or module:factory (see the module docstring)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks to launch (ignored under torchrun)")
     parser.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
                         help="how the --nproc ranks start, as torchrun's flag: spawn (new interpreters) or forkserver "
@@ -148,11 +151,14 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ConfigError("--n-layer / --n-embd change the GPT example's size; a module:factory builds its own")
     else:
         sizes = example_gpt().SIZES
-        if args.model not in sizes:
-            raise ConfigError(f"--model: unknown GPT size {args.model!r}; known: {sorted(sizes)} (or module:factory)")
-        heads = sizes[args.model].n_head
-        if args.n_embd is not None and args.n_embd % heads:
-            raise ConfigError(f"--n-embd {args.n_embd} must be a multiple of the {args.model} GPT's {heads} heads")
+        if args.model in REAL_MODELS:
+            real_model_size(args.n_embd, args.n_layer, args.seq_len)
+        elif args.model not in sizes:
+            raise ConfigError(f"--model: unknown GPT size {args.model!r}; known: {sorted(sizes)}, the real models "
+                              f"{', '.join(REAL_MODELS)} (or module:factory)")
+        elif args.n_embd is not None and args.n_embd % sizes[args.model].n_head:
+            raise ConfigError(f"--n-embd {args.n_embd} must be a multiple of the {args.model} GPT's "
+                              f"{sizes[args.model].n_head} heads")
         if args.batch_size % world_size:
             raise ConfigError(f"--batch-size {args.batch_size} must be divisible by the number of ranks "
                               f"{world_size} (--nproc): the ranks take equal parts of the global batch")

@@ -167,19 +167,19 @@ def run_system(spec: SystemSpec, workload: Workload, args: argparse.Namespace, d
         if phase == "step_s":
             memory.start_peak()  # the peak of training steps, not of compiling
         for _ in range(count):
-            seconds, loss = _timed_step(model, optimizer, batch_of(next(steps)), device)
+            seconds, loss = _timed_step(model, optimizer, batch_of(next(steps)), device, workload.loss)
             times[phase].append(seconds)
             losses.append(loss)
             progress.update()
     peak = memory.result()
 
-    events, windows = profile_steps(lambda: train_step(model, optimizer, batch_of(next(steps))),
+    events, windows = profile_steps(lambda: train_step(model, optimizer, batch_of(next(steps)), workload.loss),
                                     args.profile_steps, device)
     progress.update(args.profile_steps)
     breakdowns = [comm_breakdown(events, w, device) for w in windows]
     # separate steps: recording every allocation slows the step, so the timed profile runs without it
     held = held_bytes(model, optimizer)
-    peaks, at_peak = profile_allocations(lambda: train_step(model, optimizer, batch_of(next(steps))),
+    peaks, at_peak = profile_allocations(lambda: train_step(model, optimizer, batch_of(next(steps)), workload.loss),
                                          args.profile_steps, device)
     progress.update(args.profile_steps)
     mine = {**times, "memory": peak, "profile": breakdowns,
@@ -191,7 +191,7 @@ def run_system(spec: SystemSpec, workload: Workload, args: argparse.Namespace, d
             mine["simulate"] = simulate_system(spec, model, events, median_window(windows), clusters,
                                                workload, world_size)
     else:
-        mine["comm_elements"] = count_collectives(lambda: train_step(model, optimizer, batch_of(next(steps))))
+        mine["comm_elements"] = count_collectives(lambda: train_step(model, optimizer, batch_of(next(steps)), workload.loss))
     progress.update()
     mine["losses"] = _global_losses(losses, world_size)
     ranks: list[Any] = [None] * world_size
@@ -200,12 +200,12 @@ def run_system(spec: SystemSpec, workload: Workload, args: argparse.Namespace, d
     return merge_ranks(spec, ranks, model_info)
 
 
-def _timed_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, device: torch.device
-                ) -> tuple[float, torch.Tensor]:
+def _timed_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, device: torch.device,
+                loss_fn: Any = None) -> tuple[float, torch.Tensor]:
     sync_device(device)
     dist.barrier()  # every rank starts together: a step's time is not a peer's lateness
     start = time.perf_counter()
-    loss = train_step(model, optimizer, batch)
+    loss = train_step(model, optimizer, batch, loss_fn)
     sync_device(device)
     return time.perf_counter() - start, loss
 

@@ -40,6 +40,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -47,6 +48,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .real_models import REAL_MODELS, RealModel
 
 SYSTEMS = ("zerograph-s3", "fsdp2", "fsdp2-compile")
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -56,8 +59,9 @@ MIB = 2**20
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A model and this rank's micro-batch: ``family`` ``"gpt"`` or ``"llama"``, width ``dim``,
-    ``layers`` blocks, ``heads``, ``vocab`` tokens, ``batch`` x ``seq`` tokens per rank."""
+    """A model and this rank's micro-batch: ``family`` ``"gpt"``, ``"llama"`` or a real model of
+    ``REAL_MODELS`` (``"hf-gpt2"``, ``"hf-llama"``, ``"titan-llama"``), width ``dim``, ``layers``
+    blocks, ``heads``, ``vocab`` tokens, ``batch`` x ``seq`` tokens per rank."""
 
     family: str
     dim: int
@@ -71,6 +75,11 @@ class ModelSpec:
     def label(self) -> str:
         return f"{self.family} {self.dim}x{self.layers}, {self.batch}x{self.seq} tokens"
 
+    @property
+    def real(self) -> RealModel | None:
+        """The family's ``RealModel``; ``None`` for zerograph's own GPT and Llama."""
+        return REAL_MODELS.get(self.family)
+
     def config(self) -> Any:
         if self.family == "gpt":
             from ..models.gpt import GPTConfig
@@ -80,11 +89,13 @@ class ModelSpec:
             from ..models.llama import LlamaConfig
             return LlamaConfig(dim=self.dim, n_layers=self.layers, n_heads=self.heads, vocab_size=self.vocab,
                                max_seq_len=self.seq)
-        raise ValueError(f"unknown model family {self.family!r}: gpt or llama")
+        raise ValueError(f"unknown model family {self.family!r}: gpt, llama or one of {', '.join(REAL_MODELS)}")
 
     def build(self) -> nn.Module:
         """The model under ``torch.device("meta")`` (no storage)."""
         with torch.device("meta"):
+            if self.real is not None:
+                return self.real.build(self.dim, self.layers, self.heads, self.vocab, self.seq)
             if self.family == "gpt":
                 from ..models.gpt import GPT
                 return GPT(self.config())
@@ -93,7 +104,32 @@ class ModelSpec:
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The modules FSDP2 wraps one by one (zerograph finds the same ones as its units)."""
+        if self.real is not None:
+            return self.real.blocks(model)
         return list(model.blocks) if self.family == "gpt" else list(model.layers.values())
+
+    def loss(self, model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The step's mean loss: ``model(tokens, targets)``, or a real model's loss, computed outside it."""
+        return model(tokens, targets) if self.real is None else self.real.loss(model, tokens, targets)
+
+    def init_sharded(self, model: nn.Module) -> None:
+        """Initialise the meta-built ``model`` once sharded: zerograph's through ``init_weights``
+        (one module at a time), FSDP2's after ``to_empty``."""
+        import zerograph
+
+        from ..state import is_compiled
+
+        if is_compiled(model):
+            fn = (model.init_passes() if self.family == "gpt" else model.init_module if self.real is None
+                  else self.real.init_module(model))
+            zerograph.init_weights(model, fn)
+        elif self.real is not None:
+            self.real.init(model)
+        elif self.family == "gpt":
+            for fn in model.init_passes():
+                model.apply(fn)
+        else:
+            model.init_weights(buffer_device=torch.device("cpu"))
 
     def inputs(self, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, targets), each (batch, seq) int64."""
@@ -106,9 +142,10 @@ class ModelSpec:
         return dataclasses.replace(self, dim=64, layers=2, heads=4, batch=1, seq=16)
 
 
-MODELS = {  # the sizes of issue 42's table
+MODELS = {  # the sizes of issue 42's table, and the real models at the Llama's size with its batch doubled
     "gpt": ModelSpec("gpt", dim=1024, layers=16, heads=16, batch=2, seq=256),
     "llama": ModelSpec("llama", dim=1024, layers=8, heads=16, batch=1, seq=128),
+    **{name: ModelSpec(name, dim=1024, layers=8, heads=16, batch=2, seq=128) for name in REAL_MODELS},
 }
 
 
@@ -147,7 +184,7 @@ def _wrap(system: str, spec: ModelSpec, model: nn.Module) -> nn.Module:
         import zerograph
 
         model = zerograph.compile(model, stage=3, device="cpu")
-        zerograph.init_weights(model, model.init_passes() if spec.family == "gpt" else model.init_module)
+        spec.init_sharded(model)
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -157,11 +194,7 @@ def _wrap(system: str, spec: ModelSpec, model: nn.Module) -> nn.Module:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
-    if spec.family == "gpt":
-        for fn in model.init_passes():
-            model.apply(fn)
-    else:
-        model.init_weights(buffer_device=torch.device("cpu"))
+    spec.init_sharded(model)
     if system == "fsdp2-compile":
         model = torch.compile(model)
     return model
@@ -173,7 +206,7 @@ def _steps(model: nn.Module, spec: ModelSpec, steps: int) -> tuple[torch.optim.O
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        loss = model(x, y)
+        loss = spec.loss(model, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -216,7 +249,8 @@ def measure(system: str, spec: ModelSpec, world_size: int, *, steps: int = 2, pr
             st = zerograph.stats(model, opt)
             extra = {"zerograph_stats": {"resident_bytes": dict(st.resident_bytes),
                                          "transient_bytes": dict(st.transient_bytes),
-                                         "saved_activation_bytes": st.saved_activation_bytes}}
+                                         "saved_activation_bytes": st.saved_activation_bytes},
+                     "templated_units": templated_units(model)}
         del model, opt
     return {"system": system, "model": dataclasses.asdict(spec), "world_size": world_size, "steps": steps,
             "rss_method": method, "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
@@ -225,20 +259,50 @@ def measure(system: str, spec: ModelSpec, world_size: int, *, steps: int = 2, pr
             "error": None, **extra}
 
 
+def templated_units(model: nn.Module) -> dict[str, int]:
+    """How many of a compiled model's units ran their unit template in its forward graphs: calls of
+    ``zerograph::unit_forward`` in the final forward graphs (``templated``) against the units
+    other than the root (``units``); the others ran their body inline, traced into the model's graph."""
+    from ..state import state_of, units_of
+
+    forward_op = torch.ops.zerograph.unit_forward.default
+    graphs = [record["forward"].graph for record in state_of(model).captured.graphs if "forward" in record]
+    calls = sum(1 for graph in graphs for node in graph.nodes if node.target is forward_op)
+    return {"templated": calls, "units": len(units_of(model)) - 1}
+
+
+def step_time_summary(step_s: list[float], warmup: int) -> dict[str, float] | None:
+    """Median, min and max seconds of the steps after the first ``warmup``; ``None`` if none are left."""
+    timed = step_s[warmup:]
+    if not timed:
+        return None
+    return {"median_s": statistics.median(timed), "min_s": min(timed), "max_s": max(timed), "steps": len(timed)}
+
+
 # ----------------------------------------------------------------------------- the side-by-side run
 
 
 def predicted(spec: ModelSpec, world_size: int) -> dict:
-    """``zerograph.plan``'s stage-3 prediction for ``spec`` in fp32 (this bench's dtypes)."""
+    """``zerograph.plan``'s stage-3 prediction for ``spec`` in fp32 (this bench's dtypes). Where the
+    plan cannot trace the model's forward on fake tensors, it is made without activations and a
+    note says so."""
     import zerograph
 
-    model = spec.build()
+    from ..errors import ConfigError
+
     x, y = spec.inputs("meta")
-    p = zerograph.plan(model, 3, world_size, param_dtype=torch.float32, master_dtype=torch.float32,
-                       prefetch_depth=zerograph.Config().prefetch_depth, example_inputs=(x, y))
+    example = (x, y) if spec.real is None else (x,)  # a real model's forward takes the tokens; the loss is outside
+    options = {"param_dtype": torch.float32, "master_dtype": torch.float32,
+               "prefetch_depth": zerograph.Config().prefetch_depth}
+    notes = []
+    try:
+        p = zerograph.plan(spec.build(), 3, world_size, example_inputs=example, **options)
+    except ConfigError as exc:
+        p = zerograph.plan(spec.build(), 3, world_size, **options)
+        notes.append(f"activations left out of the plan: {exc}")
     return {"psi": p.psi, "model_states_bytes": p.bytes_per_rank["total"] + p.padding_bytes,
             "step_peak_bytes": p.step_peak_bytes, "step_peak_breakdown": dict(p.step_peak_breakdown),
-            "notes": list(p.peak_notes)}
+            "notes": notes + list(p.peak_notes)}
 
 
 def run_in_subprocess(system: str, spec: ModelSpec, world_size: int, steps: int, timeout_s: float) -> dict:
@@ -263,10 +327,11 @@ def _failed(system: str, spec: ModelSpec, world_size: int, error: str) -> dict:
 
 
 def side_by_side(specs: dict[str, ModelSpec], world_size: int, systems=SYSTEMS, *, steps: int = 2,
-                 timeout_s: float = 900.0, in_process: bool = False, log=None) -> dict:
+                 warmup: int = 1, timeout_s: float = 900.0, in_process: bool = False, log=None) -> dict:
     """Every system on every model; returns ``{"machine", "command", "rows": [...]}``, one row per
-    model with the plan's prediction and each system's measurement. ``in_process=True`` measures
-    in this process instead (no fresh interpreter, no allocator setting: for tests)."""
+    model with the plan's prediction and each system's measurement. ``warmup``: the first steps
+    left out of the step times (the table's; every step's time is in the result). ``in_process=True``
+    measures in this process instead (no fresh interpreter, no allocator setting: for tests)."""
     source = {"commit": _commit(), "uncommitted": _git("status", "--porcelain", "--untracked-files=no").splitlines()}
     rows = []  # the commit is read before the run: code committed during it is not what ran
     for name, spec in specs.items():
@@ -281,7 +346,7 @@ def side_by_side(specs: dict[str, ModelSpec], world_size: int, systems=SYSTEMS, 
                 result = run_in_subprocess(system, spec, world_size, steps, timeout_s)
             row["systems"][system] = result
         rows.append(row)
-    return {"world_size": world_size, "steps": steps, "systems": list(systems), "rows": rows,
+    return {"world_size": world_size, "steps": steps, "warmup": warmup, "systems": list(systems), "rows": rows,
             "machine": machine(), "date": datetime.date.today().isoformat(), **source}
 
 
@@ -335,7 +400,34 @@ def format_table(result: dict) -> str:
                  f"fp32, MALLOC_MMAP_THRESHOLD_=65536; {result['machine']}; {result['date']}, commit {result['commit']}"
                  + (f" with {len(result['uncommitted'])} uncommitted file(s)" if result.get("uncommitted") else ""))
     lines += notes
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *format_time_table(result)])
+
+
+def format_time_table(result: dict) -> list[str]:
+    """Markdown lines: per model, each system's step time, median (min-max) in ms over the steps
+    after the first ``result["warmup"]``, zerograph's ratio to FSDP2 eager and how many of its units
+    ran their template (``templated_units``)."""
+    systems, warmup = result["systems"], result.get("warmup", 0)
+    head = ["model", *(f"{s} step ms" for s in systems), "s3 / fsdp2", "s3 templated units"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for row in result["rows"]:
+        cells, medians = [row["label"]], {}
+        for system in systems:
+            r = row["systems"].get(system, {})
+            summary = None if r.get("error") else step_time_summary(r["step_s"], warmup)
+            if summary is None:
+                cells.append("failed" if r.get("error") else "-")
+                continue
+            medians[system] = summary["median_s"]
+            cells.append(f"{summary['median_s'] * 1e3:,.0f} ({summary['min_s'] * 1e3:,.0f}-{summary['max_s'] * 1e3:,.0f})")
+        s3, fsdp = medians.get("zerograph-s3"), medians.get("fsdp2")
+        cells.append(f"{s3 / fsdp:.2f}x" if s3 and fsdp else "-")
+        templated = row["systems"].get("zerograph-s3", {}).get("templated_units")
+        cells.append(f"{templated['templated']} / {templated['units']}" if templated else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    timed = max(0, result["steps"] - warmup)
+    return lines + ["", f"Step time of the same runs: median (min-max) of steps {warmup + 1}-{result['steps']} "
+                        f"({timed} steps) of each system's fresh process, ms."]
 
 
 def _worker(job: str) -> None:

@@ -10,9 +10,22 @@ table of peak RSS growth (MiB) per system, ``zerograph.plan``'s predicted stage-
 and its ratio to the measured one, and zerograph's ratio to FSDP2 eager; ``--json`` writes every
 figure (with the breakdowns). Definitions: ``zerograph/bench/side_by_side.py``.
 
-Models (``--models``; sizes ``WIDTHxBLOCKS:BATCHxSEQ``, the batch being this rank's):
-  gpt    zerograph.models.gpt, blocks in an nn.ModuleList    (--gpt,   default 1024x16:2x256)
-  llama  zerograph.models.llama, torchtitan-style, layers in an nn.ModuleDict (--llama, default 1024x8:1x128)
+Below it, the step time of the same runs: median (min-max) of the steps after ``--warmup``, and
+how many of zerograph's units ran their unit template.
+
+Models (``--models``; sizes ``WIDTHxBLOCKS:BATCHxSEQ``, the batch being this rank's; ``--size``
+sets every model's size not set by its own flag):
+  gpt          zerograph.models.gpt, blocks in an nn.ModuleList        (--gpt, default 1024x16:2x256)
+  llama        zerograph.models.llama, torchtitan-style, layers in an nn.ModuleDict (--llama, default 1024x8:1x128)
+  hf-gpt2      transformers' GPT2LMHeadModel from a config, unchanged  (--hf-gpt2, default 1024x8:2x128)
+  hf-llama     transformers' LlamaForCausalLM from a config, unchanged (--hf-llama, default 1024x8:2x128)
+  titan-llama  zerograph.models.titan_llama: torchtitan's calling conventions (--titan-llama, default 1024x8:2x128)
+The real models (the last three: zerograph/bench/real_models.py) have their loss computed outside
+the model, as their trainers do.
+
+One line, the real models' step time (rank 0 of a fake world of 8, width 512 x 4 blocks):
+  zerograph memory --models hf-gpt2,hf-llama,titan-llama --world-size 8 --size 512x4:2x128 --heads 8 \\
+      --steps 6 --warmup 2
 """
 from __future__ import annotations
 
@@ -36,13 +49,16 @@ def size(text: str) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``zerograph memory`` (and ``examples/memory_side_by_side.py``)."""
-    p.add_argument("--models", default="gpt,llama", help="comma-separated: gpt, llama")
+    p.add_argument("--models", default="gpt,llama", help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     p.add_argument("--world-size", type=int, default=64, help="N, the fake world rank 0 belongs to")
-    p.add_argument("--gpt", type=size, help="the GPT's size (default 1024x16:2x256)")
-    p.add_argument("--llama", type=size, help="the Llama's size (default 1024x8:1x128)")
+    for name, spec in MODELS.items():
+        p.add_argument(f"--{name}", type=size, help=f"the {name} model's size (default "
+                       f"{spec.dim}x{spec.layers}:{spec.batch}x{spec.seq})")
+    p.add_argument("--size", type=size, help="the size of every model not given its own")
     p.add_argument("--heads", type=int, default=16, help="attention heads (width must be a multiple)")
     p.add_argument("--steps", type=int, default=2, help="training steps per system")
+    p.add_argument("--warmup", type=int, default=1, help="first steps left out of the step times")
     p.add_argument("--timeout", type=float, default=900, help="seconds per system before it counts as failed")
     p.add_argument("--json", dest="json_path", help="write every figure here")
 
@@ -58,13 +74,16 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
         return 2
     specs = {}
     for name in names:
-        changes = getattr(args, name) or {}
+        changes = getattr(args, name.replace("-", "_")) or args.size or {}
         specs[name] = dataclasses.replace(MODELS[name], heads=args.heads, **changes)
         if specs[name].dim % args.heads:
             print(f"zerograph memory: --{name}: width {specs[name].dim} is not a multiple of --heads {args.heads}",
                   file=sys.stderr)
             return 2
-    result = side_by_side(specs, args.world_size, systems, steps=args.steps, timeout_s=args.timeout,
+    if not 0 <= args.warmup < args.steps:
+        print(f"zerograph memory: --warmup {args.warmup} must be >= 0 and below --steps {args.steps}", file=sys.stderr)
+        return 2
+    result = side_by_side(specs, args.world_size, systems, steps=args.steps, warmup=args.warmup, timeout_s=args.timeout,
                           log=lambda line: print(line, file=sys.stderr, flush=True))
     result["command"] = command or args.invocation  # the example passes its own; zerograph.cli sets it
     print(format_table(result))

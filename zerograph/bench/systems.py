@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -180,9 +180,11 @@ def build_system(spec: SystemSpec, workload: Workload, device: torch.device, lr:
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One training step; returns this rank's loss (detached scalar)."""
-    loss = model(*batch)
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor],
+               loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """One training step; returns this rank's loss (detached scalar). ``loss_fn(model, *batch)``
+    computes the loss outside the model (``Workload.loss``); ``None``: ``model(*batch)`` returns it."""
+    loss = model(*batch) if loss_fn is None else loss_fn(model, *batch)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

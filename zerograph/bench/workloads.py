@@ -16,6 +16,13 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..sharding import find_units
+from .real_models import REAL_MODELS
+
+# the real models' size when --n-embd / --n-layer / --seq-len are not given, and their vocabulary
+# (the size of zerograph's own example models': the comparison is of the blocks, not of a large embedding)
+REAL_MODEL_SIZE = {"n_embd": 512, "n_layer": 4, "seq_len": 128}
+REAL_VOCAB = 256
+HEAD_DIM = 64
 
 
 @dataclasses.dataclass
@@ -23,7 +30,9 @@ class Workload:
     """A model factory and its data.
 
     ``build()``: a fresh CPU model (the caller seeds); ``batch(step, rank, world_size)``: this
-    rank's inputs of step ``step``; ``blocks(model)``: the modules FSDP2 wraps one by one.
+    rank's inputs of step ``step``; ``blocks(model)``: the modules FSDP2 wraps one by one;
+    ``loss(model, *batch)``: the step's scalar loss, computed by the trainer outside the (wrapped)
+    model; ``None``: ``model(*batch)`` returns it.
     """
 
     name: str
@@ -31,17 +40,57 @@ class Workload:
     batch: Callable[[int, int, int], tuple[torch.Tensor, ...]]
     blocks: Callable[[nn.Module], list[nn.Module]]
     description: dict
+    loss: Callable[..., torch.Tensor] | None = None
 
 
 def load_workload(model: str, batch_size: int, seq_len: int | None, seed: int, n_layer: int | None = None,
                   n_embd: int | None = None) -> Workload:
     """The GPT example at a named size (``seq_len``, ``n_layer``, ``n_embd`` replace its
-    block_size, blocks and width when given), or a user's ``module:factory``. Raises ``ConfigError``."""
+    block_size, blocks and width when given), a real model of ``REAL_MODELS`` (``seq_len``,
+    ``n_layer``, ``n_embd`` default to ``REAL_MODEL_SIZE``'s), or a user's ``module:factory``.
+    Raises ``ConfigError``."""
     if ":" in model:
         if n_layer is not None or n_embd is not None:
             raise ConfigError("--n-layer / --n-embd change the GPT example's size; a module:factory builds its own")
         return _factory_workload(model)
+    if model in REAL_MODELS:
+        return _real_workload(model, batch_size, seq_len, seed, n_layer, n_embd)
     return _gpt_workload(model, batch_size, seq_len, seed, n_layer, n_embd)
+
+
+def token_batches(vocab: int, seq_len: int, batch_size: int, seed: int) -> Callable[[int, int, int], tuple]:
+    """``batch(step, rank, world_size)``: this rank's ``(tokens, targets)``, each (B/N, T) int64,
+    of a global batch of ``batch_size`` random sequences that depends on ``seed`` and ``step`` only."""
+    def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if batch_size % world_size:
+            raise ConfigError(f"--batch-size {batch_size} must be divisible by the world size {world_size}")
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)  # same global batch on every rank
+        tokens = torch.randint(vocab, (batch_size, seq_len + 1), generator=gen)                # (B, T+1)
+        per_rank = batch_size // world_size
+        mine = tokens[rank * per_rank:(rank + 1) * per_rank]                                   # (B/N, T+1)
+        return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()                               # 2 x (B/N, T)
+
+    return batch
+
+
+def real_model_size(n_embd: int | None, n_layer: int | None, seq_len: int | None) -> tuple[int, int, int, int]:
+    """``(dim, layers, heads, seq)`` of a real model: ``REAL_MODEL_SIZE`` where not given, heads of
+    ``HEAD_DIM`` channels. Raises ``ConfigError`` for a width that is not a multiple of ``HEAD_DIM``."""
+    dim, layers, seq = (n_embd or REAL_MODEL_SIZE["n_embd"], n_layer or REAL_MODEL_SIZE["n_layer"],
+                        seq_len or REAL_MODEL_SIZE["seq_len"])
+    if dim % HEAD_DIM:
+        raise ConfigError(f"--n-embd {dim}: a real model's width must be a multiple of its {HEAD_DIM}-wide heads")
+    return dim, layers, dim // HEAD_DIM, seq
+
+
+def _real_workload(name: str, batch_size: int, seq_len: int | None, seed: int, n_layer: int | None,
+                   n_embd: int | None) -> Workload:
+    real = REAL_MODELS[name]
+    dim, layers, heads, seq = real_model_size(n_embd, n_layer, seq_len)
+    return Workload(name, lambda: real.build(dim, layers, heads, REAL_VOCAB, seq),
+                    token_batches(REAL_VOCAB, seq, batch_size, seed), real.blocks,
+                    {"kind": real.description, "n_embd": dim, "n_layer": layers, "n_head": heads,
+                     "vocab_size": REAL_VOCAB, "block_size": seq, "global_batch": batch_size}, loss=real.loss)
 
 
 def example_gpt() -> Any:
@@ -60,16 +109,7 @@ def _gpt_workload(size: str, batch_size: int, seq_len: int | None, seed: int, n_
     cfg = dataclasses.replace(gpt.SIZES[size], **changes)
     if cfg.n_embd % cfg.n_head:
         raise ConfigError(f"--n-embd {cfg.n_embd} must be a multiple of the {size} GPT's {cfg.n_head} heads")
-
-    def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if batch_size % world_size:
-            raise ConfigError(f"--batch-size {batch_size} must be divisible by the world size {world_size}")
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)  # same global batch on every rank
-        tokens = torch.randint(cfg.vocab_size, (batch_size, cfg.block_size + 1), generator=gen)  # (B, T+1)
-        per_rank = batch_size // world_size
-        mine = tokens[rank * per_rank:(rank + 1) * per_rank]                                   # (B/N, T+1)
-        return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()                               # 2 x (B/N, T)
-
+    batch = token_batches(cfg.vocab_size, cfg.block_size, batch_size, seed)
     return Workload(f"gpt-{size}", lambda: gpt.GPT(cfg), batch, lambda model: list(model.blocks),
                     {"kind": "GPT (zerograph.models.gpt), random tokens", "size": size,
                      **dataclasses.asdict(cfg), "global_batch": batch_size})

@@ -107,9 +107,11 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    attention_class: type[nn.Module] = Attention  # a subclass's blocks may call their attention another way
+
     def __init__(self, layer_id: int, cfg: LlamaConfig):
         super().__init__()
-        self.attention = Attention(cfg)
+        self.attention = self.attention_class(cfg)
         self.feed_forward = FeedForward(cfg)
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
