@@ -217,7 +217,9 @@ class MaskBuffer(Fragment):
         super().__init__()
         self.register_buffer("mask", torch.ones(T, T, dtype=torch.bool).tril())
         self.register_buffer("order", torch.arange(T - 1, -1, -1))
-        self.fc = nn.Linear(W, W)
+        # no bias: softmax is shift-invariant along the keys, so a bias's exact gradient is 0 and
+        # AdamW turns its rounding noise into lr-sized steps of either sign, different per build
+        self.fc = nn.Linear(W, W, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = (x @ self.fc(x).transpose(1, 2)).masked_fill(~self.mask, float("-inf")).softmax(-1)

@@ -471,8 +471,8 @@ class _ScaledStack(nn.Module):
 
 
 def _traces_counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the kinds traced from here on (``templates.trace_unit`` calls)."""
-    from zerograph import templates as templates_module
+    """The names of the kinds traced from here on (``template_cache.trace_unit`` calls)."""
+    from zerograph import template_cache as templates_module
 
     traced, real = [], templates_module.trace_unit
 
