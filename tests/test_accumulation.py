@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import zerograph
+from zerograph.errors import HeldGradientsError
 from zerograph.state import runtime_of_model
 
 from .distributed import fake_rank, spawn
@@ -239,3 +240,27 @@ def test_set_requires_gradient_sync_is_read_at_backward() -> None:
             unsynced = model(x, y)
         (unsynced + model(x, y)).backward()
         assert runtime.unsynced_bytes() == 0
+
+
+def test_an_optimizer_step_over_held_gradients_is_refused() -> None:
+    """A step whose last backward was a ``no_sync()`` forward's (run after leaving the context)
+    would leave that micro-batch out of ``.grad``: the step raises ``HeldGradientsError`` naming
+    the parameters, instead of losing it; a micro-batch loop that ends synced steps as usual, and
+    so does one whose held gradients the caller discarded (``zero_grad``). In process (a fake
+    world of 2)."""
+    with fake_rank(2):
+        model = zerograph.compile(build("mlp"), stage=3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x, y = global_batch("mlp", 0, 4)
+        with model.no_sync():
+            model(x, y).backward()
+        model(x, y).backward()  # synced: everything reduced
+        optimizer.step()
+        optimizer.zero_grad()
+        with model.no_sync():
+            loss = model(x, y)
+        loss.backward()  # the forward decided: held, and nothing reduces it
+        with pytest.raises(HeldGradientsError, match="no_sync still holds"):
+            optimizer.step()
+        optimizer.zero_grad()  # discarded, as eager's zero_grad discards them
+        optimizer.step()

@@ -57,6 +57,12 @@ class TemplateUnavailable(ZeroGraphError):
     reaches the user)."""
 
 
+class HeldGradientsError(ZeroGraphError, RuntimeError):
+    """An optimizer step over parameters whose gradients a ``no_sync`` backward still holds (never
+    reduced into ``.grad``): the step would leave those micro-batches out. The message names the
+    parameters and the fix."""
+
+
 class TemplateFallbackError(ZeroGraphError):
     """Under ``Config(strict_templates=True)``: a unit left the template fast path (it would run
     inline, or as an island); the message names the unit's kind and the reason. For CI that must

@@ -16,14 +16,17 @@ dtype) and its post-backward final callback.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch.autograd.graph import Node
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .accounting import StepAccounting
+from .errors import HeldGradientsError
 from .flat import FlatShard
 from .sharding import ParamLayout
 from .topology import Topology
@@ -68,6 +71,7 @@ class GradientBuffers:
         # caller's in-place write since (zero_grad(set_to_none=False)) shows as a new version
         self.held_grads: dict[int, tuple[tuple[torch.Tensor | None, int], ...]] = {}
         self._noting = False  # a callback noting held_grads is queued for the running backward
+        _LIVE.add(self)
 
     def grad_mode(self) -> str:
         """What the next forward's backward does with full gradients (``sharding.GRAD_MODES``):
@@ -233,3 +237,32 @@ def _grad_accumulator(param: torch.Tensor) -> Node:
     uneven shards on some ranks only). Called with grad enabled."""
     alias = param.to_local() if isinstance(param, DTensor) else param.view_as(param)
     return alias.grad_fn.next_functions[0][0]
+
+
+# every model's held gradients, read by the optimizer step check (``_check_step``)
+_LIVE: weakref.WeakSet[GradientBuffers] = weakref.WeakSet()
+
+
+def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before any optimizer's ``step``: refuse a step over parameters whose gradients a ``no_sync``
+    backward still holds (``HeldGradientsError``). Their ``.grad`` lacks those micro-batches (the
+    step would lose them, or the next step would count them), where eager's ``.grad`` has them;
+    a step whose last backward was a ``no_sync()`` forward's, run after leaving the context, is the
+    usual cause. Held gradients the caller cleared since (``zero_grad``) are dropped first, so a
+    discarded step is no error. Source: ``torch.optim.optimizer.register_optimizer_step_pre_hook``."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for buffers in list(_LIVE):
+        if not buffers.unsynced:
+            continue
+        buffers._forget_cleared()
+        held = [buffers.layouts[key].fqn for key in sorted(buffers.unsynced)
+                if any(id(p) in stepped for p in buffers._params_of(key) or ())]
+        if held:
+            raise HeldGradientsError(
+                f"optimizer.step() over parameters whose gradients no_sync still holds ({', '.join(held[:3])}"
+                f"{' ...' if len(held) > 3 else ''}): run the last micro-batch's forward and backward with gradient "
+                "sync on (outside no_sync()), or decide at backward with set_requires_gradient_sync(True) before it; "
+                "zero_grad() first to discard them")
+
+
+register_optimizer_step_pre_hook(_check_step)
