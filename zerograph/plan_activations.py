@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import ConfigError
 from .unit_trace import template_min_cut
+from .unit_writes import functional_joint, save_random_values
 
 
 def saved_activation_bytes(model: nn.Module, example_inputs: Sequence[object],
@@ -87,7 +88,9 @@ def compiled_saved_activation_bytes(model: nn.Module, example_inputs: Sequence[o
     with _refused("joint trace"), fake_mode:
         tangents = [torch.empty_like(o) for o in call(primals)]
         graph = make_fx(joint)(primals, tangents)
-    with _refused("partition"):
+    with _refused("partition"):  # functional and with random values saved, as a template's joint is
+        graph = functional_joint(graph, primals, tangents, fake_mode)
+        save_random_values(graph.graph)
         fwd, _ = template_min_cut(graph, primals, tangents)
     saved: dict[int, int] = {}
     for node in fwd.graph.output_node().args[0][len(tangents):]:
