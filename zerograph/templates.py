@@ -327,7 +327,7 @@ def refresh_unit_modes(kinds: Sequence[UnitKind]) -> None:
     """Store each templated unit's mode: its submodules' training flags as bits (submodule ``i``
     in ``modules()`` order -> bit ``i``), read by the unit's forward. Called before every model
     forward, outside the trace, so Dynamo guards on one int per unit instead of on every
-    submodule's flag (a quarter of a 64-block first step), and a flag changed anywhere in a unit,
+    submodule's flag, and a flag changed anywhere in a unit,
     ``eval()`` of the model or of one submodule, still changes it and retraces."""
     for kind in kinds:
         for unit in kind.modules:
