@@ -79,6 +79,7 @@ from .template_cache import shared_template
 from .template_keys import unit_signature
 from .unit_calls import TENSOR, call_key, describe, rebuild, unsupported
 from .unit_islands import run_island
+from .unit_record import UnitRecord
 from .unit_trace import UNIT_ATTR, TensorMeta, UnitTemplate
 
 # True once the unit's kind met data-dependent control flow in its body: the unit runs as an eager
@@ -221,8 +222,7 @@ class UnitKind:
         self.flat_shards = []
         self.flat_reason = f"its units run inline ({reason}): a flat gradient cannot tell unused parameters"
         for module in self.modules:
-            kind, param_slots, buffer_slots, keys, modules, _ = getattr(module, UNIT_ATTR)
-            object.__setattr__(module, UNIT_ATTR, (kind, param_slots, buffer_slots, keys, modules, None))
+            object.__setattr__(module, UNIT_ATTR, dataclasses.replace(getattr(module, UNIT_ATTR), flat=None))
             object.__setattr__(module, INLINE_ATTR, True)
 
     def run_as_islands(self, reason: str) -> NoReturn:
@@ -314,7 +314,7 @@ def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[
             flat_shard.unreached_read = functools.partial(_read_unreached, kind.kind)
             kind.flat_shards.append(flat_shard)
         object.__setattr__(module, UNIT_ATTR,
-                           (kind.kind, param_slots, buffer_slots, keys, tuple(module.modules()), flat_shard))
+                           UnitRecord(kind.kind, param_slots, buffer_slots, keys, tuple(module.modules()), flat_shard))
         object.__setattr__(module, INLINE_ATTR, False)
         object.__setattr__(module, ISLAND_ATTR, False)
         object.__setattr__(module, "forward", types.MethodType(forward, module))
@@ -332,7 +332,7 @@ def refresh_unit_modes(kinds: Sequence[UnitKind]) -> None:
     for kind in kinds:
         for unit in kind.modules:
             mode = 0
-            for i, module in enumerate(getattr(unit, UNIT_ATTR)[4]):
+            for i, module in enumerate(getattr(unit, UNIT_ATTR).modules):
                 if module.training:
                     mode |= 1 << i
             object.__setattr__(unit, MODE_ATTR, mode)
@@ -416,7 +416,9 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if getattr(self, ISLAND_ATTR) and _sharding._gathering and not _sharding._tracing_unit:
             return run_island(self, args, kwargs)
         return body(self, *args, **kwargs)
-    kind, param_slots, buffer_slots, keys, _, flat = getattr(self, UNIT_ATTR)
+    record = getattr(self, UNIT_ATTR)
+    kind, param_slots, buffer_slots, keys, flat = (record.kind, record.param_slots, record.buffer_slots,
+                                                   record.keys, record.flat)
     tensors: list[torch.Tensor] = []
     arguments = (describe(args, tensors), describe(kwargs, tensors))
     # len() where `not` would do: Dynamo traces `not` of a list only as a branch condition

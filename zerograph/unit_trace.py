@@ -33,6 +33,7 @@ from .passes._fx import sink_to_first_use
 from .sharding import set_tracing_unit
 from .unit_calls import TENSOR, call_arguments, call_structure, flatten_output
 from .unit_flat_grad import write_flat_gradient_in_place
+from .unit_record import UNIT_ATTR, UnitRecord
 from .unit_saved import rebase_saved_views, recompute_norms
 from .unit_writes import check_no_writes, functional_joint, save_random_values
 
@@ -46,8 +47,6 @@ if TYPE_CHECKING:
 # even where its output is materialized there (a GPT's gelu: its input is saved, not both);
 # and the joint graph's layer norms are marked for recompute (``unit_saved.recompute_norms``)
 PARTITION_OPTIONS = {"recompute_views": True, "ban_recompute_materialized_backward": False}
-
-UNIT_ATTR = "_zerograph_unit"  # a templated unit's (kind, parameter slots, buffer slots, keys, modules, flat shard)
 
 # (shape, stride, dtype) of one tensor; a template is traced per tuple of these of its primals
 TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
@@ -186,7 +185,9 @@ class _Body:
         self.autocast = call_structure(call)[2]
         self.device_type = device.type
         self.output_structure: Any = None
-        _, self.param_slots, self.buffer_slots, _, self.modules, self.flat = getattr(module, UNIT_ATTR)
+        record: UnitRecord = getattr(module, UNIT_ATTR)
+        self.param_slots, self.buffer_slots = record.param_slots, record.buffer_slots
+        self.modules, self.flat = record.modules, record.flat
         self.n_params = 1 if self.flat is not None else len(self.param_slots)
         self.n_args = n_primals - self.n_params - len(self.buffer_slots)
         self.slot_names = [_slot_name(module, slot) for slot in self.param_slots]
