@@ -1,5 +1,5 @@
 """First-step (compile) time against depth: zerograph's eager and Inductor lowerings beside FSDP2 +
-``torch.compile``, cold and warm, side by side (issue 16's table).
+``torch.compile``, cold and warm, side by side (docs/benchmarks.md, "Compile time").
 
     python examples/compile_time.py --blocks 4,16,32,64 --json compile_time.json
     python examples/compile_time.py --one-rank --blocks 8,64     # CPU seconds and per-pass ms, in process

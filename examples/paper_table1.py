@@ -18,7 +18,8 @@ runs its forward and backward before the optimizer's state exists. Run it with
 ``MALLOC_MMAP_THRESHOLD_=65536`` so glibc returns freed buffers at once and the resident set follows
 the live tensors.
 
-Usage (about 13 minutes on 2 CPU cores for two steps of the default 7.5B at N = 64, stage 3):
+Usage (two steps of the default 7.5B at N = 64, stage 3; long on a CPU: docs/benchmarks.md, "The
+paper's Table 1", has a run):
     MALLOC_MMAP_THRESHOLD_=65536 python examples/paper_table1.py --params 7.5e9 --world-size 64 --stages 3 --tokens 256
 
 Source: Rajbhandari et al., "ZeRO", arXiv 1910.02054, Table 1 (7.5B parameters, N = 64:

@@ -66,8 +66,7 @@ def splice(graph: fx.Graph, fn: Callable[..., Any], args: Sequence[fx.Node], *, 
     fake mode they belong to). ``fn`` must not depend on anything the key leaves out, e.g. a
     marker key baked into an op's arguments. Another compile in the process (another fake mode)
     with the same key re-runs the kept graph's ops on its own fake values instead of tracing
-    ``fn`` (``_retraced``: the ops without ``make_fx``'s set-up; median 7 against 24 CPU ms per
-    splice on the tests' 2-block GPT).
+    ``fn`` (``_retraced``: the ops, without ``make_fx``'s set-up).
     """
     vals = [a.meta["val"] for a in args]
     fake_mode = detect_fake_mode(vals)

@@ -15,8 +15,7 @@ A buffer is pooled only if it dies inside the graph (never one saved for backwar
 stage 1-2's gathered parameters, ``selective_unshard``'s kept units), and only if it belongs to
 no collective of the root unit: the root's collectives run once per graph, at its ends, with the
 largest buffers of a language model (the embedding and LM head), so a slot for them would be
-held, idle, through the rest of the step, its peak included (GPT-2 124M at world size 2: 350 MiB
-pooled with them, 108 MiB without); the allocator serves them. Two buffers share a slot only if
+held, idle, through the rest of the step, its peak included; the allocator serves them. Two buffers share a slot only if
 they hold the same kind of data (gathered parameters, or send buffers, so the pool can say how
 much of each it holds) and their lifetimes (graph positions, inclusive) do not intersect: per
 role an interval graph, whose greedy colouring in order of start is optimal, so the slots number

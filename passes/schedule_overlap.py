@@ -8,7 +8,7 @@ Post: the same nodes, reordered; every start still precedes its wait, every wait
   buffer, the gathered one dying after it) sinks no further than the copy-in of the next gather
   ``prefetch`` placed after it: during a copy-out the unit is held twice (the gathered buffer and
   its unpacked copy), and a gather started before it would add a third unit at that point,
-  ``prefetch_depth + 2`` units instead of the ``prefetch_depth + 1`` the schedule plans (issue 42).
+  ``prefetch_depth + 2`` units instead of the ``prefetch_depth + 1`` the schedule plans.
   A copy-out of views only allocates nothing and sinks to the first use.
 - Reductions (reduce-scatter / all-reduce): issued where ``insert_reduce_scatter`` put them (as
   soon as the bucket's last gradient exists); the wait, the division by N and the copy-out sink

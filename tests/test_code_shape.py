@@ -1,15 +1,21 @@
-"""The code's shape for whoever carries it on (issue 41): no import cycle among zerograph's modules,
-no module over 500 lines, no function over 80 lines of code.
+"""The code's shape for whoever carries it on: no import cycle among zerograph's modules, no
+module over 500 lines, no function over 80 lines of code, and no comment or docstring naming a
+tracker issue or a date (zerograph/, passes/, examples/).
 
 Read from the source with ``ast``, in this process; nothing is imported. The modules and their
 imports are tests/test_layers.py's (``module_files``: ``passes/`` is ``zerograph.passes``;
 ``import_graph``: imports under ``if TYPE_CHECKING:`` left out, each edge marked ``top`` when the
 import runs at module level). test_layers' own cycle check counts imports inside functions too;
-the one here is the rule of issue 41: what importing a module runs.
+the one here is about what importing a module runs.
 """
 from __future__ import annotations
 
 import ast
+import io
+import pathlib
+import re
+import tokenize
+from collections.abc import Iterator
 
 import networkx as nx
 
@@ -57,3 +63,43 @@ def test_no_function_over_80_lines() -> None:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (n := code_lines(node)) > MAX_FUNCTION_LINES:
                 over.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
     assert not over, f"functions over {MAX_FUNCTION_LINES} lines (docstrings aside):\n  " + "\n  ".join(sorted(over))
+
+
+# what a comment or docstring must not name: a tracker issue ("issue 42", "issues 16 and 42",
+# "issue #7") or a date; history belongs in the commits, the reason in the comment
+HISTORY = re.compile(r"\bissues?\s+#?\d+|\b20\d\d-[01]\d-[0-3]\d\b", re.IGNORECASE)
+
+
+def comments_and_docstrings(source: str) -> Iterator[tuple[int, str]]:
+    """``(line, text)`` of every comment and every string standing as a statement (module, class,
+    function and attribute docstrings) in ``source``; string literals inside code are not read."""
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            yield node.lineno, node.value.value
+
+
+def history_in(path: pathlib.Path) -> list[str]:
+    """``path:line: match`` for each tracker issue or date a comment or docstring of ``path`` names."""
+    return [f"{path.relative_to(ROOT)}:{line + text.count(chr(10), 0, match.start())}: {match.group(0)!r}"
+            for line, text in comments_and_docstrings(path.read_text()) for match in HISTORY.finditer(text)]
+
+
+def test_history_detector() -> None:
+    """The detector sees issue numbers and dates in comments and docstrings, and nothing in code."""
+    source = ('"""Module (issue 42)."""\n'
+              'x = "issue 7 in a message is code"  # the rule before Issue #16\n'
+              'def f():\n'
+              '    """Since 2026-05-01; 16 bytes per parameter, issues in general."""\n')
+    assert [(line, HISTORY.findall(text)) for line, text in comments_and_docstrings(source)
+            if HISTORY.search(text)] == [(2, ["Issue #16"]), (1, ["issue 42"]), (4, ["2026-05-01"])]
+
+
+def test_no_issue_or_date_in_comments() -> None:
+    """Comments and docstrings state intent and reasons; which issue asked for a change and when it
+    was made are the history's (git log), and read as noise once the tracker moves on."""
+    paths = [*module_files().values(), *sorted((ROOT / "examples").rglob("*.py"))]
+    found = [hit for path in paths for hit in history_in(path)]
+    assert not found, "comments or docstrings naming a tracker issue or a date:\n  " + "\n  ".join(found)

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("execution", ["zerograph.topology", "zerograph.accounting", "zerograph.comm_schedule", "zerograph.grad_buffers",
                    "zerograph.eager", "zerograph.runtime", "zerograph.islands", "zerograph.lowering", "zerograph.capture",
                    "zerograph.attribute_reads", "zerograph.unit_saved", "zerograph.unit_flat_grad",
-                   "zerograph.unit_trace", "zerograph.unit_islands", "zerograph.templates",
+                   "zerograph.unit_record", "zerograph.unit_trace", "zerograph.unit_islands", "zerograph.templates",
                    "zerograph.template_keys", "zerograph.unit_watch", "zerograph.unit_calls", "zerograph.unit_writes",
                    "zerograph.unreached", "zerograph.template_cache"]),
     ("api", ["zerograph.plan_activations", "zerograph.plan", "zerograph.budget", "zerograph.api", "zerograph.replicas",

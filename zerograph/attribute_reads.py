@@ -3,7 +3,7 @@
 ``template_keys`` keys a template by the unit's plain attributes; one its body never reads need
 not match for two units to share a trace. torchtitan's ``TransformerBlock`` keeps a per-layer
 init constant (``weight_init_std``) that ``forward`` never reads: keyed by every attribute, each
-layer of its Llama was traced, partitioned and held as a template of its own (issue 42).
+layer of its Llama would be traced, partitioned and held as a template of its own.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ With ``Config.unit_templates`` a unit's body is already lowered by Inductor once
 all-gather and wait, its ``unit_forward`` / ``unit_backward`` call and the outputs it hands
 over, a gradient's pre-divide and its reduce-scatter. Handing that whole graph to Inductor
 (``lowering.lower``'s other path) costs Inductor's lowering, scheduling and code generation for
-every unit's glue: at 32 GPT blocks it was most of the first step's growth with depth.
+every unit's glue, a cost that grows with depth.
 
 Here the graph is split instead into *islands*: maximal runs of consecutive ATen ops with at
 least two that compute (no zerograph op, no collective, nothing that writes its input),
@@ -65,7 +65,7 @@ def _runs(graph: fx.Graph) -> list[dict[fx.Node, None]]:
     the passes scheduled) that an island may hold, each with at least two nodes that compute. A
     run of views and one op stays in Python: there is nothing to fuse, the op's ATen kernel is
     what Inductor would call or generate, and each island costs a compile (on CPU a C++ compile
-    of about 1.5 s when Inductor's cache is cold). Consecutive, not merely connected: ``torch.fx``'s
+    when Inductor's cache is cold). Consecutive, not merely connected: ``torch.fx``'s
     ``CapabilityBasedPartitioner`` merges any nodes that close no cycle, e.g. every unit's
     gradient pre-divide into one island placed after the last unit's backward, which would hold
     every reduce-scatter back to the end of backward."""

@@ -160,9 +160,9 @@ def _empty_like_meta(like: torch.Tensor, metas: Sequence[tuple]) -> list[torch.T
     """New tensors of ``metas`` (``(shape, stride, dtype)`` each) on ``like``'s device, for a fake
     implementation. With fake inputs they are made as meta tensors and wrapped straight into
     ``like``'s fake mode, which is what that mode's own ``empty_strided`` returns, without its
-    dispatch: a unit op's 16 outputs are made four times per unit in a first step (Dynamo's
-    trace, AOTAutograd's metadata pass twice, its joint trace), and through the dispatch each
-    cost about 0.09 ms, 8% of a 64-block first step (about 0.04 ms this way)."""
+    dispatch: a unit op's outputs (16 for a GPT block) are made four times per unit in a first
+    step (Dynamo's trace, AOTAutograd's metadata pass twice, its joint trace), so the dispatch's
+    cost per tensor is paid many times over in every compile."""
     if not isinstance(like, FakeTensor):
         return [torch.empty_strided(shape, stride, dtype=dtype, device=like.device) for shape, stride, dtype in metas]
     mode, device = like.fake_mode, like.device
@@ -214,10 +214,10 @@ def _unit_forward_setup(ctx, inputs, output) -> None:
     ctx.n_needed = len(template.saved_primals)
     ctx.save_for_backward(*[primals[i] for i in template.saved_primals], *[output[i] for i in template.saved_outputs])
     # the saved activations carry no gradient of their own: said so, AOTAutograd's joint trace
-    # skips two detach nodes per saved output (about half a templated unit's trace time)
+    # skips two detach nodes per saved output
     ctx.mark_non_differentiable(*output[template.n_outputs:], *_integral(output[:template.n_outputs]))
     # and autograd hands their backward None instead of a zero tensor each: AOTAutograd's joint
-    # trace made 15 zeros per GPT block, dead code dropped later (about 40% of the trace's time)
+    # trace would make a zero per such output, dead code traced only to be dropped later
     ctx.set_materialize_grads(False)
     ctx.n_outputs = template.n_outputs
 

@@ -2,8 +2,8 @@
 and the compiled step's (``compiled_saved_activation_bytes``), both from one forward on fake tensors.
 
 Fake tensors of the device the model will run on, not ``meta``: on ``meta`` attention takes the
-math path and saves the (B, heads, T, T) probabilities that CPU's and CUDA's fused kernels do not
-(issue 42). Source: ``torch.autograd.graph.saved_tensors_hooks``; AOTAutograd's joint trace and
+math path and saves the (B, heads, T, T) probabilities that CPU's and CUDA's fused kernels do not.
+Source: ``torch.autograd.graph.saved_tensors_hooks``; AOTAutograd's joint trace and
 ``min_cut_rematerialization_partition``.
 """
 from __future__ import annotations

@@ -16,7 +16,8 @@ from torch import nn
 
 from .passes._fx import layout_template
 from .sharding import original_class
-from .unit_trace import UNIT_ATTR, TensorMeta
+from .unit_record import UNIT_ATTR
+from .unit_trace import TensorMeta
 
 
 def unit_signature(module: nn.Module, values: bool = True) -> tuple:
@@ -95,7 +96,7 @@ def read_values(module: nn.Module, reads: frozenset[tuple[int, str]] | None) -> 
     attribute's for ``None``. ``training`` is left out: the trace sets it from its ``mode``."""
     if reads is None:
         return unit_signature(module)
-    modules = getattr(module, UNIT_ATTR)[4]
+    modules = getattr(module, UNIT_ATTR).modules
     return tuple((i, name, _attribute_key(vars(modules[i]).get(name))) for i, name in sorted(reads)
                  if name != "training" and _keyed(name, "" if modules[i] is module else "sub"))
 
@@ -113,7 +114,8 @@ def trace_key(module: nn.Module, lowering: str, metas: tuple[TensorMeta, ...], m
     Inductor read (default dtype, deterministic algorithms, matmul precision, their configs).
     ``module``: the kind's first unit; ``lowering``: ``"eager"`` or ``"inductor"``; ``values=False``:
     the plain attributes by name only (``template_cache.shared_template`` adds ``read_values``)."""
-    _, _, _, _, modules, flat = getattr(module, UNIT_ATTR)
+    record = getattr(module, UNIT_ATTR)
+    modules, flat = record.modules, record.flat
     code = tuple(_class_key(original_class(m)) for m in modules)
     cuts = None
     if flat is not None:

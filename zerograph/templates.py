@@ -1,58 +1,23 @@
 """Units traced once: every unit of one kind calls one traced, partitioned and lowered template.
 
-``Config(unit_templates=True)``. Units are grouped into *kinds* by structure (``unit_signature``:
-each submodule's class and plain attributes, each parameter's and buffer's name, shape, dtype and
-``requires_grad``), so a GPT's 32 blocks are one kind, while blocks of another width, without a
-bias, with an extra parameter or with a flag that changes their control flow are kinds of their
-own. Each unit's ``forward`` becomes one ``zerograph::unit_forward(kind, mode, arg_grads, primals)`` node
-(``install_unit_templates``; until the partition, ``unit_call``, which has the unit's output and a token only:
-``passes/expand_unit_calls``): Dynamo traces the unit's parameter reads, which are still the
-``zerograph::unshard`` markers the passes expand into all-gathers, and the call, but not the
-unit's body. A kind's units also keep their shards in one flat buffer each
-(``flat.py``, FSDP1's layout): the read is then one marker of the whole unit, and the template
-cuts the parameters out of the gathered buffer itself (the cuts are recomputed in backward, so
-the gathered buffer, not the parameters, is what backward re-gathers at stage 3, or what the
-forward saves for it at stages 1-2; at stage 0 the buffer is whole on every rank); the model
-graph then holds
-a handful of nodes per unit, whatever the unit's parameter count. The body is traced once per
-kind and input signature (``trace_template``; the trace itself is ``unit_trace.py``): make_fx of
-forward + backward on fake tensors, then the min-cut partitioner, as AOTAutograd does for a whole
-graph; the two graphs are lowered once and called by every unit of the kind.
+``Config(unit_templates=True)``. Units of one structure (``unit_signature``) are one *kind*
+(``UnitKind``); ``install_unit_templates`` makes each unit's ``forward`` one
+``zerograph::unit_forward(kind, mode, arg_grads, primals)`` node (``unit_call`` until the
+partition: ``passes/expand_unit_calls``). Dynamo traces the unit's parameter reads, still the
+``zerograph::unshard`` markers the passes expand into all-gathers (one per unit with a flat shard,
+``flat.py``), and the call, but not the body, which is traced once per kind and input signature
+(``trace_template``; the trace itself is ``unit_trace.py``). So the model graph holds every unit's
+collectives around a handful of nodes per unit, whatever the block's size.
 
-So the model graph the passes see holds every unit's all-gathers, reduce-scatters, prefetches and
-releases, as before, around one node per unit; its size, and the time of the Dynamo and
-AOTAutograd traces, no longer grow with the size of a block. Source of the idea: compiling a
-repeated block once, as FSDP2 + ``torch.compile`` per block does, and Dynamo's
-``nested_compile_region`` (``invoke_subgraph``); docs/bench.md, "Compile time", says why not those.
-
-Where a template cannot stand for the body, the unit runs inline, traced with the model as without
-templates: a call with keyword or non-tensor arguments, or under autocast (per call); for the
-whole kind from then on, in the training-flag mode it was traced for (logged as a warning, named
-in ``UnitKind.inline_modes``; a batch norm or dropout fails in training only, so in eval the kind
-keeps its template and its eval graphs), a body that returns something other than one tensor,
-cannot be traced on fake tensors (dropout's random ops in the partitioner), or writes an input
-or buffer in place (a batch norm's running statistics); in every mode, a kind holding an ``nn.LSTM``
-(its fused kernel returns a workspace that is undefined under the op's no-grad forward).
-Complex inputs, parameters and buffers
-are traced like real ones (a Llama's RoPE table; ``unit_trace`` differentiates a complex argument
-that needs a gradient, as it does a floating-point one). A body
-with data-dependent control flow makes the kind's units *islands* (``run_island``): eager, between
-graphs, gathered once on entry, so that ranks whose data takes other paths run the same
-collectives. A kind that runs inline without knowing which of its parameters its output reaches
-leaves its flat shards first (``UnitKind._unflatten``): see flat.py for what a flat shard must
-do per parameter. A body that writes a parameter in place is refused (``ShardingError``),
-as it is inline. The kind's first failed trace raises ``TemplateUnavailable``, and the compiled
-forward traces the model again. A trace with dynamic shapes (Dynamo's automatic dynamic shapes,
-after a length changed) runs every unit inline, that trace only (``DynamicShapeTrace``,
-``inlining_every_unit``: a constant of the trace, no guard), so the graphs traced for static
-shapes keep their templates and stay valid.
-
-Train and eval are separate templates: each unit passes its submodules' training flags to the op
-(``mode``), so Dynamo guards on them and ``eval()`` retraces, and the template is traced with the
-calling unit's flags. Likewise each call passes which of its tensor arguments need a gradient
-(``arg_grads``): the template differentiates only those, so the first unit of a model whose input
-needs no gradient computes no input gradient, and its backward does not re-gather the weights
-only that gradient would read.
+Invariants: a unit runs its template only where the template stands for its body; otherwise it
+runs inline, per call (keyword or object arguments, autocast), per training-flag mode
+(``UnitKind.inline_modes``) or for the whole kind (``run_inline``), and a kind with data-dependent
+control flow runs as eager islands (``run_island``); a kind that cannot tell which parameters its
+output reaches leaves its flat shards first (``UnitKind._unflatten``). A body that writes a
+parameter in place is refused (``ShardingError``). The first failed trace raises
+``TemplateUnavailable`` and the compiled forward traces the model again; a trace with dynamic
+shapes runs every unit inline, that trace only (``DynamicShapeTrace``). The why of each rule, and
+what the templates take from autograd and give back: docs/design.md, "Unit templates".
 """
 from __future__ import annotations
 
@@ -79,6 +44,7 @@ from .template_cache import shared_template
 from .template_keys import unit_signature
 from .unit_calls import TENSOR, call_key, describe, rebuild, unsupported
 from .unit_islands import run_island
+from .unit_record import UnitRecord
 from .unit_trace import UNIT_ATTR, TensorMeta, UnitTemplate
 
 # True once the unit's kind met data-dependent control flow in its body: the unit runs as an eager
@@ -221,8 +187,7 @@ class UnitKind:
         self.flat_shards = []
         self.flat_reason = f"its units run inline ({reason}): a flat gradient cannot tell unused parameters"
         for module in self.modules:
-            kind, param_slots, buffer_slots, keys, modules, _ = getattr(module, UNIT_ATTR)
-            object.__setattr__(module, UNIT_ATTR, (kind, param_slots, buffer_slots, keys, modules, None))
+            object.__setattr__(module, UNIT_ATTR, dataclasses.replace(getattr(module, UNIT_ATTR), flat=None))
             object.__setattr__(module, INLINE_ATTR, True)
 
     def run_as_islands(self, reason: str) -> NoReturn:
@@ -314,7 +279,7 @@ def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[
             flat_shard.unreached_read = functools.partial(_read_unreached, kind.kind)
             kind.flat_shards.append(flat_shard)
         object.__setattr__(module, UNIT_ATTR,
-                           (kind.kind, param_slots, buffer_slots, keys, tuple(module.modules()), flat_shard))
+                           UnitRecord(kind.kind, param_slots, buffer_slots, keys, tuple(module.modules()), flat_shard))
         object.__setattr__(module, INLINE_ATTR, False)
         object.__setattr__(module, ISLAND_ATTR, False)
         object.__setattr__(module, "forward", types.MethodType(forward, module))
@@ -327,12 +292,12 @@ def refresh_unit_modes(kinds: Sequence[UnitKind]) -> None:
     """Store each templated unit's mode: its submodules' training flags as bits (submodule ``i``
     in ``modules()`` order -> bit ``i``), read by the unit's forward. Called before every model
     forward, outside the trace, so Dynamo guards on one int per unit instead of on every
-    submodule's flag (a quarter of a 64-block first step), and a flag changed anywhere in a unit,
+    submodule's flag, and a flag changed anywhere in a unit,
     ``eval()`` of the model or of one submodule, still changes it and retraces."""
     for kind in kinds:
         for unit in kind.modules:
             mode = 0
-            for i, module in enumerate(getattr(unit, UNIT_ATTR)[4]):
+            for i, module in enumerate(getattr(unit, UNIT_ATTR).modules):
                 if module.training:
                     mode |= 1 << i
             object.__setattr__(unit, MODE_ATTR, mode)
@@ -416,7 +381,9 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if getattr(self, ISLAND_ATTR) and _sharding._gathering and not _sharding._tracing_unit:
             return run_island(self, args, kwargs)
         return body(self, *args, **kwargs)
-    kind, param_slots, buffer_slots, keys, _, flat = getattr(self, UNIT_ATTR)
+    record = getattr(self, UNIT_ATTR)
+    kind, param_slots, buffer_slots, keys, flat = (record.kind, record.param_slots, record.buffer_slots,
+                                                   record.keys, record.flat)
     tensors: list[torch.Tensor] = []
     arguments = (describe(args, tensors), describe(kwargs, tensors))
     # len() where `not` would do: Dynamo traces `not` of a list only as a branch condition

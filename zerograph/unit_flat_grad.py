@@ -5,7 +5,7 @@ With a flat shard, autograd's backward of the cut (``FlatShard.unflatten``: spli
 gradient at the end of the unit's backward. Until it runs, each gradient is held on its own, and
 while it runs, the concatenated copy beside them: the unit's gradient twice, at the moment the
 gathered unit, the next unit's prefetch and the saved activations of every unit before it are
-live too (the Llama's stage-3 step peaked in that ``cat``, issue 42).
+live too (a stage-3 step can peak in that ``cat``).
 
 ``write_flat_gradient_in_place`` rewrites the partitioned backward: one buffer of the ``cat``'s
 shape is allocated where the first gradient is ready, and each gradient is copied into its

@@ -59,7 +59,8 @@ def run_island(unit: nn.Module, args: tuple, kwargs: dict) -> Any:
     autograd), the full tensors stand in the parameter slots for the body's reads, and the slots
     get their shards back on exit. Source: FSDP2's unshard in a unit's pre-forward hook and
     reshard in its post-forward hook."""
-    _, param_slots, _, keys, _, flat = getattr(unit, UNIT_ATTR)
+    record = getattr(unit, UNIT_ATTR)
+    param_slots, keys, flat = record.param_slots, record.keys, record.flat
     shards = [mod._parameters[name] for mod, name in param_slots]
     mode = _sharding._grad_mode if torch.is_grad_enabled() else GRAD_SYNC
     if flat is not None:

@@ -46,7 +46,7 @@ def recompute_norms(joint: fx.GraphModule) -> int:
     statistics) and runs it again in backward; returns how many it marked. The partitioner's cheap
     list leaves them out (a reduction), so unmarked it saves the output for the next matmul's
     weight gradient beside the input the norm's own backward needs: a GPT block's two layer norms
-    then cost two (B, T, C) widths of its twelve (issue 42). Same values: the norm runs again on
+    then cost two (B, T, C) widths of its twelve. Same values: the norm runs again on
     the same input. Source: Inductor, which decomposes the norm into ops its partitioner recomputes.
     """
     marked = 0

@@ -33,6 +33,7 @@ from .passes._fx import sink_to_first_use
 from .sharding import set_tracing_unit
 from .unit_calls import TENSOR, call_arguments, call_structure, flatten_output
 from .unit_flat_grad import write_flat_gradient_in_place
+from .unit_record import UNIT_ATTR, UnitRecord
 from .unit_saved import rebase_saved_views, recompute_norms
 from .unit_writes import check_no_writes, functional_joint, save_random_values
 
@@ -43,11 +44,9 @@ if TYPE_CHECKING:
 # views of a primal (a weight's transpose) are replayed in backward instead of saved (the op cannot
 # return a view of its input, and autograd saves the primal anyway); an op of the partitioner's
 # cheap list (pointwise, views; never a matmul, attention or collective) is recomputed in backward
-# even where its output is materialized there (a GPT's gelu: its input is saved, not both, issue 42);
+# even where its output is materialized there (a GPT's gelu: its input is saved, not both);
 # and the joint graph's layer norms are marked for recompute (``unit_saved.recompute_norms``)
 PARTITION_OPTIONS = {"recompute_views": True, "ban_recompute_materialized_backward": False}
-
-UNIT_ATTR = "_zerograph_unit"  # a templated unit's (kind, parameter slots, buffer slots, keys, modules, flat shard)
 
 # (shape, stride, dtype) of one tensor; a template is traced per tuple of these of its primals
 TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
@@ -186,7 +185,9 @@ class _Body:
         self.autocast = call_structure(call)[2]
         self.device_type = device.type
         self.output_structure: Any = None
-        _, self.param_slots, self.buffer_slots, _, self.modules, self.flat = getattr(module, UNIT_ATTR)
+        record: UnitRecord = getattr(module, UNIT_ATTR)
+        self.param_slots, self.buffer_slots = record.param_slots, record.buffer_slots
+        self.modules, self.flat = record.modules, record.flat
         self.n_params = 1 if self.flat is not None else len(self.param_slots)
         self.n_args = n_primals - self.n_params - len(self.buffer_slots)
         self.slot_names = [_slot_name(module, slot) for slot in self.param_slots]
@@ -200,7 +201,7 @@ class _Body:
         """Per primal, whether the trace differentiates it: the floating-point and complex
         arguments of ``arg_grads``'s bits, the trainable parameters (a flat shard always), no buffer.
         (Complex counts: a complex activation between units carries the gradient of every unit
-        before it; leaving it out once gave those units' weights no gradient, issue 42.)"""
+        before it; left out, those units' weights would get no gradient.)"""
         param_grads = ([True] if self.flat is not None
                        else [mod._parameters[name].requires_grad for mod, name in self.param_slots])
         args = [(dtype.is_floating_point or dtype.is_complex) and bool(arg_grads >> i & 1)
@@ -293,7 +294,7 @@ def _partition(joint_graph: fx.GraphModule, primals: list[torch.Tensor], tangent
     if flat_index is not None:
         _recompute_cut_out(joint_graph, flat_index)
     fwd, bwd = template_min_cut(joint_graph, primals, tangents)
-    # the partitioner prices a saved view by its own size; one storage handed over once (issue 42)
+    # the partitioner prices a saved view by its own size: hand each saved storage over once
     rebase_saved_views(fwd, bwd, len(tangents))
     if flat_index is not None:
         _sink_cut_out(fwd, flat_index)
@@ -432,7 +433,7 @@ def _sink_cut_out(fwd: fx.GraphModule, flat_index: int) -> None:
     """Move each cut of the gathered flat shard (primal ``flat_index``) down to just before its
     first use in the partitioned forward. The trace cuts every parameter out at the top of the
     body (``FlatShard.unflatten``), and a cut where ranks' rows interleave is a copy, so the
-    unit was held twice through its forward (the flat buffer and every copy, issue 42); cut at
+    unit would be held twice through its forward (the flat buffer and every copy); cut at
     their uses, the copies live one parameter at a time. Same ops, same values."""
     flat = [n for n in fwd.graph.nodes if n.op == "placeholder"][flat_index]
     cuts, stack = set(), [flat]

@@ -10,7 +10,7 @@ class:
 - A stack is *of repeated blocks* when its children that own parameters, two or more, are all of
   one class: the stack's *block class*.
 - The largest stack of repeated blocks is taken (by parameter count; the first in module order on
-  a tie), or, when the model has none, the largest stack of any kind (the rule before issue 42).
+  a tie), or, when the model has none, the largest stack of any kind.
 - Every other stack of repeated blocks is taken too, largest first, when its block class is one
   already taken (a T5's encoder and decoder stacks, a ResNet's four stages) or when it holds at
   least as many parameters as the largest block taken so far (leaving it in the always-gathered
@@ -35,7 +35,7 @@ from .errors import UnitSizeWarning
 
 STACK_TYPES = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 # a unit (the root included) holding more than this share of the parameters is gathered whole at
-# stage 3 while it is used: with four or more units none needs to (issue 42's target)
+# stage 3 while it is used: with four or more units none needs to
 LARGE_UNIT_SHARE = 0.25
 # ... and is worth a warning when repeated blocks holding at least this share could leave it
 SPLITTABLE_SHARE = 0.125
@@ -94,7 +94,7 @@ def _stacks(model: nn.Module) -> list[_Stack]:
             continue
         size = _numel(mod)
         if not size:
-            continue  # nothing to shard (the rule before issue 42 never took one either)
+            continue  # nothing to shard
         block_class = _block_class(mod)
         if isinstance(mod, nn.ModuleDict) and block_class is None:
             continue  # a dict of unrelated parts (nanoGPT's ``transformer``) is no stack

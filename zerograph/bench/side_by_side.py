@@ -142,7 +142,7 @@ class ModelSpec:
         return dataclasses.replace(self, dim=64, layers=2, heads=4, batch=1, seq=16)
 
 
-MODELS = {  # the sizes of issue 42's table, and the real models at the Llama's size with its batch doubled
+MODELS = {  # the sizes of docs/benchmarks.md's memory table, and the real models at the Llama's size with its batch doubled
     "gpt": ModelSpec("gpt", dim=1024, layers=16, heads=16, batch=2, seq=256),
     "llama": ModelSpec("llama", dim=1024, layers=8, heads=16, batch=1, seq=128),
     **{name: ModelSpec(name, dim=1024, layers=8, heads=16, batch=2, seq=128) for name in REAL_MODELS},
