@@ -195,3 +195,54 @@ def test_a_checkpointed_dropout_block_keeps_its_forward_mask() -> None:
     torch.manual_seed(0)
     compiled = _train_both(_Checkpointed(), 3, [torch.randn(4, WIDTH) for _ in range(2)])
     _on_template(compiled, templates=2)  # the first block's input needs no gradient
+
+
+class _Cache:
+    """An object argument no template can take (a KV cache stands for it): the block records
+    each call's width in it, a side effect the inline body keeps."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+
+class _CachedBlock(KeywordBlock):
+    def forward(self, x, cache=None, position_embeddings=None):
+        cache.seen.append(x.shape[-1])
+        return super().forward(x, position_embeddings=position_embeddings)
+
+
+class _CachedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_CachedBlock() for _ in range(3)])
+        self.head = nn.Linear(WIDTH, 1)
+        self.cache = _Cache()
+
+    def forward(self, x):
+        rope = (torch.cos(x), torch.sin(x))
+        for layer in self.layers:
+            x = layer(x, cache=self.cache, position_embeddings=rope)
+        return self.head(x).square().mean()
+
+
+def test_an_object_argument_sends_the_kind_to_the_per_parameter_path() -> None:
+    """A call with an object argument comes again at every step: its kind leaves its templates
+    and its flat shards at once (the per-parameter build's path, not inline on flat shards), with
+    eager's numbers and side effects; the exit is counted once and named."""
+    torch.manual_seed(0)
+    model = _CachedModel()
+    compiled = zerograph.compile(copy.deepcopy(model), 3, config=zerograph.Config(
+        lowering="eager", unit_classes=(_CachedBlock,)))
+    x = torch.randn(4, WIDTH)
+    for net in (model, compiled):
+        torch.manual_seed(3)
+        net(x).backward()
+    for p, q in zip(model.parameters(), compiled.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad.full_tensor(), p.grad, rtol=1e-5, atol=1e-5)
+    assert compiled.cache.seen[-3:] == [WIDTH] * 3
+    (kind,) = state_of(compiled).unit_kinds
+    path = kind.path()
+    assert path["path"] == "inline" and not path["flat_shards"], path
+    assert list(path["exits"].values()) == [1] and "_Cache" in next(iter(path["exits"]))

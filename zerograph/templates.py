@@ -388,10 +388,10 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     arguments = (describe(args, tensors), describe(kwargs, tensors))
     # len() where `not` would do: Dynamo traces `not` of a list only as a branch condition
     exit_reason = _call_exit(arguments) if len(tensors) > 0 else "a call with no tensor argument"
-    if exit_reason is None and flat is not None and _sharding._substituted:
-        exit_reason = "functional_call substitutes its parameters (the slots' tensors are read inline)"
-    if exit_reason is not None:
-        _note_exit(kind, exit_reason)
+    if exit_reason is not None:  # the call site repeats every step: the kind leaves its templates
+        _leave_templates(kind, exit_reason)
+    if flat is not None and _sharding._substituted:  # this call only
+        _note_exit(kind, "functional_call substitutes its parameters (the slots' tensors are read inline)")
         return body(self, *args, **kwargs)
     device_type = tensors[0].device.type
     autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
@@ -432,6 +432,17 @@ def _call_exit(arguments: tuple) -> str | None:
 def _note_exit(kind: int, reason: str) -> bool:
     """``UnitKind.note_exit`` of ``kind``, once per trace under Dynamo (a constant of the graph)."""
     registry.unit_kind(kind).note_exit(reason)
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def _leave_templates(kind: int, reason: str) -> bool:
+    """``UnitKind.fall_back`` of ``kind`` in every mode: a call no template can take (an object
+    argument such as a KV cache) comes again at every step, so the kind's units run inline from
+    now on, off their flat shards when no trace has said which parameters their output reaches
+    (``_runs_inline``): the per-parameter build's path, not a slower one. Raises
+    ``TemplateUnavailable`` (the compiled forward traces the model again)."""
+    registry.unit_kind(kind).fall_back(reason)
     return True
 
 
