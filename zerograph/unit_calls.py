@@ -2,8 +2,8 @@
 
 A template is traced per *call structure* (``describe``): the call's positional and keyword
 arguments, and the autocast state it runs under, with each tensor replaced by a slot (``TENSOR``)
-and every other leaf (``None``, ``bool``, ``int``, ``float``, ``str``, an enum, a dtype, a device)
-kept as a constant, as Dynamo specialises on them; tuples, lists and dicts nest. So a Hugging
+and every other leaf (``None``, ``bool``, ``int``, ``float``, ``str``, an enum, a dtype, a device,
+a ``torch.Size``) kept as a constant, as Dynamo specialises on them; tuples, lists and dicts nest. So a Hugging
 Face decoder layer called with ``attention_mask=None, position_embeddings=(cos, sin),
 use_cache=False`` and a torchtitan block called with ``attention_masks=None, positions=None`` take
 their templates. The body's output is described the same way (``flatten_output``): its tensors
@@ -26,7 +26,7 @@ import torch
 
 TENSOR = "<tensor>"  # a tensor leaf's place in a structure
 # leaves a structure keeps as constants of the template's key
-CONSTANT_TYPES = (type(None), bool, int, float, str, enum.Enum, torch.dtype, torch.device)
+CONSTANT_TYPES = (type(None), bool, int, float, str, enum.Enum, torch.dtype, torch.device, torch.Size)
 UNSUPPORTED = "?"  # tag of a leaf no template can take (an object: a KV cache, a dataclass)
 
 # the structure of every call traced in this process (an index is the op's ``call`` argument)
