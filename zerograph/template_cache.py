@@ -19,13 +19,15 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from . import registry
 from .errors import ShardingError
 from .template_keys import read_values, trace_key
-from .unit_trace import TensorMeta, UnitTemplate, trace_unit
+from .unit_trace import DataDependentTrace, TensorMeta, UnitTemplate, trace_unit
 
 if TYPE_CHECKING:
     from .templates import UnitKind
 
-# what a fake-tensor trace raises at a body's data-dependent control flow or output shape
-DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+# what a fake-tensor trace raises at a body's data-dependent control flow or output shape, or at
+# anything after a data-dependent value was made (DataDependentTrace)
+DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException,
+                  DataDependentTrace)
 
 # Templates any model in this process traced, by everything their trace reads: ``trace_key`` with
 # attribute names only, and the values of the attributes the trace read (``read_values``). Another
