@@ -92,6 +92,18 @@ class BlocksNet(nn.Module):
         return F.cross_entropy(self.out(h), tokens.flatten())
 
 
+class SkippingNet(BlocksNet):
+    """Rank-dependent control flow around the islands: rank 1 skips the first block, so it runs the
+    second block's island where rank 0 runs the first's (the same sizes: their gathers would pass
+    each other the wrong block's parameters)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens).flatten(0, 1)
+        for block in self.blocks[dist.get_rank():]:
+            h = block(h)
+        return F.cross_entropy(self.out(h), tokens.flatten())
+
+
 class ExpertsNet(nn.Module):
     """The experts are the units (the model's one stack) and the routing loop is the root's."""
 
@@ -115,6 +127,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module, torch.Tenso
     "transformers Mixtral, eager experts": (hf_mixtral, _hf_loss),
     "routing loop in a unit, a set of experts": (BlocksNet, lambda model, tokens: model(tokens)),
     "experts as units, routing loop in the root": (ExpertsNet, lambda model, tokens: model(tokens)),
+    "islands of different units on the ranks": (SkippingNet, lambda model, tokens: model(tokens)),
 }
 
 

@@ -72,6 +72,12 @@ def schedule_of(graph: fx.Graph, graph_kind: str, label: str) -> CommSchedule:
         numel = val.numel()  # parameter-sized, so static; kept as text should a pass ever make it symbolic
         entries.append(ScheduleEntry(kind, numel if isinstance(numel, int) else str(numel),
                                      str(val.dtype).removeprefix("torch."), tuple(units)))
+    return schedule_from(entries, graph_kind, label)
+
+
+def schedule_from(entries: Sequence[ScheduleEntry], graph_kind: str, label: str) -> CommSchedule:
+    """The schedule of ``entries`` run in this order, with its digest: a graph's (``schedule_of``)
+    or the collectives an island runs outside every graph (``unit_islands``)."""
     # Python's hash() is salted per process, so ranks could never agree on it: use a fixed hash
     text = repr((graph_kind, [dataclasses.astuple(e) for e in entries]))
     digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1

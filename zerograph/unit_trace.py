@@ -25,12 +25,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._sympy.symbol import SymT, symbol_is_type
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import registry
 from .attribute_reads import instance_reads, recording_reads
-from .errors import ShardingError
 from .passes._fx import sink_to_first_use
 from .sharding import set_tracing_unit
 from .unit_calls import TENSOR, call_arguments, call_structure, flatten_output
@@ -141,44 +139,21 @@ def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_g
     a registered, lowered ``UnitTemplate``. Call from a thread with autograd on and no fake mode
     active (``template_cache.trace_template``).
 
-    Raises whatever the trace meets (the caller makes the kind run inline), ``DataDependentTrace``
-    in its place where the body had made a data-dependent value by then (the caller makes the kind
-    an island), or ``ShardingError`` for a body that writes a parameter in place. Once autograd's
-    pass has run, ``reach["no_grad"]`` holds the parameters of a flat shard the output does not
-    reach (``UnitTemplate.no_grad_params``), where some gradient is asked for: a later failure (the
-    partition, a write check) leaves the kind that answer for its inline units."""
-    # a ShapeEnv (no symbol is made from the primals: every size is an int) so that Inductor's FX
-    # graph cache takes the lowered body: without one it bypasses the cache ("No shape env"), and a
-    # restart lowered and generated every template's code again
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-    try:
-        return _trace(kind, metas, mode, arg_grads, call, device, reach, fake_mode)
-    except ShardingError:
-        raise
-    except Exception as exc:
-        if _made_data_dependent_values(fake_mode.shape_env):
-            raise DataDependentTrace(f"{type(exc).__name__}: {exc}") from exc
-        raise
-
-
-class DataDependentTrace(Exception):
-    """A body's trace failed after it made a value that depends on its inputs' data (an unbacked
-    symbol: a ``nonzero``'s length, an ``item()``, a ``tolist()``), whatever the error it then met
-    (a branch on it, a ``set`` of it, an index with it): the body's control flow depends on the
-    data, so Dynamo would split it where ranks differ."""
-
-
-def _made_data_dependent_values(shape_env: ShapeEnv) -> bool:
-    """Whether a trace on this shape environment made an unbacked symbol (the primals make none)."""
-    return any(symbol_is_type(s, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT)) for s in shape_env.var_to_range)
-
-
-def _trace(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_grads: int, call: int,
-           device: torch.device, reach: dict[str, Any] | None, fake_mode: FakeTensorMode) -> UnitTemplate:
-    """``trace_unit`` on ``fake_mode``."""
+    Raises whatever the trace meets (the caller makes the kind run inline, or an island where the
+    body made a data-dependent value: ``reach["shape_env"]`` is the trace's shape environment), or
+    ``ShardingError`` for a body that writes a parameter in place. Once autograd's pass has run, ``reach["no_grad"]``
+    holds the parameters of a flat shard the output does not reach (``UnitTemplate.no_grad_params``),
+    where some gradient is asked for: a later failure (the partition, a write check) leaves the kind
+    that answer for its inline units."""
     start = time.perf_counter()
     body = _Body(kind.module, mode, len(metas), call, device)
     wants_grad = body.wants_grad(metas, arg_grads)
+    # a ShapeEnv (no symbol is made: every size is an int) so that Inductor's FX graph cache takes
+    # the lowered body: without one it bypasses the cache ("No shape env"), and a restart lowered
+    # and generated every template's code again
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    if reach is not None:  # whether the body made a data-dependent value, asked after a failure
+        reach["shape_env"] = fake_mode.shape_env
     with fake_mode:
         primals = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
                    for (shape, stride, dtype), grad in zip(metas, wants_grad)]
