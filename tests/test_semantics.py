@@ -76,18 +76,24 @@ def _check(runs: dict, stage: int, case: str, templates: bool) -> None:
         pytest.skip("per-parameter build, stage 0: data-dependent graph breaks in a unit are caught only by "
                     "the collective timeout (docs/semantics.md); the default build runs such a unit as an island")
     result = runs[stage, case, templates]
+    if check_result(result, REFUSALS.get((case, templates)), case):
+        assert result["read_frames"] == [], "parameter reads compiled as graphs of their own"
+
+
+def check_result(result: dict | str, refusal: tuple[str, str] | None, case: str) -> bool:
+    """A spawned case's ``result``: the refusal ``refusal`` names (error class, words of its
+    message; returns False), or, where it names none, eager's numbers to ``TOLERANCE`` (True)."""
     assert not isinstance(result, str), result  # a traceback: neither eager's numbers nor a refusal
-    refusal = REFUSALS.get((case, templates))
     if "refused" in result:
         assert refusal is not None, f"refused, where eager's numbers were expected: {result['refused']}"
         name, message = result["refused"]
         assert name == refusal[0] and refusal[1] in message, result["refused"]
-        return
+        return False
     assert refusal is None, f"expected the refusal {refusal}, got numbers"
-    assert result["read_frames"] == [], "parameter reads compiled as graphs of their own"
     ours, eager = result["ours"], result["reference"]
     assert ours["losses"] and ours["grads"], "the case recorded nothing"
     assert _compare(ours, eager, case) == []
+    return True
 
 
 @pytest.mark.parametrize("templates", [True, False], ids=["unit_templates", "per_parameter"])

@@ -72,6 +72,12 @@ def schedule_of(graph: fx.Graph, graph_kind: str, label: str) -> CommSchedule:
         numel = val.numel()  # parameter-sized, so static; kept as text should a pass ever make it symbolic
         entries.append(ScheduleEntry(kind, numel if isinstance(numel, int) else str(numel),
                                      str(val.dtype).removeprefix("torch."), tuple(units)))
+    return schedule_from(entries, graph_kind, label)
+
+
+def schedule_from(entries: Sequence[ScheduleEntry], graph_kind: str, label: str) -> CommSchedule:
+    """The schedule of ``entries`` run in this order, with its digest: a graph's (``schedule_of``)
+    or the collectives an island runs outside every graph (``unit_islands``)."""
     # Python's hash() is salted per process, so ranks could never agree on it: use a fixed hash
     text = repr((graph_kind, [dataclasses.astuple(e) for e in entries]))
     digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
@@ -172,7 +178,10 @@ class ScheduleCheck:
                 "lengths, may differ between ranks. Look for rank- or data-dependent control flow that "
                 "skips or repeats a layer on some ranks, or that Dynamo splits into graphs at data-dependent "
                 "points inside a unit (a loop over the experts that got tokens): with Config(unit_templates=True), "
-                "the default, such a unit runs eagerly, gathered once on entry, and the ranks stay in step"
+                "the default, such a unit runs eagerly, gathered once on entry, and the ranks stay in step. "
+                "A loop over data outside every unit that calls units (experts made units under a router "
+                "that loops over the experts that got tokens) is not caught: make the module holding the "
+                "loop the unit, e.g. Config(unit_classes=(ItsClass,)), so that its body runs as one"
                 f"{self._early_end_hint(a, other, b)}")
 
     @staticmethod

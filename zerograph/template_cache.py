@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from . import registry
 from .errors import ShardingError
@@ -26,6 +27,16 @@ if TYPE_CHECKING:
 
 # what a fake-tensor trace raises at a body's data-dependent control flow or output shape
 DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+
+def made_data_dependent_values(shape_env: ShapeEnv | None) -> bool:
+    """Whether a body's trace on ``shape_env`` made an unbacked symbol (a ``nonzero``'s length, an
+    ``item()``, a ``tolist()``; the primals make none): a trace that then failed, whatever the
+    error (a ``set`` of expert ids raises ``TypeError``), met control flow that depends on the data,
+    which Dynamo would split where ranks differ."""
+    if shape_env is None:
+        return False
+    return any(symbol_is_type(s, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT)) for s in shape_env.var_to_range)
+
 
 # Templates any model in this process traced, by everything their trace reads: ``trace_key`` with
 # attribute names only, and the values of the attributes the trace read (``read_values``). Another
@@ -100,7 +111,7 @@ def trace_template(kind: UnitKind, metas: tuple[TensorMeta, ...], mode: int, arg
         if isinstance(error, ShardingError):  # refused inline too (an in-place parameter write)
             raise error
         reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-        if isinstance(error, DATA_DEPENDENT):
+        if isinstance(error, DATA_DEPENDENT) or made_data_dependent_values(outcome.get("shape_env")):
             kind.run_as_islands(reason)
         if kind.flat_shards and "no_grad" in outcome:  # autograd's pass ran before the failure: inline
             kind.note_reach(outcome["no_grad"])       # on the flat shards keeps its answer

@@ -4,8 +4,12 @@ A unit whose body has data-dependent control flow (a loop over the experts that 
 would be split by Dynamo into graphs at points that differ from rank to rank, each gathering
 the unit's parameters again; ranks would run different collectives. An island runs the body
 outside every graph instead: its parameters are all-gathered once on entry and every gradient
-is reduced once, in a fixed order, whatever the body did. Source: FSDP2's unshard in a unit's
-pre-forward hook and reshard in its post-forward hook.
+is reduced once, in a fixed order, whatever the body did. Before its gathers, and again before
+its reductions, the ranks compare a digest of what the island is about to run (the schedule check
+of ``comm_schedule``, as before a graph), so ranks at different islands, or one at an island and
+another at a graph, raise ``ScheduleMismatchError`` instead of exchanging buffers of the wrong
+parameters or aborting in the transport. Source: FSDP2's unshard in a unit's pre-forward hook and
+reshard in its post-forward hook.
 """
 from __future__ import annotations
 
@@ -17,8 +21,28 @@ from torch.distributed.tensor import DTensor
 
 from . import registry
 from . import sharding as _sharding
+from .comm_schedule import CommSchedule, ScheduleEntry, schedule_from
 from .unit_trace import UNIT_ATTR
-from .vocab import GRAD_SYNC
+from .vocab import GRAD_ACCUMULATE, GRAD_SYNC
+
+
+def island_schedule(keys: tuple[int, ...], direction: str, mode: str = GRAD_SYNC) -> CommSchedule:
+    """What an island of parameters ``keys`` runs outside every graph, in order: in
+    ``"forward"`` each sharded parameter's all-gather; in ``"backward"`` the all-reduce of the
+    reached-flags, then each parameter's reduction (every one that some rank reached; none while
+    gradients accumulate unsynced, ``mode``)."""
+    layouts = [registry.layout_of(key) for key in keys]
+    entries = []
+    if direction == "forward":
+        entries = [ScheduleEntry("all_gather", lay.numel, str(lay.param_dtype).removeprefix("torch."), (lay.unit,))
+                   for lay in layouts if lay.sharded]
+    else:
+        entries = [ScheduleEntry("all_reduce", len(keys), "uint8", (layouts[0].unit,))]
+        if mode != GRAD_ACCUMULATE:
+            entries += [ScheduleEntry("reduce_scatter" if lay.sharded else "all_reduce", lay.numel,
+                                      str(lay.reduce_dtype).removeprefix("torch."), (lay.unit,)) for lay in layouts]
+    unit = layouts[0].unit
+    return schedule_from(entries, f"island {direction}", f"the island {direction} of unit #{unit}")
 
 
 class _GatheredOnEntry(torch.autograd.Function):
@@ -33,11 +57,13 @@ class _GatheredOnEntry(torch.autograd.Function):
         ctx.keys, ctx.mode = keys, mode
         ctx.set_materialize_grads(False)
         runtime = registry.runtime_of(keys[0])
+        runtime.schedule_check.check_schedule(island_schedule(keys, "forward"))
         return tuple(runtime.eager.unshard(shard, key) for shard, key in zip(shards, keys))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         runtime = registry.runtime_of(ctx.keys[0])
+        runtime.schedule_check.check_schedule(island_schedule(ctx.keys, "backward", ctx.mode))
         reached = runtime.eager.reached_on_any_rank([grad is not None for grad in grads], ctx.keys[0])
         out: list[torch.Tensor | None] = [None, None]
         for grad, key, hit in zip(grads, ctx.keys, reached):

@@ -138,8 +138,9 @@ def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_g
     a registered, lowered ``UnitTemplate``. Call from a thread with autograd on and no fake mode
     active (``template_cache.trace_template``).
 
-    Raises whatever the trace meets (the caller makes the kind run inline), or ``ShardingError``
-    for a body that writes a parameter in place. Once autograd's pass has run, ``reach["no_grad"]``
+    Raises whatever the trace meets (the caller makes the kind run inline, or an island where the
+    body made a data-dependent value: ``reach["shape_env"]`` is the trace's shape environment), or
+    ``ShardingError`` for a body that writes a parameter in place. Once autograd's pass has run, ``reach["no_grad"]``
     holds the parameters of a flat shard the output does not reach (``UnitTemplate.no_grad_params``),
     where some gradient is asked for: a later failure (the partition, a write check) leaves the kind
     that answer for its inline units."""
@@ -150,6 +151,8 @@ def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_g
     # the lowered body: without one it bypasses the cache ("No shape env"), and a restart lowered
     # and generated every template's code again
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    if reach is not None:  # whether the body made a data-dependent value, asked after a failure
+        reach["shape_env"] = fake_mode.shape_env
     with fake_mode:
         primals = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
                    for (shape, stride, dtype), grad in zip(metas, wants_grad)]
