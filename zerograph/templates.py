@@ -389,7 +389,7 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # len() where `not` would do: Dynamo traces `not` of a list only as a branch condition
     exit_reason = _call_exit(arguments) if len(tensors) > 0 else "a call with no tensor argument"
     if exit_reason is not None:  # the call site repeats every step: the kind leaves its templates
-        _leave_templates(kind, exit_reason)
+        _leave_templates(kind, exit_reason, mode)
     if flat is not None and _sharding._substituted:  # this call only
         _note_exit(kind, "functional_call substitutes its parameters (the slots' tensors are read inline)")
         return body(self, *args, **kwargs)
@@ -436,13 +436,14 @@ def _note_exit(kind: int, reason: str) -> bool:
 
 
 @torch._dynamo.assume_constant_result
-def _leave_templates(kind: int, reason: str) -> bool:
-    """``UnitKind.fall_back`` of ``kind`` in every mode: a call no template can take (an object
-    argument such as a KV cache) comes again at every step, so the kind's units run inline from
-    now on, off their flat shards when no trace has said which parameters their output reaches
-    (``_runs_inline``): the per-parameter build's path, not a slower one. Raises
-    ``TemplateUnavailable`` (the compiled forward traces the model again)."""
-    registry.unit_kind(kind).fall_back(reason)
+def _leave_templates(kind: int, reason: str, mode: int) -> bool:
+    """``UnitKind.fall_back`` of ``kind`` in training-flag mode ``mode``: a call no template can
+    take (an object argument such as a Hugging Face KV cache, which an evaluation passes and
+    training need not) comes again at every step in that mode, so the kind's units run inline in
+    it from now on, off their flat shards when no trace has said which parameters their output
+    reaches (``_runs_inline``): the per-parameter build's path, not a slower one; other modes keep
+    their templates. Raises ``TemplateUnavailable`` (the compiled forward traces the model again)."""
+    registry.unit_kind(kind).fall_back(reason, mode)
     return True
 
 
