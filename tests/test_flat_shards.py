@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import zerograph
+from zerograph import compiled_model
 from zerograph.errors import ModelChangedError, ShardingError
 from zerograph.models.gpt import GPT, GPTConfig
 from zerograph.ops import UNSHARD
@@ -437,8 +438,10 @@ def flat_training(rank: int, world_size: int, path: str) -> dict:
     opt.step()
     opt.zero_grad(set_to_none=True)
     out["params_extra_again"] = _full(model)
-    # a shorter sequence: the blocks' kind falls back to running inline, each parameter cut out
-    # of its unit's gathered flat shard (padding dropped) by the unit's one marker
+    # a shorter sequence past the static shapes (one, here): Dynamo traces it with a symbolic
+    # length, the blocks' kind runs inline, each parameter cut out of its unit's gathered flat
+    # shard (padding dropped) by the unit's one marker
+    compiled_model.STATIC_SHAPES = 1
     short = model(*rank_slice(_short_batch(), rank, world_size))
     short.backward()
     out["short"] = (short.item(), _full(model, grads=True), state_of(model).unit_kinds[0].inline_reason)

@@ -75,11 +75,21 @@ def save_random_values(graph: fx.Graph) -> int:
     """Mark each random op of ``graph`` (ATen's ``nondeterministic_seeded`` tag: ``bernoulli``,
     ``rand``, ``normal``...) ``MUST_SAVE``, so the partitioner hands its value to backward instead
     of drawing it again there (a second draw is another mask: eager's backward reuses the
-    forward's). Returns the number of ops marked."""
+    forward's). Attention carries the tag for its dropout, so it counts only with a ``dropout_p``
+    other than 0. Returns the number of ops marked."""
     marked = 0
     for node in graph.nodes:
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+        if _draws_random(node):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             marked += 1
     return marked
+
+
+def _draws_random(node: fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    schema = target._schema.arguments
+    values = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+              for i, a in enumerate(schema)}
+    return values.get("dropout_p", 1.0) != 0
