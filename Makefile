@@ -3,6 +3,8 @@
 #   make test        create .venv, install, lint (ruff), build the docs site (warnings as errors), run the whole test suite
 #   make test-fast   lint and the tests that neither spawn gloo ranks nor are marked slow
 # (and `make docs`: build the docs site, mkdocs.yml and docs/, into site/, warnings as errors).
+#   make stress      (not part of `make test`) the spawned trainings run STRESS_ITERATIONS times under
+#                    glibc's heap checks (tests/stress.py); aborts counted, their logs in STRESS_LOGS/
 # test and test-fast run two pytest-xdist workers: one runs every test that spawns ranks, in order, while the
 # other runs the in-process tests (tests/conftest.py: _xdist_scope), so the 2 cores stay busy
 # without two spawns' ranks competing for them.
@@ -17,7 +19,7 @@ STEPS  ?= 300
 
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast lint bytecode docs install clean
+.PHONY: demo test test-fast stress lint bytecode docs install clean
 
 # uv installs (pip's interface; it resolves, downloads and unpacks in parallel, so a fresh install
 # takes less time than pip's, with the same packages and versions). uv reads no pip.conf, so it is handed pip's find-links, where this
@@ -67,6 +69,20 @@ test: lint bytecode docs
 
 test-fast: lint bytecode
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not distributed and not slow"
+
+# the stress lane: every test file that spawns ranks (or STRESS_TESTS: files or node ids, and
+# STRESS_K: a pytest -k expression), STRESS_ITERATIONS times each, under MALLOC_CHECK_=3 and
+# MALLOC_PERTURB_ (tests/stress.py says why), with STRESS_ENV's NAME=VALUE pairs added (e.g.
+# ZEROGRAPH_DEBUG_COLLECTIVES=1); exits non-zero when a run aborted or failed
+STRESS_ITERATIONS ?= 3
+STRESS_TESTS ?=
+STRESS_K ?=
+STRESS_LOGS ?= stress-logs
+STRESS_ENV ?=
+stress: bytecode
+	$(BIN)/python -m tests.stress --iterations $(STRESS_ITERATIONS) --log-dir $(STRESS_LOGS) \
+	  $(if $(STRESS_TESTS),--tests $(STRESS_TESTS)) $(if $(STRESS_K),-k "$(STRESS_K)") \
+	  $(foreach e,$(STRESS_ENV),--env $(e))
 
 clean:
 	rm -rf $(VENV) *.egg-info site
