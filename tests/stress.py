@@ -15,7 +15,7 @@ messages land in the log. A run is an *abort* when its output shows a signal dea
 gloo abort message, a *failure* when it failed otherwise; the log of each is kept in the log folder.
 
     python -m tests.stress [--iterations N] [--tests TARGET ...] [-k EXPR] [--log-dir DIR]
-                           [--perturb BYTE] [--timeout S] [--env NAME=VALUE ...]
+                           [--perturb BYTE] [--no-malloc-check] [--timeout S] [--env NAME=VALUE ...]
 
 Without ``--tests`` every test file with a test marked ``distributed`` is a target. Prints a
 summary: runs, aborts and failures, by target, and which tests the aborted runs failed in.
@@ -64,10 +64,14 @@ def malloc_debug_library() -> str | None:
     return found
 
 
-def checked_environment(perturb: int) -> dict[str, str]:
-    """This process's environment with glibc's heap checks on (inherited by the forkserver and the ranks)."""
-    env = dict(os.environ, MALLOC_CHECK_="3", MALLOC_PERTURB_=str(perturb), OMP_NUM_THREADS="1",
-               PYTHONFAULTHANDLER="1")
+def checked_environment(perturb: int, malloc_check: bool = True) -> dict[str, str]:
+    """This process's environment with glibc's heap checks on (inherited by the forkserver and the
+    ranks): ``MALLOC_PERTURB_`` always, ``MALLOC_CHECK_=3`` when ``malloc_check``."""
+    env = dict(os.environ, MALLOC_PERTURB_=str(perturb), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    if not malloc_check:
+        env.pop("MALLOC_CHECK_", None)
+        return env
+    env["MALLOC_CHECK_"] = "3"
     library = malloc_debug_library()
     if library is not None:
         env["LD_PRELOAD"] = " ".join(filter(None, (env.get("LD_PRELOAD"), library)))
@@ -110,13 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", default="stress-logs", help="where each aborted or failed run's log goes")
     parser.add_argument("--perturb", type=int, default=0xA5, help="MALLOC_PERTURB_ byte, 1-255 (default 165)")
     parser.add_argument("--timeout", type=float, default=1800, help="wall seconds per run (default 1800)")
+    parser.add_argument("--no-malloc-check", action="store_true",
+                        help="MALLOC_PERTURB_ only: glibc's own allocator, tcache included, as the aborts "
+                             "were seen (MALLOC_CHECK_'s debug allocator bypasses the tcache)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="more environment for the runs, e.g. ZEROGRAPH_DEBUG_COLLECTIVES=1 (repeatable)")
     args = parser.parse_args(argv)
     if not 1 <= args.perturb <= 255:
         parser.error("--perturb must be 1-255 (0 turns MALLOC_PERTURB_ off)")
     targets = args.tests or distributed_test_files()
-    env = checked_environment(args.perturb)
+    env = checked_environment(args.perturb, not args.no_malloc_check)
     for item in args.env:
         name, _, value = item.partition("=")
         env[name] = value
@@ -124,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     counts: dict[str, collections.Counter] = {t: collections.Counter() for t in targets}
     aborted_in: collections.Counter = collections.Counter()
-    print(f"[stress] {args.iterations} x {len(targets)} targets; MALLOC_CHECK_=3 MALLOC_PERTURB_={args.perturb} "
+    print(f"[stress] {args.iterations} x {len(targets)} targets; MALLOC_CHECK_={env.get('MALLOC_CHECK_', '')} "
+          f"MALLOC_PERTURB_={args.perturb} "
           f"LD_PRELOAD={env.get('LD_PRELOAD', '')!r} {' '.join(args.env)}; logs in {log_dir}/", flush=True)
     for iteration in range(args.iterations):
         for target in targets:
