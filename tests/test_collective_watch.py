@@ -87,3 +87,14 @@ def test_runtime_checks_its_graphs_and_eager_frames(monkeypatch: pytest.MonkeyPa
         schedule = CommSchedule("a graph", "forward", (), 0)
         with pytest.raises(zerograph.CollectiveBufferError, match="a graph: collective #0 .* never waited"):
             runtime.run_graph(schedule, lambda args: _gather(torch.ones(4), runtime.group_name), [])
+
+
+def test_inference_tensors_and_higher_order_operators_pass(group_name: str) -> None:
+    """What eval and dropout graphs hold: an inference tensor (no version counter) as a collective's
+    buffer, and a higher-order operator (no schema: RNG state saved around a random op)."""
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    with torch.inference_mode(), watching("eval", True):
+        funcol.wait_tensor(_gather(torch.ones(8), group_name)).sum()
+    with watching("dropout", True):
+        run_and_save_rng_state(torch.ops.aten.rand.default, [4], device=torch.device("cpu"))

@@ -67,6 +67,11 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     return start, start + extent * t.element_size()
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place write), ``None`` for an inference tensor."""
+    return None if t.is_inference() else t._version
+
+
 def checksum(t: torch.Tensor) -> torch.Tensor:
     """Two int64 on ``t``'s device: the sum of ``t``'s bytes, and their sum weighted by position
     (mod 251, plus 1), so that a change or a move of bytes shows. Torch ops only: CPU or CUDA."""
@@ -86,7 +91,7 @@ class Buffer:
     storage: StorageWeakRef
     address: tuple[int, int]  # absolute byte range in memory
     storage_nbytes: int
-    version: int
+    version: int | None  # None: an inference tensor, which keeps no version counter
     sum: torch.Tensor | None  # inputs only (an output is the collective's to write)
 
     @classmethod
@@ -94,7 +99,7 @@ class Buffer:
         storage = t.untyped_storage()
         start, end = _byte_range(t)
         return cls(role, f"{tuple(t.shape)} {t.dtype} on {t.device}", weakref.ref(t), t.device, StorageWeakRef(storage),
-                   (storage.data_ptr() + start, storage.data_ptr() + end), storage.nbytes(), t._version,
+                   (storage.data_ptr() + start, storage.data_ptr() + end), storage.nbytes(), _version(t),
                    checksum(t) if role == "input" else None)
 
     def overlaps(self, t: torch.Tensor) -> bool:
@@ -128,8 +133,8 @@ class Buffer:
         if storage.data_ptr() + _byte_range(t)[0] != self.address[0] or storage.nbytes() != self.storage_nbytes:
             return (f"its storage released or reallocated before the wait ({self.storage_nbytes} bytes at issue, "
                     f"{storage.nbytes()} now)")
-        if t._version != self.version:
-            return f"written in place before the wait (version {self.version} at issue, {t._version} now)"
+        if _version(t) != self.version:
+            return f"written in place before the wait (version {self.version} at issue, {_version(t)} now)"
         if self.sum is not None and not torch.equal(checksum(t), self.sum):
             return "its bytes changed before the wait (checksum)"
         return None
@@ -155,7 +160,10 @@ _METADATA_ONLY = frozenset({"empty_like", "new_empty", "new_empty_strided", "zer
 
 def _written_and_read(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[list, list]:
     """The tensor arguments ``func`` writes (schema ``(a!)``) and those it reads (all others,
-    except for a view op or a metadata-only op, which read no bytes)."""
+    except for a view op or a metadata-only op, which read no bytes). A higher-order operator
+    (no schema: ``run_and_save_rng_state`` and the like) is taken to read every tensor it gets."""
+    if not isinstance(func, torch._ops.OpOverload):
+        return [], _tensors((args, kwargs))
     written, read = [], []
     returns_alias = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
     returns_alias = returns_alias or func._opname in _METADATA_ONLY
@@ -173,6 +181,8 @@ class CollectiveWatch(TorchDispatchMode):
     """The debug mode's checks over one scope (a graph call, an eager fallback) named ``scope``
     (module docstring). Raises ``CollectiveBufferError``."""
 
+    supports_higher_order_operators = True  # graphs hold some (RNG state around a dropout)
+
     def __init__(self, scope: str):
         super().__init__()
         self.scope = scope
@@ -189,7 +199,7 @@ class CollectiveWatch(TorchDispatchMode):
         self._check_access(str(func), written, read)
         out = func(*args, **kwargs)
         self._check_addresses(str(func), _tensors(out))
-        if func.namespace == _COLLECTIVE_NAMESPACE:
+        if getattr(func, "namespace", None) == _COLLECTIVE_NAMESPACE:
             self._issued(func, written or _tensors(out), [t for t in read if not any(t is w for w in written)])
         return out
 
