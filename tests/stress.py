@@ -19,6 +19,9 @@ gloo abort message, a *failure* when it failed otherwise; the log of each is kep
 
 Without ``--tests`` every test file with a test marked ``distributed`` is a target. Prints a
 summary: runs, aborts and failures, by target, and which tests the aborted runs failed in.
+Under the checking allocator, tests that read the ranks' resident memory may fail without a
+fault (``test_bench``'s peak over baseline reads 0): a failure is not an abort; ``--no-malloc-check``
+runs glibc's own allocator.
 """
 from __future__ import annotations
 
