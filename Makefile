@@ -71,16 +71,18 @@ test-fast: lint bytecode
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not distributed and not slow"
 
 # the stress lane: every test file that spawns ranks (or STRESS_TESTS: files or node ids, and
-# STRESS_K: a pytest -k expression), STRESS_ITERATIONS times each, under MALLOC_CHECK_=3 and
-# MALLOC_PERTURB_ (tests/stress.py says why), with STRESS_ENV's NAME=VALUE pairs added (e.g.
-# ZEROGRAPH_DEBUG_COLLECTIVES=1); exits non-zero when a run aborted or failed
+# STRESS_K: a pytest -k expression), STRESS_ITERATIONS times each under MALLOC_PERTURB_, the
+# iterations alternating glibc's checking allocator (MALLOC_CHECK_=3) and its own (STRESS_MALLOC:
+# alternate, check or plain; tests/stress.py says why), with STRESS_ENV's NAME=VALUE pairs added
+# (e.g. ZEROGRAPH_DEBUG_COLLECTIVES=1); exits non-zero when a run aborted or failed
 STRESS_ITERATIONS ?= 3
 STRESS_TESTS ?=
 STRESS_K ?=
 STRESS_LOGS ?= stress-logs
 STRESS_ENV ?=
+STRESS_MALLOC ?= alternate
 stress: bytecode
-	$(BIN)/python -m tests.stress --iterations $(STRESS_ITERATIONS) --log-dir $(STRESS_LOGS) \
+	$(BIN)/python -m tests.stress --iterations $(STRESS_ITERATIONS) --log-dir $(STRESS_LOGS) --malloc $(STRESS_MALLOC) \
 	  $(if $(STRESS_TESTS),--tests $(STRESS_TESTS)) $(if $(STRESS_K),-k "$(STRESS_K)") \
 	  $(foreach e,$(STRESS_ENV),--env $(e))
 

@@ -3,11 +3,19 @@ again and again under glibc's heap checks, counting the runs that abort.
 
 A memory-safety defect (a buffer freed or reused while a collective still writes it, a read after
 release) shows on CPU only now and then: a rank aborts with ``malloc(): unaligned tcache chunk
-detected`` or a segfault, in whichever test happened to allocate next. glibc's checks make such a
-write fail sooner and more often: ``MALLOC_CHECK_=3`` (checked ``malloc`` / ``free``, abort on the
-first inconsistency; glibc 2.34 and later read it only with ``libc_malloc_debug.so`` preloaded,
-which this script does) and ``MALLOC_PERTURB_`` (freed memory filled with a byte pattern, so a read
-after free reads garbage and a parity test fails).
+detected`` or a segfault, in whichever test happened to allocate next. glibc's checks make such
+faults show sooner and more often, and two allocators catch different ones, so by default the
+iterations alternate between them (``--malloc``):
+
+- ``check``: ``MALLOC_CHECK_=3``, glibc's checking allocator (glibc 2.34 and later read it only
+  with ``libc_malloc_debug.so`` preloaded, which this script does): every block carries a check
+  byte past its end, so a write past a buffer aborts at its ``free``. It serves blocks without
+  the tcache, so a write into a freed small block goes unseen (``tests/test_stress.py`` shows both);
+- ``plain``: glibc's own allocator, the one the aborts were seen with: a write after free into a
+  small block corrupts the tcache's list, and the next ``malloc`` of that size aborts.
+
+Both with ``MALLOC_PERTURB_`` (freed memory filled with a byte pattern, so a read after free reads
+garbage and a parity test fails).
 
 Each run is one pytest process over one target (a test file, a node id), ``-m distributed``
 (only the tests that spawn ranks), with the ranks' output uncaptured so that glibc's and gloo's
@@ -15,13 +23,13 @@ messages land in the log. A run is an *abort* when its output shows a signal dea
 gloo abort message, a *failure* when it failed otherwise; the log of each is kept in the log folder.
 
     python -m tests.stress [--iterations N] [--tests TARGET ...] [-k EXPR] [--log-dir DIR]
-                           [--perturb BYTE] [--no-malloc-check] [--timeout S] [--env NAME=VALUE ...]
+                           [--perturb BYTE] [--malloc alternate|check|plain] [--timeout S]
+                           [--env NAME=VALUE ...]
 
 Without ``--tests`` every test file with a test marked ``distributed`` is a target. Prints a
 summary: runs, aborts and failures, by target, and which tests the aborted runs failed in.
 Under the checking allocator, tests that read the ranks' resident memory may fail without a
-fault (``test_bench``'s peak over baseline reads 0): a failure is not an abort; ``--no-malloc-check``
-runs glibc's own allocator.
+fault (``test_bench``'s peak over baseline reads 0): a failure is not an abort.
 """
 from __future__ import annotations
 
@@ -119,43 +127,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", default="stress-logs", help="where each aborted or failed run's log goes")
     parser.add_argument("--perturb", type=int, default=0xA5, help="MALLOC_PERTURB_ byte, 1-255 (default 165)")
     parser.add_argument("--timeout", type=float, default=1800, help="wall seconds per run (default 1800)")
-    parser.add_argument("--no-malloc-check", action="store_true",
-                        help="MALLOC_PERTURB_ only: glibc's own allocator, tcache included, as the aborts "
-                             "were seen (MALLOC_CHECK_'s debug allocator bypasses the tcache)")
+    parser.add_argument("--malloc", choices=("alternate", "check", "plain"), default="alternate",
+                        help="glibc's checking allocator (MALLOC_CHECK_=3), its own (tcache on), or one then the "
+                             "other by iteration (default)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="more environment for the runs, e.g. ZEROGRAPH_DEBUG_COLLECTIVES=1 (repeatable)")
     args = parser.parse_args(argv)
     if not 1 <= args.perturb <= 255:
         parser.error("--perturb must be 1-255 (0 turns MALLOC_PERTURB_ off)")
     targets = args.tests or distributed_test_files()
-    env = checked_environment(args.perturb, not args.no_malloc_check)
-    for item in args.env:
-        name, _, value = item.partition("=")
-        env[name] = value
+    extra = dict(item.partition("=")[::2] for item in args.env)
     log_dir = pathlib.Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     counts: dict[str, collections.Counter] = {t: collections.Counter() for t in targets}
     aborted_in: collections.Counter = collections.Counter()
-    print(f"[stress] {args.iterations} x {len(targets)} targets; MALLOC_CHECK_={env.get('MALLOC_CHECK_', '')} "
-          f"MALLOC_PERTURB_={args.perturb} "
-          f"LD_PRELOAD={env.get('LD_PRELOAD', '')!r} {' '.join(args.env)}; logs in {log_dir}/", flush=True)
+    print(f"[stress] {args.iterations} x {len(targets)} targets; malloc {args.malloc}, MALLOC_PERTURB_={args.perturb} "
+          f"{' '.join(args.env)}; logs in {log_dir}/", flush=True)
     for iteration in range(args.iterations):
+        allocator = args.malloc if args.malloc != "alternate" else ("check", "plain")[iteration % 2]
+        env = {**checked_environment(args.perturb, allocator == "check"), **extra}
         for target in targets:
             returncode, output, seconds = run_once(target, args.keyword, env, args.timeout)
             outcome = classify(returncode, output)
             counts[target]["runs"] += 1
             counts[target][outcome] += 1
-            line = f"[stress] {iteration + 1}/{args.iterations} {target}: {outcome} (exit {returncode}, {seconds:.0f} s)"
+            line = f"[stress] {iteration + 1}/{args.iterations} ({allocator}) {target}: {outcome} " \
+                   f"(exit {returncode}, {seconds:.0f} s)"
             if outcome != "ok":
-                log = log_dir / f"{outcome}-{iteration + 1:03d}-{slug(target)}.log"
-                log.write_text(output)
-                failed = sorted(set(FAILED_TEST.findall(output)))
-                if outcome == "abort":
-                    aborted_in.update(failed or [target])
-                line += f" -> {log}" + (f" [{', '.join(failed[:4])}{' ...' if len(failed) > 4 else ''}]" if failed else "")
+                line += keep_log(log_dir / f"{outcome}-{iteration + 1:03d}-{slug(target)}.log", output,
+                                 aborted_in if outcome == "abort" else None, target)
             print(line, flush=True)
     print(summary(counts, aborted_in), flush=True)
     return 1 if any(c["abort"] or c["failure"] for c in counts.values()) else 0
+
+
+def keep_log(path: pathlib.Path, output: str, aborted_in: collections.Counter | None, target: str) -> str:
+    """Write a run's output to ``path``; count an aborted run's failed tests (or its target) into
+    ``aborted_in``. Returns the text that names the log and those tests."""
+    path.write_text(output)
+    failed = sorted(set(FAILED_TEST.findall(output)))
+    if aborted_in is not None:
+        aborted_in.update(failed or [target])
+    return f" -> {path}" + (f" [{', '.join(failed[:4])}{' ...' if len(failed) > 4 else ''}]" if failed else "")
 
 
 def summary(counts: dict[str, collections.Counter], aborted_in: collections.Counter) -> str:

@@ -2,6 +2,8 @@
 which files it runs, the environment it gives them. In process; the lane itself is not run here."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -39,6 +41,35 @@ def test_the_environment_turns_glibcs_checks_on_or_keeps_its_allocator() -> None
         assert "libc_malloc_debug" in checked["LD_PRELOAD"]
     plain = stress.checked_environment(7, malloc_check=False)
     assert "MALLOC_CHECK_" not in plain and plain["MALLOC_PERTURB_"] == "7"
+
+
+# a write after free into a small block, then allocations of its size: what a collective writing
+# into a released buffer does
+WRITE_AFTER_FREE = """
+import ctypes
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+chunk = libc.malloc(24)
+libc.free(ctypes.c_void_p(chunk))
+ctypes.memset(chunk, 0x41, 16)
+for _ in range(4):
+    libc.malloc(24)
+"""
+
+
+def test_each_allocator_catches_what_the_other_misses() -> None:
+    """Why the lane alternates: glibc's own allocator aborts on a write after free into a small
+    block (the tcache's list is corrupt), with the message the ranks died with; the checking
+    allocator (MALLOC_CHECK_=3) serves blocks without the tcache and misses it."""
+    def run(malloc_check: bool) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", WRITE_AFTER_FREE], env=stress.checked_environment(165, malloc_check),
+                              capture_output=True, text=True, timeout=60)
+
+    plain = run(False)
+    assert plain.returncode < 0 and "malloc(): unaligned tcache chunk detected" in plain.stderr
+    assert stress.classify(plain.returncode, plain.stderr) == "abort"
+    if stress.malloc_debug_library() is not None:
+        assert run(True).returncode == 0
 
 
 def test_the_summary_counts_by_target() -> None:
