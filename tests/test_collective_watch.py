@@ -27,49 +27,100 @@ def group_name():
         yield group.group_name
 
 
-def _gather(x: torch.Tensor, name: str) -> torch.Tensor:
-    return funcol.all_gather_into_tensor(x, 2, name)
+class Issuer:
+    """Issues collectives over a group and waits every one of them at the test's end (outside any
+    watch), so that no test leaves a collective unwaited in c10d's registry."""
+
+    def __init__(self, name: str):
+        self.name, self.issued = name, []
+
+    def gather(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        result = (funcol.all_gather_into_tensor(x, 2, self.name) if out is None
+                  else funcol.all_gather_into_tensor_out(x, 2, self.name, out=out))
+        self.issued.append(result)
+        return result
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        self.issued.append(funcol.reduce_scatter_tensor(x, "sum", 2, self.name))
+        return self.issued[-1]
+
+    def wait_all(self) -> None:
+        for t in self.issued:
+            funcol.wait_tensor(t)
 
 
-FAULTS: dict[str, tuple[Callable[[str], object], str]] = {
-    "input written": (lambda name: (lambda x: (_gather(x, name), x.add_(1)))(torch.ones(8)),
-                      r"collective #0 \(_c10d_functional.all_gather_into_tensor.default\): its input buffer "
-                      r"\(\(8,\) torch.float32 on cpu\): written by aten.add_.Tensor before the wait"),
-    "output read": (lambda name: _gather(torch.ones(8), name) + 1,
-                    r"its output buffer \(\(16,\) torch.float32 on cpu\): read by aten.add.Tensor before the wait"),
-    "out= slot taken again": (
-        lambda name: (lambda out: [funcol.all_gather_into_tensor_out(torch.ones(8), 2, name, out=out)
-                                   for _ in range(2)])(torch.empty(16)),
-        r"its output buffer .*: written by _c10d_functional.all_gather_into_tensor_out.default before the wait"),
-    "input released": (
-        lambda name: (lambda x: (lambda out: (x.untyped_storage().resize_(0), funcol.wait_tensor(out)))(
-            funcol.reduce_scatter_tensor(x, "sum", 2, name)))(torch.ones(8)),
-        r"reduce_scatter_tensor.*its input buffer .*: its storage released or reallocated before the wait"),
-    "output released": (
-        lambda name: (lambda out: (out.untyped_storage().resize_(0), funcol.wait_tensor(out)))(
-            _gather(torch.ones(8), name)),
-        r"its output buffer .*: its storage released or reallocated before the wait \(64 bytes at issue, 0 now\)"),
-    "wait dropped": (lambda name: _gather(torch.ones(8), name), r"collective #0 .* never waited"),
+@pytest.fixture
+def issuer(group_name: str):
+    issuer = Issuer(group_name)
+    yield issuer
+    issuer.wait_all()
+
+
+def _input_written(c: Issuer) -> None:
+    x = torch.ones(8)
+    c.gather(x)
+    x.add_(1)
+
+
+def _output_read(c: Issuer) -> None:
+    c.gather(torch.ones(8)) + 1
+
+
+def _slot_taken_again(c: Issuer) -> None:  # an out= buffer handed to a second collective before the wait
+    out = torch.empty(16)
+    c.gather(torch.ones(8), out=out)
+    c.gather(torch.ones(8), out=out)
+
+
+def _input_released(c: Issuer) -> None:
+    x = torch.ones(8)
+    out = c.reduce_scatter(x)
+    x.untyped_storage().resize_(0)
+    funcol.wait_tensor(out)
+
+
+def _output_released(c: Issuer) -> None:
+    out = c.gather(torch.ones(8))
+    out.untyped_storage().resize_(0)
+    funcol.wait_tensor(out)
+
+
+def _wait_dropped(c: Issuer) -> None:
+    c.gather(torch.ones(8))
+
+
+FAULTS: dict[str, tuple[Callable[[Issuer], None], str]] = {
+    "input written": (_input_written, r"collective #0 \(_c10d_functional.all_gather_into_tensor.default\): its input "
+                                      r"buffer \(\(8,\) torch.float32 on cpu\): written by aten.add_.Tensor before the wait"),
+    "output read": (_output_read, r"its output buffer \(\(16,\) torch.float32 on cpu\): read by aten.add.Tensor before "
+                                  r"the wait"),
+    "out= slot taken again": (_slot_taken_again, r"its output buffer .*: written by "
+                                                 r"_c10d_functional.all_gather_into_tensor_out.default before the wait"),
+    "input released": (_input_released, r"reduce_scatter_tensor.*its input buffer .*: its storage released or "
+                                        r"reallocated before the wait"),
+    "output released": (_output_released, r"its output buffer .*: its storage released or reallocated before the "
+                                          r"wait \(64 bytes at issue, 0 now\)"),
+    "wait dropped": (_wait_dropped, r"collective #0 .* never waited"),
 }
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-def test_each_fault_names_the_collective_and_the_buffer(group_name: str, fault: str) -> None:
+def test_each_fault_names_the_collective_and_the_buffer(issuer: Issuer, fault: str) -> None:
     body, message = FAULTS[fault]
     with pytest.raises(zerograph.CollectiveBufferError, match=message):
         with watching("a scope", True):
-            body(group_name)
-    body(group_name) if fault != "output released" else None  # the watch off: nothing checked, nothing raised
+            body(issuer)
+    if fault != "output released":  # the watch off: nothing checked, nothing raised
+        body(issuer)
 
 
-def test_correct_use_passes_and_dropped_inputs_are_the_groups_to_hold(group_name: str) -> None:
+def test_correct_use_passes_and_dropped_inputs_are_the_groups_to_hold(issuer: Issuer) -> None:
     with watching("a scope", True):
         send = torch.ones(8)
-        gathered = _gather(send, group_name)
-        reduced = funcol.reduce_scatter_tensor(send * 2, "sum", 2, group_name)  # its input dropped at once
+        gathered = issuer.gather(send)
+        reduced = issuer.reduce_scatter(send * 2)  # its input dropped at once
         del send  # the group holds (or copied) what it still reads
-        out = torch.empty(16)
-        funcol.wait_tensor(funcol.all_gather_into_tensor_out(torch.ones(8), 2, group_name, out=out))
+        funcol.wait_tensor(issuer.gather(torch.ones(8), out=torch.empty(16)))
         funcol.wait_tensor(gathered).sum() + funcol.wait_tensor(reduced).sum()
 
 
@@ -85,16 +136,18 @@ def test_runtime_checks_its_graphs_and_eager_frames(monkeypatch: pytest.MonkeyPa
         model(x, y).backward()
         assert runtime.accounting.current.graphs  # graphs ran under the watch
         schedule = CommSchedule("a graph", "forward", (), 0)
+        issuer = Issuer(runtime.group_name)
         with pytest.raises(zerograph.CollectiveBufferError, match="a graph: collective #0 .* never waited"):
-            runtime.run_graph(schedule, lambda args: _gather(torch.ones(4), runtime.group_name), [])
+            runtime.run_graph(schedule, lambda args: issuer.gather(torch.ones(4)), [])
+        issuer.wait_all()
 
 
-def test_inference_tensors_and_higher_order_operators_pass(group_name: str) -> None:
+def test_inference_tensors_and_higher_order_operators_pass(issuer: Issuer) -> None:
     """What eval and dropout graphs hold: an inference tensor (no version counter) as a collective's
     buffer, and a higher-order operator (no schema: RNG state saved around a random op)."""
     from torch._prims.rng_prims import run_and_save_rng_state
 
     with torch.inference_mode(), watching("eval", True):
-        funcol.wait_tensor(_gather(torch.ones(8), group_name)).sum()
+        funcol.wait_tensor(issuer.gather(torch.ones(8))).sum()
     with watching("dropout", True):
         run_and_save_rng_state(torch.ops.aten.rand.default, [4], device=torch.device("cpu"))
