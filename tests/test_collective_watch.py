@@ -144,8 +144,14 @@ def test_runtime_checks_its_graphs_and_eager_frames(monkeypatch: pytest.MonkeyPa
 
 def test_inference_tensors_and_higher_order_operators_pass(issuer: Issuer) -> None:
     """What eval and dropout graphs hold: an inference tensor (no version counter) as a collective's
-    buffer, and a higher-order operator (no schema: RNG state saved around a random op)."""
+    buffer, and a higher-order operator (no schema: RNG state saved around a random op); and a
+    tensor without storage of its own to watch (sparse) next to a pending collective."""
     from torch._prims.rng_prims import run_and_save_rng_state
+
+    with watching("sparse", True):
+        pending = issuer.gather(torch.ones(4))
+        (torch.ones(3).to_sparse() * 2).to_dense()
+        funcol.wait_tensor(pending)
 
     with torch.inference_mode(), watching("eval", True):
         funcol.wait_tensor(issuer.gather(torch.ones(8))).sum()

@@ -149,7 +149,10 @@ class Pending:
 
 
 def _tensors(values: object) -> list[torch.Tensor]:
-    return [v for v in tree_leaves(values) if isinstance(v, torch.Tensor)]
+    """The tensors among ``values`` that have bytes of their own to watch (not a subclass
+    wrapper, a sparse tensor or a meta tensor)."""
+    return [v for v in tree_leaves(values) if isinstance(v, torch.Tensor) and type(v) in (torch.Tensor, torch.nn.Parameter)
+            and v.layout == torch.strided and v.device.type != "meta"]
 
 
 # ops that read only their argument's metadata (shape, dtype, device), never its bytes
