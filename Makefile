@@ -5,6 +5,8 @@
 # (and `make docs`: build the docs site, mkdocs.yml and docs/, into site/, warnings as errors;
 #  `make gpu-check`: on a machine with one CUDA GPU, the real models under zerograph and FSDP2, in minutes;
 #  without CUDA it says it skipped and succeeds).
+#   make stress      (not part of `make test`) the spawned trainings run STRESS_ITERATIONS times under
+#                    glibc's heap checks (tests/stress.py); aborts counted, their logs in STRESS_LOGS/
 # test and test-fast run two pytest-xdist workers: one runs every test that spawns ranks, in order, while the
 # other runs the in-process tests (tests/conftest.py: _xdist_scope), so the 2 cores stay busy
 # without two spawns' ranks competing for them.
@@ -19,7 +21,7 @@ STEPS  ?= 300
 
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast lint bytecode docs install clean gpu-check
+.PHONY: demo test test-fast stress lint bytecode docs install clean gpu-check
 
 # uv installs (pip's interface; it resolves, downloads and unpacks in parallel, so a fresh install
 # takes less time than pip's, with the same packages and versions). uv reads no pip.conf, so it is handed pip's find-links, where this
@@ -74,6 +76,22 @@ test-fast: lint bytecode
 # the torchtitan-shaped Llama, zerograph (default build, Inductor lowering) beside FSDP2 (eager, compiled)
 gpu-check: install
 	$(BIN)/python examples/gpu_check.py
+
+# the stress lane: every test file that spawns ranks (or STRESS_TESTS: files or node ids, and
+# STRESS_K: a pytest -k expression), STRESS_ITERATIONS times each under MALLOC_PERTURB_, the
+# iterations alternating glibc's checking allocator (MALLOC_CHECK_=3) and its own (STRESS_MALLOC:
+# alternate, check or plain; tests/stress.py says why), with STRESS_ENV's NAME=VALUE pairs added
+# (e.g. ZEROGRAPH_DEBUG_COLLECTIVES=1); exits non-zero when a run aborted or failed
+STRESS_ITERATIONS ?= 3
+STRESS_TESTS ?=
+STRESS_K ?=
+STRESS_LOGS ?= stress-logs
+STRESS_ENV ?=
+STRESS_MALLOC ?= alternate
+stress: bytecode
+	$(BIN)/python -m tests.stress --iterations $(STRESS_ITERATIONS) --log-dir $(STRESS_LOGS) --malloc $(STRESS_MALLOC) \
+	  $(if $(STRESS_TESTS),--tests $(STRESS_TESTS)) $(if $(STRESS_K),-k "$(STRESS_K)") \
+	  $(foreach e,$(STRESS_ENV),--env $(e))
 
 clean:
 	rm -rf $(VENV) *.egg-info site

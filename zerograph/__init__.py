@@ -2,6 +2,7 @@
 from .api import compile
 from .config import Config
 from .errors import (
+    CollectiveBufferError,
     CollectiveError,
     ConfigError,
     ModelChangedError,
@@ -20,7 +21,7 @@ from .fake import FakeWorldError, fake_world
 from .policies import ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, SchedulePolicy
 
 __all__ = ["Config", "ActivationPolicy", "MemoryPolicy", "MixedPrecisionPolicy", "SchedulePolicy", "compile",
-           "CollectiveError", "ConfigError", "ModelChangedError", "PassError", "PoolCorruptionError",
+           "CollectiveError", "CollectiveBufferError", "ConfigError", "ModelChangedError", "PassError", "PoolCorruptionError",
            "ProcessGroupError", "ScheduleMismatchError", "ShardingError", "UnshardedParameterError",
            "ZeroGraphError", "fake_world", "FakeWorldError", "SyncedForHooksWarning", "UnitSizeWarning",
            "ZeroGraphWarning"]

@@ -22,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .accounting import StepAccounting
+from .collective_watch import watching
 from .collectives import funcol, gather_fn, reduce_fn
 from .comm_schedule import is_communication_failure
 from .errors import CollectiveError
@@ -68,6 +69,7 @@ class EagerCollectives:
         self.device = device
         self.gather_quantization: str | None = None
         self.reduce_quantization: str | None = None
+        self.watch_collectives = False  # ZEROGRAPH_DEBUG_COLLECTIVES (set by the runtime)
 
     def unshard(self, shard: torch.Tensor, key: int) -> torch.Tensor:
         """All-gather one parameter outside a graph. ``shard``: (local_rows, *rest) -> full shape,
@@ -115,7 +117,8 @@ class EagerCollectives:
         chaining gloo's or NCCL's error."""
         start = time.monotonic()
         try:
-            with _CountCollectives(self.topology, self.accounting):
+            scope = f"rank {self.topology.rank}, the eager {kind} of {self.layouts[key].fqn!r}"
+            with _CountCollectives(self.topology, self.accounting), watching(scope, self.watch_collectives):
                 return fn(*tensors)
         except RuntimeError as exc:
             if not is_communication_failure(exc):

@@ -39,6 +39,12 @@ class CollectiveError(ZeroGraphError, RuntimeError):
     """A collective failed or timed out: a peer rank probably died, or stopped calling the model."""
 
 
+class CollectiveBufferError(CollectiveError):
+    """The collectives' debug mode (``ZEROGRAPH_DEBUG_COLLECTIVES=1``) found a collective's input or
+    output buffer written, read, freed or released by something else between the collective's
+    issue and its wait, or a collective never waited; the message names the collective and the buffer."""
+
+
 class DumpError(ZeroGraphError):
     """The dump (``ZEROGRAPH_DUMP`` / ``Config(dump_dir=)``) cannot be written where asked, or a
     folder given to ``zerograph inspect`` is not a readable dump; the message names the file."""

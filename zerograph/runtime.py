@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import registry
+from . import collective_watch, registry
 from .accounting import CommCounter, StepAccounting
 from .buffer_pool import BufferPool
 from .comm_schedule import CommSchedule, ScheduleCheck, ScheduleEntry, is_communication_failure, schedule_of
@@ -80,6 +80,9 @@ class Runtime:
         self.eager = EagerCollectives(self.marker_layouts, self.topology, self.accounting, self.gradients,
                                       self.device)
         self.buffer_pool = BufferPool()  # the comm buffers ``buffer_reuse`` assigns graphs to
+        # ZEROGRAPH_DEBUG_COLLECTIVES: each collective's buffers checked from issue to wait (collective_watch.py)
+        self.watch_collectives = collective_watch.enabled()
+        self.eager.watch_collectives = self.watch_collectives
         registry.register(layouts, self)  # what the markers' implementations look their keys up in
 
     # read through: many modules (dump, init, loading, checkpoint, stats, bench) and tests use these
@@ -115,9 +118,11 @@ class Runtime:
         self.accounting.start_forward()
 
     def run_graph(self, schedule: CommSchedule, compiled: Callable[[list], Any], args: list) -> Any:
-        """``ScheduleCheck.run_graph``, then every pooled buffer of the graph is free (dead once it returns)."""
+        """``ScheduleCheck.run_graph``, then every pooled buffer of the graph is free (dead once it returns).
+        Under ``ZEROGRAPH_DEBUG_COLLECTIVES`` its collectives' buffers are checked (``collective_watch``)."""
         try:
-            return self.schedule_check.run_graph(schedule, compiled, args)
+            with collective_watch.watching(f"rank {self.topology.rank}, {schedule.label}", self.watch_collectives):
+                return self.schedule_check.run_graph(schedule, compiled, args)
         finally:
             self.buffer_pool.release_all()
 

@@ -1,0 +1,187 @@
+"""The stress lane (``make stress``, not part of ``make test``): the suite's spawned trainings run
+again and again under glibc's heap checks, counting the runs that abort.
+
+A memory-safety defect (a buffer freed or reused while a collective still writes it, a read after
+release) shows on CPU only now and then: a rank aborts with ``malloc(): unaligned tcache chunk
+detected`` or a segfault, in whichever test happened to allocate next. glibc's checks make such
+faults show sooner and more often, and two allocators catch different ones, so by default the
+iterations alternate between them (``--malloc``):
+
+- ``check``: ``MALLOC_CHECK_=3``, glibc's checking allocator (glibc 2.34 and later read it only
+  with ``libc_malloc_debug.so`` preloaded, which this script does): every block carries a check
+  byte past its end, so a write past a buffer aborts at its ``free``. It serves blocks without
+  the tcache, so a write into a freed small block goes unseen (``tests/test_stress.py`` shows both);
+- ``plain``: glibc's own allocator, the one the aborts were seen with: a write after free into a
+  small block corrupts the tcache's list, and the next ``malloc`` of that size aborts.
+
+Both with ``MALLOC_PERTURB_`` (freed memory filled with a byte pattern, so a read after free reads
+garbage and a parity test fails).
+
+Each run is one pytest process over one target (a test file, a node id), ``-m distributed``
+(only the tests that spawn ranks), with the ranks' output uncaptured so that glibc's and gloo's
+messages land in the log. A run is an *abort* when its output shows a signal death or a malloc /
+gloo abort message, a *failure* when it failed otherwise; the log of each is kept in the log folder.
+
+    python -m tests.stress [--iterations N] [--tests TARGET ...] [-k EXPR] [--log-dir DIR]
+                           [--perturb BYTE] [--malloc alternate|check|plain] [--timeout S]
+                           [--env NAME=VALUE ...]
+
+Without ``--tests`` every test file with a test marked ``distributed`` is a target. Prints a
+summary: runs, aborts and failures, by target, and which tests the aborted runs failed in.
+Under the checking allocator, tests that read the ranks' resident memory may fail without a
+fault (``test_bench``'s peak over baseline reads 0): a failure is not an abort.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes.util
+import glob
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+# what an aborted rank leaves in a run's output: tests/distributed.py's report of a rank killed by a
+# signal, faulthandler's header, glibc's heap-check messages, gloo's and the C++ runtime's aborts
+ABORT_PATTERNS = re.compile(
+    r"signal SIG(?:ABRT|SEGV|BUS|ILL|FPE)|Fatal Python error|malloc\(\)|free\(\)|double free|corrupted "
+    r"(?:size|double-linked|top size)|tcache|malloc_consolidate|munmap_chunk|realloc\(\)|"
+    r"terminate called|gloo/.*(?:Abort|abort)|Segmentation fault")
+FAILED_TEST = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+
+
+def distributed_test_files() -> list[str]:
+    """Every test file that spawns ranks (marked ``distributed``, or using the ``training_run`` fixture)."""
+    files = []
+    for path in sorted(glob.glob(str(REPO / "tests" / "test_*.py"))):
+        text = pathlib.Path(path).read_text()
+        if "mark.distributed" in text or "training_run" in text:
+            files.append(os.path.relpath(path, REPO))
+    return files
+
+
+def malloc_debug_library() -> str | None:
+    """glibc's ``libc_malloc_debug.so`` (where ``MALLOC_CHECK_`` lives since glibc 2.34), or ``None``."""
+    for directory in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib64"):
+        for name in ("libc_malloc_debug.so.0", "libc_malloc_debug.so"):
+            if os.path.exists(os.path.join(directory, name)):
+                return os.path.join(directory, name)
+    found = ctypes.util.find_library("c_malloc_debug")
+    return found
+
+
+def checked_environment(perturb: int, malloc_check: bool = True) -> dict[str, str]:
+    """This process's environment with glibc's heap checks on (inherited by the forkserver and the
+    ranks): ``MALLOC_PERTURB_`` always, ``MALLOC_CHECK_=3`` when ``malloc_check``."""
+    env = dict(os.environ, MALLOC_PERTURB_=str(perturb), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    if not malloc_check:
+        env.pop("MALLOC_CHECK_", None)
+        return env
+    env["MALLOC_CHECK_"] = "3"
+    library = malloc_debug_library()
+    if library is not None:
+        env["LD_PRELOAD"] = " ".join(filter(None, (env.get("LD_PRELOAD"), library)))
+    return env
+
+
+def classify(returncode: int, output: str) -> str:
+    """``"ok"``, ``"abort"`` (pytest killed by a signal, or failed with a rank's signal death or a
+    heap / gloo abort message in its output) or ``"failure"``. A run that passed is ok whatever
+    its ranks printed: the fault tests end ranks on purpose."""
+    if returncode in (0, 5):  # 5: pytest collected nothing (-k matched none)
+        return "ok"
+    return "abort" if returncode < 0 or ABORT_PATTERNS.search(output) else "failure"
+
+
+def run_once(target: str, keyword: str | None, env: dict[str, str], timeout_s: float) -> tuple[int, str, float]:
+    """One pytest process over ``target``: its exit code (negative: a signal; 124: timed out), output, seconds."""
+    command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-m", "distributed", "-rfE",
+               target]
+    if keyword:
+        command += ["-k", keyword]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              timeout=timeout_s, text=True, errors="replace")
+        return done.returncode, done.stdout, time.monotonic() - start
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return 124, out + f"\n[stress] timed out after {timeout_s:g} s\n", time.monotonic() - start
+
+
+def slug(target: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", target.removeprefix("tests/"))[:80]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.stress", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=3, help="runs of each target (default 3)")
+    parser.add_argument("--tests", nargs="*", default=None,
+                        help="pytest targets (files or node ids); default: every file with distributed tests")
+    parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression within the targets")
+    parser.add_argument("--log-dir", default="stress-logs", help="where each aborted or failed run's log goes")
+    parser.add_argument("--perturb", type=int, default=0xA5, help="MALLOC_PERTURB_ byte, 1-255 (default 165)")
+    parser.add_argument("--timeout", type=float, default=1800, help="wall seconds per run (default 1800)")
+    parser.add_argument("--malloc", choices=("alternate", "check", "plain"), default="alternate",
+                        help="glibc's checking allocator (MALLOC_CHECK_=3), its own (tcache on), or one then the "
+                             "other by iteration (default)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="more environment for the runs, e.g. ZEROGRAPH_DEBUG_COLLECTIVES=1 (repeatable)")
+    args = parser.parse_args(argv)
+    if not 1 <= args.perturb <= 255:
+        parser.error("--perturb must be 1-255 (0 turns MALLOC_PERTURB_ off)")
+    targets = args.tests or distributed_test_files()
+    extra = dict(item.partition("=")[::2] for item in args.env)
+    log_dir = pathlib.Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    counts: dict[str, collections.Counter] = {t: collections.Counter() for t in targets}
+    aborted_in: collections.Counter = collections.Counter()
+    print(f"[stress] {args.iterations} x {len(targets)} targets; malloc {args.malloc}, MALLOC_PERTURB_={args.perturb} "
+          f"{' '.join(args.env)}; logs in {log_dir}/", flush=True)
+    for iteration in range(args.iterations):
+        allocator = args.malloc if args.malloc != "alternate" else ("check", "plain")[iteration % 2]
+        env = {**checked_environment(args.perturb, allocator == "check"), **extra}
+        for target in targets:
+            returncode, output, seconds = run_once(target, args.keyword, env, args.timeout)
+            outcome = classify(returncode, output)
+            counts[target]["runs"] += 1
+            counts[target][outcome] += 1
+            line = f"[stress] {iteration + 1}/{args.iterations} ({allocator}) {target}: {outcome} " \
+                   f"(exit {returncode}, {seconds:.0f} s)"
+            if outcome != "ok":
+                line += keep_log(log_dir / f"{outcome}-{iteration + 1:03d}-{slug(target)}.log", output,
+                                 aborted_in if outcome == "abort" else None, target)
+            print(line, flush=True)
+    print(summary(counts, aborted_in), flush=True)
+    return 1 if any(c["abort"] or c["failure"] for c in counts.values()) else 0
+
+
+def keep_log(path: pathlib.Path, output: str, aborted_in: collections.Counter | None, target: str) -> str:
+    """Write a run's output to ``path``; count an aborted run's failed tests (or its target) into
+    ``aborted_in``. Returns the text that names the log and those tests."""
+    path.write_text(output)
+    failed = sorted(set(FAILED_TEST.findall(output)))
+    if aborted_in is not None:
+        aborted_in.update(failed or [target])
+    return f" -> {path}" + (f" [{', '.join(failed[:4])}{' ...' if len(failed) > 4 else ''}]" if failed else "")
+
+
+def summary(counts: dict[str, collections.Counter], aborted_in: collections.Counter) -> str:
+    width = max(len(t) for t in counts)
+    lines = ["", f"{'target':<{width}}  runs  aborts  failures"]
+    for target, c in counts.items():
+        lines.append(f"{target:<{width}}  {c['runs']:>4}  {c['abort']:>6}  {c['failure']:>8}")
+    total = sum(counts.values(), collections.Counter())
+    lines.append(f"{'total':<{width}}  {total['runs']:>4}  {total['abort']:>6}  {total['failure']:>8}")
+    if aborted_in:
+        lines.append("aborted runs failed in: " + ", ".join(f"{t} x{n}" for t, n in aborted_in.most_common()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

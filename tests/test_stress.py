@@ -1,0 +1,79 @@
+"""The stress lane's own logic (``tests/stress.py``, ``make stress``): which runs count as aborts,
+which files it runs, the environment it gives them. In process; the lane itself is not run here."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from . import stress
+
+TCACHE_ABORT = ("malloc(): unaligned tcache chunk detected\n"
+                "RankFailed: --- rank 1 ended by signal SIGABRT ---\nFAILED tests/test_patterns.py::test_x - RankFailed")
+
+
+@pytest.mark.parametrize(("returncode", "output", "outcome"), [
+    (0, "", "ok"),
+    (5, "no tests ran", "ok"),
+    (0, "rank 1 ended by signal SIGABRT (a fault test's own kill)", "ok"),
+    (1, TCACHE_ABORT, "abort"),
+    (1, "terminate called after throwing an instance of 'gloo::EnforceNotMet'", "abort"),
+    (-6, "", "abort"),
+    (1, "E   assert 0 > 0", "failure"),
+    (124, "[stress] timed out after 10 s", "failure"),
+])
+def test_runs_are_classified(returncode: int, output: str, outcome: str) -> None:
+    assert stress.classify(returncode, output) == outcome
+
+
+def test_the_default_targets_are_the_files_that_spawn_ranks() -> None:
+    files = stress.distributed_test_files()
+    assert {"tests/test_accumulation.py", "tests/test_patterns.py"} <= set(files)
+    assert "tests/test_stress.py" not in files and "tests/test_collective_watch.py" not in files
+
+
+def test_the_environment_turns_glibcs_checks_on_or_keeps_its_allocator() -> None:
+    checked = stress.checked_environment(7)
+    assert checked["MALLOC_CHECK_"] == "3" and checked["MALLOC_PERTURB_"] == "7"
+    if stress.malloc_debug_library() is not None:  # glibc 2.34+ reads MALLOC_CHECK_ only there
+        assert "libc_malloc_debug" in checked["LD_PRELOAD"]
+    plain = stress.checked_environment(7, malloc_check=False)
+    assert "MALLOC_CHECK_" not in plain and plain["MALLOC_PERTURB_"] == "7"
+
+
+# a write after free into a small block, then allocations of its size: what a collective writing
+# into a released buffer does
+WRITE_AFTER_FREE = """
+import ctypes
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+chunk = libc.malloc(24)
+libc.free(ctypes.c_void_p(chunk))
+ctypes.memset(chunk, 0x41, 16)
+for _ in range(4):
+    libc.malloc(24)
+"""
+
+
+def test_each_allocator_catches_what_the_other_misses() -> None:
+    """Why the lane alternates: glibc's own allocator aborts on a write after free into a small
+    block (the tcache's list is corrupt), with the message the ranks died with; the checking
+    allocator (MALLOC_CHECK_=3) serves blocks without the tcache and misses it."""
+    def run(malloc_check: bool) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", WRITE_AFTER_FREE], env=stress.checked_environment(165, malloc_check),
+                              capture_output=True, text=True, timeout=60)
+
+    plain = run(False)
+    assert plain.returncode < 0 and "malloc(): unaligned tcache chunk detected" in plain.stderr
+    assert stress.classify(plain.returncode, plain.stderr) == "abort"
+    if stress.malloc_debug_library() is not None:
+        assert run(True).returncode == 0
+
+
+def test_the_summary_counts_by_target() -> None:
+    counts = {"tests/a.py": Counter(runs=3, abort=1, ok=2), "tests/b.py": Counter(runs=3, failure=1, ok=2)}
+    text = stress.summary(counts, Counter({"tests/a.py::test_x": 1}))
+    assert "tests/a.py     3       1         0" in text and "total          6       1         1" in text
+    assert "aborted runs failed in: tests/a.py::test_x x1" in text
