@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["zerograph.errors", "zerograph.vocab", "zerograph.registry", "zerograph.policies", "zerograph.fake",
               "zerograph.state", "zerograph.units", "zerograph.models*"]),
     ("tensors", ["zerograph.kernels*", "zerograph.ops", "zerograph.buffer_pool", "zerograph.sharding",
-                 "zerograph.flat", "zerograph.loading", "zerograph.collectives",
+                 "zerograph.flat", "zerograph.loading", "zerograph.collectives", "zerograph.collective_watch",
                  "zerograph.uninitialised", "zerograph.parameter_watch", "zerograph.parameter_writes"]),
     ("passes", ["zerograph.costmodel", "zerograph.passes*"]),
     ("config", ["zerograph.config"]),
