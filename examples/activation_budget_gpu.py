@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import zerograph
-from zerograph.costmodel import CostModel
+from zerograph.graph.costmodel import CostModel
 from zerograph.models.gpt import GPT, SIZES
 
 if not torch.cuda.is_available():

@@ -64,7 +64,7 @@ def one_rank(blocks: int, args: argparse.Namespace, unit_templates: bool) -> dic
     import zerograph
     from zerograph.models.gpt import GPT, GPTConfig
     from zerograph.passes.manager import PASS_TIMES
-    from zerograph.state import graphs_of
+    from zerograph.runtime.state import graphs_of
 
     torch.set_num_threads(1)
     with zerograph.fake_world(2, 0):

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerograph
-from zerograph.hybrid import parse_mesh_shape
 from zerograph.models.gpt import GPT, SIZES
+from zerograph.shard.hybrid import parse_mesh_shape
 
 
 def mesh_shape(text: str) -> tuple[int, int]:

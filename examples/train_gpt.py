@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerograph
-from zerograph.hybrid import parse_mesh_shape
 from zerograph.models.gpt import GPT, SIZES
+from zerograph.shard.hybrid import parse_mesh_shape
 
 IDEAL_VOLUME = {0: 2, 1: 2, 2: 2, 3: 3}  # multiples of Ψ per step (paper, section 7)
 

@@ -14,8 +14,8 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from zerograph.ops import REDUCE_GRAD
-from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer
+from zerograph.graph.ops import REDUCE_GRAD
+from zerograph.graph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer
 
 
 def group_markers(markers: Sequence[fx.Node], ctx: Any) -> list[list[fx.Node]]:

@@ -15,7 +15,7 @@ planned (``plan_activations``) and the plan is carried out:
   boundary of two regions) and runs the unit's forward again in backward.
 - ``offload`` (``ctx.activations.offload``): each saved storage offload can move (``offloadable``) is marked
   ``should_offload`` and ``MUST_SAVE``; PyTorch's partitioner-level offloading (switched on by
-  ``zerograph.capture`` for that partition) copies it to host memory after its last forward use
+  ``zerograph.capture.capture`` for that partition) copies it to host memory after its last forward use
   and back before its first backward use, on a transfer stream on CUDA. Backward's reads through
   forward views are first replayed on the storage itself (PyTorch offloads no view).
 - ``partition`` (``ctx.activation_group``, M ranks): each saved storage P_a can partition
@@ -72,10 +72,10 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerograph.costmodel import CostModel, is_view, node_bytes, node_flops, tensor_bytes
 from zerograph.errors import ConfigError
-from zerograph.sharding import Unit
-from zerograph.vocab import TAG
+from zerograph.graph.costmodel import CostModel, is_view, node_bytes, node_flops, tensor_bytes
+from zerograph.graph.vocab import TAG
+from zerograph.shard.sharding import Unit
 
 from .context import PassContext, PassResult
 from .contract import contract

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from zerograph.ops import REDUCE_GRAD, UNSHARD
-from zerograph.vocab import TAG
+from zerograph.graph.ops import REDUCE_GRAD, UNSHARD
+from zerograph.graph.vocab import TAG
 
 from .context import PassContext, PassResult
 from .contract import contract

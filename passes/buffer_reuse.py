@@ -38,10 +38,10 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from zerograph.buffer_pool import PACK_SHARDS_OUT, POOL_BUFFER
+from zerograph.graph.vocab import COLLECTIVE_KINDS, TAG
 from zerograph.kernels.ops import PACK_SHARDS
-from zerograph.sharding import ROOT_INDEX
-from zerograph.vocab import COLLECTIVE_KINDS, TAG
+from zerograph.runtime.buffer_pool import PACK_SHARDS_OUT, POOL_BUFFER
+from zerograph.shard.sharding import ROOT_INDEX
 
 from ._fx import position
 from .context import PassContext, PassResult

@@ -8,7 +8,7 @@ from typing import Literal
 import torch.fx as fx
 
 from zerograph.policies import ActivationPolicy, MemoryPolicy, SchedulePolicy
-from zerograph.sharding import ParamLayout, Unit
+from zerograph.shard.sharding import ParamLayout, Unit
 
 GraphKind = Literal["joint", "partitioned", "forward", "backward", "inference"]
 

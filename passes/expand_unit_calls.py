@@ -41,8 +41,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerograph import registry
-from zerograph.ops import UNIT_BACKWARD, UNIT_CALL, UNIT_CALL_BACKWARD, UNIT_FORWARD, _empty_like_meta
+from zerograph.graph import registry
+from zerograph.graph.ops import UNIT_BACKWARD, UNIT_CALL, UNIT_CALL_BACKWARD, UNIT_FORWARD, _empty_like_meta
 
 from ._fx import save_for_backward, saved_tensor_inputs
 from .context import PartitionedGraphs, PassContext, PassResult

@@ -13,8 +13,8 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from zerograph.errors import PassError
-from zerograph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
-from zerograph.vocab import TAG
+from zerograph.graph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
+from zerograph.graph.vocab import TAG
 
 from ._fx import find_collectives, position, readable_result, save_for_backward
 from .context import PartitionedGraphs, PassContext, PassResult

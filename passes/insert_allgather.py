@@ -34,7 +34,7 @@ unaffected: the markers' backward (``reduce_grad``) reduces the full-precision g
 the dequantized weights. Other buckets (integer, bool, complex, fp64, or all shards below a
 block) gather as without quantization.
 
-The spliced tensor functions live in ``zerograph/collectives.py`` (``gather_fn``), which the
+The spliced tensor functions live in ``zerograph/runtime/collectives.py`` (``gather_fn``), which the
 runtime's eager fallback calls too: one copy of the gather, traced here, run there.
 
 Source: ZeRO (arXiv 1910.02054) section 5.3 (P_p); FSDP2's copy-in / all-gather / copy-out;
@@ -48,11 +48,11 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerograph.collectives import cast_fn, gather_fn
+from zerograph.graph.ops import UNSHARD
+from zerograph.graph.vocab import TAG
 from zerograph.kernels.ops import UNPACK_GATHERED
 from zerograph.kernels.quantize import UNPACK_DEQUANTIZED
-from zerograph.ops import UNSHARD
-from zerograph.vocab import TAG
+from zerograph.runtime.collectives import cast_fn, gather_fn
 
 from ._fx import NodeOrder, bucket_tag, group_markers, hoist_before, is_alias_of_input, layout_template, splice
 from .context import PassContext, PassResult

@@ -33,12 +33,12 @@ At world size 1 the marker becomes its input (cast through ``reduce_dtype`` to t
 under mixed precision), whatever the mode: one rank has nothing to synchronise.
 
 With ``Config.reduce_quantization="int8"`` (ZeRO++'s qgZ, in one hop) a sharded bucket of float
-gradients with a shard of at least one block is reduced by ``zerograph.collectives.quantized_reduce_scatter`` instead:
+gradients with a shard of at least one block is reduced by ``zerograph.runtime.collectives.quantized_reduce_scatter`` instead:
 ``zerograph::pack_quantized`` (rank ``r``'s chunk of every gradient as int8 blocks + fp32 scales),
 ``all_to_all_single`` (counted as the bucket's reduce-scatter), ``zerograph::dequantize_sum`` (the
 N chunks of this rank's shard summed in fp32), then ÷N and the copy-out as above.
 
-The spliced tensor functions live in ``zerograph/collectives.py`` (``reduce_fn`` and its
+The spliced tensor functions live in ``zerograph/runtime/collectives.py`` (``reduce_fn`` and its
 helpers), which the runtime's eager fallback calls too: one copy of the reduction.
 
 Source: ZeRO (arXiv 1910.02054) sections 5.1-5.3 and 7 (volume Ψ per reduce-scatter);
@@ -51,9 +51,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from zerograph.collectives import accumulate_fn, reduce_fn, round_through_reduce_dtype, sum_fn
-from zerograph.ops import REDUCE_GRAD, grad_mode_of
-from zerograph.vocab import GRAD_ACCUMULATE, GRAD_FLUSH
+from zerograph.graph.ops import REDUCE_GRAD, grad_mode_of
+from zerograph.graph.vocab import GRAD_ACCUMULATE, GRAD_FLUSH
+from zerograph.runtime.collectives import accumulate_fn, reduce_fn, round_through_reduce_dtype, sum_fn
 
 from ._fx import bucket_tag, group_markers, layout_template, position, sink_below_inputs, splice
 from .context import PassContext, PassResult

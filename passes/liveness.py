@@ -18,7 +18,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from zerograph.vocab import TAG, WAIT
+from zerograph.graph.vocab import TAG, WAIT
 
 from ._fx import is_alias_of_input
 

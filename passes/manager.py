@@ -17,8 +17,8 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from zerograph.errors import ConfigError, PassError
-from zerograph.ops import GATHER_ACTIVATION, REDUCE_GRAD, UNSHARD
-from zerograph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer, group_name_of
+from zerograph.graph.ops import GATHER_ACTIVATION, REDUCE_GRAD, UNSHARD
+from zerograph.graph.vocab import COLLECTIVE_KINDS, TAG, WAIT, full_buffer, group_name_of
 
 from ._fx import is_alias_of_input
 from .activation_partition import activation_partition

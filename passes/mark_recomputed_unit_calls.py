@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerograph.ops import UNIT_CALL_BACKWARD
+from zerograph.graph.ops import UNIT_CALL_BACKWARD
 
 from .context import PassContext, PassResult
 from .contract import contract

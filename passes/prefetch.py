@@ -25,7 +25,7 @@ import logging
 
 import torch.fx as fx
 
-from zerograph.vocab import COLLECTIVE_KINDS, TAG
+from zerograph.graph.vocab import COLLECTIVE_KINDS, TAG
 
 from ._fx import Collective, NodeOrder, find_collectives, hoist_before, is_alias_of_input, move_before
 from .context import PassContext, PassResult

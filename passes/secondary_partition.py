@@ -27,7 +27,7 @@ import logging
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerograph.vocab import TAG
+from zerograph.graph.vocab import TAG
 
 from ._fx import find_collectives, position
 from .activation_partition import backward_nodes, partition_storage

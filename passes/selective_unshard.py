@@ -23,8 +23,8 @@ import logging
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerograph.sharding import ROOT_INDEX
-from zerograph.vocab import TAG
+from zerograph.graph.vocab import TAG
+from zerograph.shard.sharding import ROOT_INDEX
 
 from ._fx import find_collectives, is_alias_of_input
 from .context import PassContext, PassResult

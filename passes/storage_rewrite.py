@@ -16,8 +16,8 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerograph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
-from zerograph.vocab import TAG, WAIT
+from zerograph.graph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
+from zerograph.graph.vocab import TAG, WAIT
 
 from ._fx import readable_result
 from .liveness import storage_root

@@ -9,7 +9,7 @@ compositions (``corpus()``): the same names, bodies and initial weights in every
 
 ``Body.expects`` says which path the default build should take for the body's units: ``"template"``
 (any call and return shape, random draws included) or ``"inline"`` (a body that writes a buffer in
-place runs inline, ``templates.py``).
+place runs inline, ``templates/kinds.py``).
 """
 from __future__ import annotations
 

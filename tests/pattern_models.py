@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import zerograph
-from zerograph.state import graphs_of, runtime_of_model
+from zerograph.runtime.state import graphs_of, runtime_of_model
 
 from .models import rank_slice
 from .training import train_steps

@@ -19,7 +19,7 @@ import torch
 
 import zerograph
 from zerograph.errors import HeldGradientsError
-from zerograph.state import runtime_of_model
+from zerograph.runtime.state import runtime_of_model
 
 from .distributed import fake_rank, spawn
 from .models import build, global_batch, reference_training

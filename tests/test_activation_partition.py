@@ -11,9 +11,9 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import zerograph
-from zerograph.capture import _offloading, measured_bytes
-from zerograph.costmodel import CostModel, nominal_cost_model
+from zerograph.capture.capture import _offloading, measured_bytes
 from zerograph.dump import node_comments
+from zerograph.graph.costmodel import CostModel, nominal_cost_model
 from zerograph.models.gpt import GPT, GPTConfig
 from zerograph.passes.activation_partition import (
     ACTIVATION,
@@ -32,7 +32,7 @@ from zerograph.passes.activation_partition import (
 )
 from zerograph.passes.context import PassContext
 from zerograph.policies import ActivationPolicy
-from zerograph.sharding import Unit
+from zerograph.shard.sharding import Unit
 
 from .distributed import spawn
 from .models import global_batch, reference_training

@@ -20,9 +20,9 @@ from torch import nn
 from tests import forkserver
 from zerograph import bench
 from zerograph.config import Config
-from zerograph.costmodel import WAIT
 from zerograph.errors import ConfigError
-from zerograph.ops import GATHER_ACTIVATION
+from zerograph.graph.costmodel import WAIT
+from zerograph.graph.ops import GATHER_ACTIVATION
 
 SYSTEMS = ["zerograph-s0", "zerograph-s1", "zerograph-s2", "zerograph-s3", "ddp", "fsdp2"]
 VOCAB = 256  # the GPT example's byte vocabulary
@@ -175,9 +175,8 @@ def test_priming_runs_one_model_per_kind_and_leaves_no_bytes_held():
     bench releases its caches, no buffer pool, runtime or parameter of a primed model is alive."""
     import gc
 
-    from zerograph import buffer_pool
     from zerograph.bench import runner
-    from zerograph.runtime import Runtime
+    from zerograph.runtime.runtime import Runtime, buffer_pool
 
     from .distributed import fake_rank
 
@@ -371,7 +370,7 @@ def test_unmatched_graph_time_is_spread_by_roofline():
     """Fused code: the region's time less its waits is shared in proportion to the cost model."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from zerograph.costmodel import CostModel
+    from zerograph.graph.costmodel import CostModel
 
     gm = make_fx(lambda x, w: torch.mm(x, w).relu())(torch.randn(64, 32), torch.randn(32, 16))
     cost = CostModel(world_size=1, flops_per_s=1e9, bytes_per_s=1e9, op_overhead_s=1e-6, collectives={})

@@ -17,7 +17,7 @@ from zerograph.bench.real_models import REAL_MODELS
 from zerograph.bench.side_by_side import ModelSpec, format_table, side_by_side
 from zerograph.bench.systems import build_system, parse_system, train_step
 from zerograph.bench.workloads import load_workload
-from zerograph.state import units_of
+from zerograph.runtime.state import units_of
 
 from .distributed import fake_rank
 

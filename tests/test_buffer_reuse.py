@@ -105,7 +105,7 @@ def test_debug_pool_poisons_released_slots_and_catches_a_late_writer() -> None:
     """The debug mode's two halves on a pool alone: a slot reads ``POISON`` after its graph
     released it, and a write after release (what a collective still running, or a tensor that
     outlived its graph in the slot, would do) raises when the slot is taken again."""
-    from zerograph.buffer_pool import BufferPool
+    from zerograph.runtime.buffer_pool import BufferPool
 
     pool = BufferPool(debug=True)
     first = pool.take("gathered", 0, 8, torch.float32, torch.device("cpu"))

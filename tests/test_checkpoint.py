@@ -430,7 +430,7 @@ def test_checkpoints_plain_dcp_writes_load_through_the_restricted_reader(tmp_pat
     and ``WeightsOnlyLoadPlanner``."""
     import torch.distributed.checkpoint as dcp
 
-    from zerograph.checkpoint_unpickle import RestrictedFileSystemReader, WeightsOnlyLoadPlanner
+    from zerograph.io.checkpoint_unpickle import RestrictedFileSystemReader, WeightsOnlyLoadPlanner
 
     torch.manual_seed(0)
     saved = {

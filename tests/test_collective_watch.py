@@ -1,4 +1,4 @@
-"""The collectives' debug mode (``ZEROGRAPH_DEBUG_COLLECTIVES=1``, ``zerograph/collective_watch.py``):
+"""The collectives' debug mode (``ZEROGRAPH_DEBUG_COLLECTIVES=1``, ``zerograph/runtime/collective_watch.py``):
 each way a collective's buffers can be touched between its issue and its wait raises
 ``CollectiveBufferError`` naming the collective and the buffer; correct use passes. In process, on
 PyTorch's fake process group (``zerograph.fake_world``): the checks look at the buffers, not at
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import zerograph
-from zerograph.collective_watch import watching
-from zerograph.runtime import CommSchedule
-from zerograph.state import runtime_of_model
+from zerograph.runtime.collective_watch import watching
+from zerograph.runtime.runtime import CommSchedule
+from zerograph.runtime.state import runtime_of_model
 
 from .distributed import fake_rank
 from .models import build, global_batch

@@ -16,7 +16,7 @@ from zerograph.dump.report import build_report, summary_markdown
 from zerograph.models.gpt import GPT, GPTConfig
 from zerograph.passes import _fx
 from zerograph.passes.manager import PASS_TIMES, pipeline
-from zerograph.state import graphs_of, runtime_of_model, state_of
+from zerograph.runtime.state import graphs_of, runtime_of_model, state_of
 
 from .distributed import fake_rank
 

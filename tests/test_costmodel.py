@@ -1,4 +1,4 @@
-"""The cost model (zerograph.costmodel) and the predicted / measured timelines (zerograph.timeline).
+"""The cost model (zerograph.graph.costmodel) and the predicted / measured timelines (zerograph.report.timeline).
 
 Hand-built FX graphs with fake values check the simulation exactly; one spawned world-size-2 gloo
 run calibrates, measures a compiled stage-3 step of the tiny GPT and predicts the same step.
@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import zerograph
-from zerograph.costmodel import (
+from zerograph.graph.costmodel import (
     CLUSTERS_FILE,
     COLLECTIVE_KINDS,
     COLLECTIVE_OPS,
@@ -28,9 +28,9 @@ from zerograph.costmodel import (
     node_flops,
     nominal_cost_model,
 )
-from zerograph.ops import GATHER_ACTIVATION
-from zerograph.state import graphs_of
-from zerograph.timeline import Schedule, measure, predict, schedule_from_profile
+from zerograph.graph.ops import GATHER_ACTIVATION
+from zerograph.report.timeline import Schedule, measure, predict, schedule_from_profile
+from zerograph.runtime.state import graphs_of
 
 from .distributed import spawn
 from .models import build, global_batch, rank_slice

@@ -18,8 +18,8 @@ import torch
 import zerograph
 from zerograph import cli
 from zerograph.dump import MEMORY_CATEGORIES, describe_changes, write_rendering
-from zerograph.sharding import ROOT_UNIT, Unit
-from zerograph.state import config_of, runtime_of_model
+from zerograph.runtime.state import config_of, runtime_of_model
+from zerograph.shard.sharding import ROOT_UNIT, Unit
 
 from .distributed import spawn
 from .models import build, global_batch, rank_slice

@@ -96,7 +96,7 @@ def test_a_forward_graph_that_reduces_gradients_is_refused() -> None:
     from torch import fx
 
     from zerograph.errors import PassError
-    from zerograph.ops import REDUCE_GRAD
+    from zerograph.graph.ops import REDUCE_GRAD
     from zerograph.passes.manager import check_no_gradient_reduction_in_forward
 
     def forward_graph(reduce: bool) -> fx.GraphModule:

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 import zerograph
+from zerograph.graph.vocab import COLLECTIVE_KINDS
 from zerograph.models.gpt import GPT, SIZES
-from zerograph.state import graphs_of, runtime_of_model
-from zerograph.vocab import COLLECTIVE_KINDS
+from zerograph.runtime.state import graphs_of, runtime_of_model
 
 from .distributed import fake_rank
 

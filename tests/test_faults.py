@@ -14,8 +14,8 @@ import torch
 
 import zerograph
 from zerograph.errors import CollectiveError, ModelChangedError
-from zerograph.runtime import CommSchedule, ScheduleEntry, is_communication_failure
-from zerograph.state import runtime_of_model, state_of
+from zerograph.runtime.runtime import CommSchedule, ScheduleEntry, is_communication_failure
+from zerograph.runtime.state import runtime_of_model, state_of
 
 from .distributed import RankFailed, spawn
 from .workers_faults import (
@@ -314,7 +314,7 @@ def test_a_peer_dying_during_save_is_a_collective_error(replica_run) -> None:
 def test_eager_collectives_translate_communication_failures(monkeypatch) -> None:
     """A frame Dynamo ran eagerly uses the runtime's eager collectives: a dead peer there is a
     ``CollectiveError`` naming the parameter (gloo's error chained), other errors pass unchanged."""
-    import zerograph.eager as eager_module
+    import zerograph.runtime.eager as eager_module
 
     runtime = runtime_of_model(zerograph.compile(torch.nn.Linear(4, 3), stage=3))
     runtime.topology.world_size = 2  # pretend a peer: the eager all-gather runs instead of the one-rank shortcut

@@ -1,4 +1,4 @@
-"""A templated unit's shards in one flat buffer (``zerograph/flat.py``): one graph input and one
+"""A templated unit's shards in one flat buffer (``zerograph/shard/flat.py``): one graph input and one
 marker per unit, with the parameters, optimizer, checkpoints and gradient accumulation unchanged.
 
 In process: the structure as rank 0 of a fake world of 2 (where a parameter's cut out of the
@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 import zerograph
-from zerograph import compiled_model
+from zerograph.capture.capture import compiled_model
 from zerograph.errors import ModelChangedError, ShardingError
+from zerograph.graph.ops import UNSHARD
 from zerograph.models.gpt import GPT, GPTConfig
-from zerograph.ops import UNSHARD
-from zerograph.runtime import schedule_of
-from zerograph.state import graphs_of, runtime_of_model, state_of
+from zerograph.runtime.runtime import schedule_of
+from zerograph.runtime.state import graphs_of, runtime_of_model, state_of
 
 from .distributed import fake_rank, spawn
 from .models import global_batch, rank_slice

@@ -23,8 +23,8 @@ from zerograph.models.gpt import SIZES as GPT_SIZES
 from zerograph.models.llama import SIZES as LLAMA_SIZES
 from zerograph.models.llama import Llama
 from zerograph.passes.liveness import PARAM_ROLES, storage_root
-from zerograph.sharding import ROOT_INDEX
-from zerograph.state import state_of
+from zerograph.runtime.state import state_of
+from zerograph.shard.sharding import ROOT_INDEX
 
 from .distributed import fake_rank
 
@@ -112,7 +112,7 @@ def test_template_cuts_parameters_out_of_the_flat_shard_at_their_uses(gpt_step) 
     """A templated unit's body cuts each parameter out of its gathered flat shard (a copy where
     ranks' rows interleave); cut at their uses, not all at the top, the copies alive at once in
     the forward body stay well below the unit's bytes (before: every parameter copied at once)."""
-    from zerograph.unit_trace import _CUTTING_OPS
+    from zerograph.templates.unit_trace import _CUTTING_OPS
 
     assert zerograph.Config().unit_templates  # the default build: gpt_step(True)
     model, _ = gpt_step(True)

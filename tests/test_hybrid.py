@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import zerograph
-from zerograph.state import graphs_of, runtime_of_model
-from zerograph.vocab import COLLECTIVE_KINDS, TAG, group_name_of
+from zerograph.graph.vocab import COLLECTIVE_KINDS, TAG, group_name_of
+from zerograph.runtime.state import graphs_of, runtime_of_model
 
 from .distributed import fake_rank, spawn
 from .models import build, global_batch, rank_slice

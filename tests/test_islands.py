@@ -1,4 +1,4 @@
-"""The Inductor lowering of a graph that calls unit templates (``zerograph/islands.py``): the graph
+"""The Inductor lowering of a graph that calls unit templates (``zerograph/capture/islands.py``): the graph
 is cut into islands of consecutive ATen compute, each distinct island lowered once, the rest run
 as Python in the graph's order. In process, with a compiler that records what it is handed and
 runs the island eagerly (Inductor itself is exercised by the parity tests:
@@ -15,10 +15,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import zerograph
-from zerograph import lowering
-from zerograph.islands import lower_islands
+from zerograph.capture.capture import lowering
+from zerograph.capture.islands import lower_islands
 from zerograph.models.gpt import GPT, GPTConfig
-from zerograph.state import graphs_of
+from zerograph.runtime.state import graphs_of
 
 from .distributed import fake_rank
 

@@ -1,7 +1,7 @@
 """``zerograph::pack_shards`` and ``zerograph::unpack_gathered`` (zerograph.kernels.ops) and their
 use as the passes' copy-in and the all-gather's copy-out.
 
-- bitwise: the ops' CPU kernels, and the copy-in / copy-out of ``zerograph.collectives``, equal the copy-in
+- bitwise: the ops' CPU kernels, and the copy-in / copy-out of ``zerograph.runtime.collectives``, equal the copy-in
   and copy-out the passes traced before the ops existed (cast, ``F.pad``, ``reshape``, ``cat``;
   ``view``, column slice, ``reshape``, ``[:rows]``; copied below as ``old_*``), on odd shapes,
   empty and non-contiguous shards, padding, fp32 and bf16 (and a cast for the copy-in);
@@ -24,11 +24,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from tests import subprocess_checks
 from tests.subprocess_checks import assert_check_passed, start_checks, stop_checks
-from zerograph.buffer_pool import PACK_SHARDS_OUT
-from zerograph.collectives import gather_copy_in, gather_copy_out, reduce_copy_in
 from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED, pack_shards_numel, unpack_gathered_numel
-from zerograph.sharding import ParamLayout
-from zerograph.state import graphs_of, state_of
+from zerograph.runtime.buffer_pool import PACK_SHARDS_OUT
+from zerograph.runtime.collectives import gather_copy_in, gather_copy_out, reduce_copy_in
+from zerograph.runtime.state import graphs_of, state_of
+from zerograph.shard.sharding import ParamLayout
 
 # the pass modules (zerograph.passes re-exports each pass function under its module's name)
 
@@ -424,8 +424,8 @@ def saved_unpacked(rank: int, world_size: int, unit_templates: bool | None = Fal
     many forward outputs alias its buffer."""
     import zerograph
     from tests.models import build, global_batch, rank_slice
+    from zerograph.graph.vocab import WAIT
     from zerograph.passes._fx import is_alias_of_input
-    from zerograph.vocab import WAIT
 
     model = zerograph.compile(build("gpt"), stage=1, config=zerograph.Config(unit_templates=unit_templates))
     model(*rank_slice(global_batch("gpt", 0, 4), rank, world_size)).backward()

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import zerograph
-from zerograph.budget import plan_for_config
 from zerograph.models.gpt import GPT, GPTConfig
-from zerograph.state import state_of
+from zerograph.planning.budget import plan_for_config
+from zerograph.runtime.state import state_of
 
 from .distributed import fake_rank
 

@@ -17,7 +17,7 @@ from torch import nn
 
 import zerograph
 from zerograph.models.gpt import GPT, GPTConfig
-from zerograph.state import state_of
+from zerograph.runtime.state import state_of
 
 from .distributed import fake_rank, run_as_rank, spawn
 from .workers_meta import (

@@ -69,7 +69,7 @@ def test_inductor_lowering_matches_single_process() -> None:
     """The same passes lowered by Inductor (C++ kernels on CPU) train the same numbers. The MLP's
     units are templated, so Inductor lowers each kind's body once; the compute between the units'
     calls and collectives runs as FX Python (the default), or with ``inductor_islands`` is
-    lowered by Inductor too, island by island (``zerograph/islands.py``), never the whole graph.
+    lowered by Inductor too, island by island (``zerograph/capture/islands.py``), never the whole graph.
     Both in one spawn, one after the other."""
     import zerograph
 

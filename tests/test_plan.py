@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerograph.plan import GB, Plan, plan
+from zerograph.planning.plan import GB, Plan, plan
 
 
 def sig3(x: float) -> str:

@@ -10,9 +10,9 @@ from torch import nn
 import zerograph
 from zerograph.errors import ConfigError
 from zerograph.models.gpt import GPT, GPTConfig
-from zerograph.plan import plan, saved_activation_bytes
-from zerograph.plan_activations import compiled_saved_activation_bytes
-from zerograph.state import state_of
+from zerograph.planning.plan import plan, saved_activation_bytes
+from zerograph.planning.plan_activations import compiled_saved_activation_bytes
+from zerograph.runtime.state import state_of
 
 from .distributed import fake_rank
 
@@ -192,7 +192,7 @@ def test_example_inputs_errors():
 
 
 def test_budget_refuses_a_peak_above_it_with_the_numbers():
-    from zerograph.budget import check_memory_budget
+    from zerograph.planning.budget import check_memory_budget
 
     p = plan(meta_stack(), 3, 4, example_inputs=(torch.empty(2, 8, device="meta"),))
     check_memory_budget(p, None)
@@ -206,7 +206,7 @@ def test_budget_refuses_a_peak_above_it_with_the_numbers():
 
 def test_plan_for_config_reads_the_schedule_and_dtypes():
     import zerograph
-    from zerograph.budget import plan_for_config
+    from zerograph.planning.budget import plan_for_config
 
     p = plan_for_config(meta_stack(), 3, 4, zerograph.Config(prefetch_depth=2))
     assert p.prefetch_depth == 2 and p.param_dtype == p.master_dtype == torch.float32

@@ -26,8 +26,8 @@ import torch
 
 import zerograph
 from zerograph.errors import ConfigError
-from zerograph.state import graphs_of, runtime_of_model
-from zerograph.stats import formula_bytes
+from zerograph.report.stats import formula_bytes
+from zerograph.runtime.state import graphs_of, runtime_of_model
 
 from .distributed import run_as_rank, spawn
 from .models import build, global_batch, reference_training
@@ -215,7 +215,7 @@ def test_world_size_1_casts_without_communicating(stage: int) -> None:
     forward_casts = [n for n in graphs["forward"].graph.nodes
                      if n.target is torch.ops.aten._to_copy.default and n.meta["val"].dtype == torch.bfloat16]
     # every weight and bias cast in the graph: one cast per parameter, or one per unit whose
-    # shards live in one flat shard (templated units at every stage, zerograph.flat)
+    # shards live in one flat shard (templated units at every stage, zerograph.shard.flat)
     runtime = runtime_of_model(model)
     flattened = {layout.key for flat in runtime.flat_shards.values() for layout in flat.layouts}
     expected = len(runtime.flat_shards) + len(set(runtime.layouts) - flattened)

@@ -1,4 +1,4 @@
-"""``zerograph.profile``: a profiled step of a compiled model turned into seconds per graph node
+"""``zerograph.report.profile``: a profiled step of a compiled model turned into seconds per graph node
 (world size 1, in process; the attribution rules themselves are tested in test_bench.py)."""
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import zerograph
-from zerograph.costmodel import WAIT
 from zerograph.errors import ConfigError
-from zerograph.profile import measure_node_seconds, profile_step
-from zerograph.state import graphs_of
+from zerograph.graph.costmodel import WAIT
+from zerograph.report.profile import measure_node_seconds, profile_step
+from zerograph.runtime.state import graphs_of
 
 from .models import build, global_batch
 

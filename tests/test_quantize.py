@@ -34,6 +34,7 @@ import zerograph
 from tests import subprocess_checks
 from tests.subprocess_checks import assert_check_passed, start_checks, stop_checks
 from zerograph.errors import ConfigError
+from zerograph.graph.vocab import COLLECTIVE_KINDS
 from zerograph.kernels.quantize import (
     BLOCK,
     PACK_QUANTIZED,
@@ -44,8 +45,7 @@ from zerograph.kernels.quantize import (
     unpack_dequantized_reference,
     wire_layout,
 )
-from zerograph.state import graphs_of
-from zerograph.vocab import COLLECTIVE_KINDS
+from zerograph.runtime.state import graphs_of
 
 from .distributed import run_as_rank, spawn
 from .workers_quantize import CASES, emulated_training, plain_first_grads, quantize_runs

@@ -11,7 +11,7 @@ import torch
 
 import zerograph
 from zerograph.bench.real_models import REAL_MODELS
-from zerograph.state import state_of
+from zerograph.runtime.state import state_of
 
 VOCAB, SEQ = 64, 16
 

@@ -16,9 +16,9 @@ import torch
 import torch.fx as fx
 
 import zerograph
+from zerograph.graph.vocab import TAG
 from zerograph.passes._fx import find_collectives, is_alias_of_input
-from zerograph.state import graphs_of, runtime_of_model
-from zerograph.vocab import TAG
+from zerograph.runtime.state import graphs_of, runtime_of_model
 
 from .distributed import run_as_rank, spawn
 from .models import build, global_batch, rank_slice, reference_training

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import zerograph
-from zerograph.state import graphs_of
+from zerograph.runtime.state import graphs_of
 
 from .models import build, global_batch, reference_training
 

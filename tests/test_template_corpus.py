@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import zerograph
-from zerograph.ops import UNIT_FORWARD
-from zerograph.state import graphs_of, state_of
+from zerograph.graph.ops import UNIT_FORWARD
+from zerograph.runtime.state import graphs_of, state_of
 
 from . import corpus
 from .distributed import spawn

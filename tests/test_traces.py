@@ -1,4 +1,4 @@
-"""Numbers read off a profiler trace file with Perfetto's trace processor (``zerograph.traces``),
+"""Numbers read off a profiler trace file with Perfetto's trace processor (``zerograph.report.traces``),
 issue 20 item 4.
 
 The classification and arithmetic are checked on hand-made slices with known answers (no tool
@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zerograph import bench, traces
-from zerograph.traces import Slice, breakdown
+from zerograph import bench
+from zerograph.report import traces
+from zerograph.report.traces import Slice, breakdown
 
 MS = 1e-3
 

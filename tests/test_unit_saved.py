@@ -1,7 +1,7 @@
 """unit_saved (issue 42): a template's forward hands each saved storage over once, so a templated
 unit saves no more activation bytes than eager autograd.
 
-A GPT block in rank 0 of a fake world, by bytes against ``zerograph.plan.saved_activation_bytes``
+A GPT block in rank 0 of a fake world, by bytes against ``zerograph.planning.plan.saved_activation_bytes``
 (eager's saved set, each storage once); two tiny partitioned graphs for the two rewrites (views of
 one base saved as the base and re-viewed in backward; a small view of a dead storage saved as a
 compact copy), each checked against eager autograd's gradients."""
@@ -18,11 +18,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import zerograph
-from zerograph.capture import input_storages, measured_bytes
+from zerograph.capture.capture import input_storages, measured_bytes
 from zerograph.models.gpt import GPT, Block, GPTConfig
-from zerograph.plan import saved_activation_bytes
-from zerograph.state import state_of
-from zerograph.unit_saved import SavedViews, rebase_saved_views, recompute_norms
+from zerograph.planning.plan import saved_activation_bytes
+from zerograph.runtime.state import state_of
+from zerograph.templates.unit_saved import SavedViews, rebase_saved_views, recompute_norms
 
 from .distributed import fake_rank
 

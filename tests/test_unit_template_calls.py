@@ -15,7 +15,7 @@ from torch import nn
 
 import zerograph
 from zerograph.errors import TemplateFallbackError
-from zerograph.state import state_of
+from zerograph.runtime.state import state_of
 
 WIDTH = 16
 

@@ -20,10 +20,10 @@ from torch.utils.checkpoint import checkpoint
 import zerograph
 from zerograph.dump.report import build_report, summary_markdown
 from zerograph.errors import ShardingError
+from zerograph.graph.ops import UNIT_BACKWARD, UNIT_CALL, UNIT_CALL_BACKWARD, UNIT_FORWARD
 from zerograph.models.gpt import GPT, GPTConfig
-from zerograph.ops import UNIT_BACKWARD, UNIT_CALL, UNIT_CALL_BACKWARD, UNIT_FORWARD
-from zerograph.runtime import schedule_of
-from zerograph.state import graphs_of, runtime_of_model, state_of
+from zerograph.runtime.runtime import schedule_of
+from zerograph.runtime.state import graphs_of, runtime_of_model, state_of
 
 from .distributed import fake_rank
 from .models import reference_training
@@ -472,7 +472,7 @@ class _ScaledStack(nn.Module):
 
 def _traces_counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the kinds traced from here on (``template_cache.trace_unit`` calls)."""
-    from zerograph import template_cache as templates_module
+    from zerograph.templates.kinds import template_cache as templates_module
 
     traced, real = [], templates_module.trace_unit
 
@@ -670,7 +670,7 @@ class _Outer(nn.Module):
 @pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
 def test_a_submodule_switched_alone_runs_its_own_mode() -> None:
     """The unit's mode is refreshed from every submodule's flag before each forward
-    (``templates.refresh_unit_modes``): ``eval()`` of one submodule of one unit is seen."""
+    (``templates.kinds.refresh_unit_modes``): ``eval()`` of one submodule of one unit is seen."""
     torch.manual_seed(0)
     reference = nn.Sequential(_Outer(), _Outer())
     model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
@@ -792,7 +792,7 @@ def test_a_unit_ops_fake_outputs_belong_to_its_inputs_fake_mode() -> None:
     (meta tensors) it makes plain tensors on their device."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    from zerograph.ops import _empty_like_meta
+    from zerograph.graph.ops import _empty_like_meta
 
     metas = [((2, 3), (3, 1), torch.float32), ((3, 2), (1, 3), torch.bfloat16), ((), (), torch.int64)]
     mode = FakeTensorMode()

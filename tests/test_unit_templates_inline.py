@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 import zerograph
-from zerograph import compiled_model
+from zerograph.capture.capture import compiled_model
 from zerograph.errors import ShardingError
+from zerograph.graph.ops import UNIT_FORWARD
 from zerograph.models.gpt import GPT, GPTConfig
-from zerograph.ops import UNIT_FORWARD
-from zerograph.runtime import schedule_of
-from zerograph.state import graphs_of, state_of
+from zerograph.runtime.runtime import schedule_of
+from zerograph.runtime.state import graphs_of, state_of
 
 from .distributed import fake_rank
 from .test_unit_templates import TEMPLATES, _Block, _grads_equal

@@ -1,4 +1,4 @@
-"""Default unit discovery (issue 42 item 1, ``zerograph/units.py``): the blocks of every stack of
+"""Default unit discovery (issue 42 item 1, ``zerograph/shard/units.py``): the blocks of every stack of
 repeated blocks are units (``ModuleDict`` layers, an encoder-decoder's two stacks, a two-tower
 model's towers), the project's models keep their units, and ``compile`` warns at stage 3 when a
 unit holding more than a quarter of the parameters holds repeated blocks. In process: discovery
@@ -15,8 +15,8 @@ from torch import nn
 import zerograph
 from zerograph.models.gpt import GPT
 from zerograph.models.llama import Llama, LlamaConfig, TransformerBlock
-from zerograph.state import state_of
-from zerograph.units import find_units, unit_shares
+from zerograph.runtime.state import state_of
+from zerograph.shard.units import find_units, unit_shares
 
 from .distributed import fake_rank
 from .models import DEEP_GPT, TINY_GPT, UnevenMLP

@@ -5,10 +5,10 @@ import torch
 import torch.fx as fx
 
 import zerograph
+from zerograph.graph.vocab import COLLECTIVE_KINDS as COLLECTIVE_OPS
+from zerograph.graph.vocab import TAG
 from zerograph.passes.liveness import PARAM_ROLES, timeline
-from zerograph.state import runtime_of_model, state_of
-from zerograph.vocab import COLLECTIVE_KINDS as COLLECTIVE_OPS
-from zerograph.vocab import TAG
+from zerograph.runtime.state import runtime_of_model, state_of
 
 from .models import build, global_batch, rank_slice
 from .training import train_steps
@@ -156,7 +156,7 @@ def pooled_training(rank: int, world_size: int, name: str, stage: int, steps: in
                     config: zerograph.Config | None = None) -> dict:
     """``train``, plus what ``buffer_reuse`` did: the pool's allocations and bytes after each
     step, every pooled buffer of every graph, and the liveness peak of gathered parameters."""
-    from zerograph.buffer_pool import POOL_BUFFER
+    from zerograph.runtime.buffer_pool import POOL_BUFFER
 
     model = zerograph.compile(build(name), stage=stage, config=config)
     pool = runtime_of_model(model).buffer_pool

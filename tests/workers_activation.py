@@ -5,9 +5,9 @@ import torch
 import torch.distributed as dist
 
 import zerograph
-from zerograph.costmodel import CostModel
+from zerograph.graph.costmodel import CostModel
 from zerograph.passes.activation_partition import ACTIVATION
-from zerograph.state import graphs_of
+from zerograph.runtime.state import graphs_of
 
 from .models import build, global_batch, rank_slice
 from .training import train_steps

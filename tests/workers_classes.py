@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import zerograph
-from zerograph.state import runtime_of_model, state_of
+from zerograph.runtime.state import runtime_of_model, state_of
 
 STEPS, LR, ROWS = 2, 0.1, 4  # SGD steps, learning rate, rows of the global batch
 

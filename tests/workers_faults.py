@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerograph
-from zerograph.state import graphs_of
+from zerograph.runtime.state import graphs_of
 
 WIDTH = 8
 

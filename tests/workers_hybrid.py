@@ -7,10 +7,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import zerograph
-from zerograph.ops import GATHER_ACTIVATION
+from zerograph.graph.ops import GATHER_ACTIVATION
+from zerograph.graph.vocab import COLLECTIVE_KINDS
 from zerograph.passes.secondary_partition import secondary_partition_outputs
-from zerograph.state import graphs_of, runtime_of_model
-from zerograph.vocab import COLLECTIVE_KINDS
+from zerograph.runtime.state import graphs_of, runtime_of_model
 
 from .models import build, global_batch, rank_slice
 from .training import train_steps

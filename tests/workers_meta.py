@@ -17,7 +17,7 @@ from torch import nn
 
 import zerograph
 from zerograph.bench.side_by_side import _reset_peak
-from zerograph.loading import local_rows
+from zerograph.io.loading import local_rows
 from zerograph.models.gpt import GPT, GPTConfig
 from zerograph.models.llama import Llama, LlamaConfig
 
@@ -132,7 +132,7 @@ def meta_parity(rank: int, world_size: int, stages: list[int], train_stages: lis
             load(loaded)
             result[f"{how}_differs"] = _differing(zerograph.checkpoint.full_state_dict(loaded, cpu_offload=False),
                                                   source.state_dict())
-            result[f"{how}_pending"] = zerograph.state.state_of(loaded).uninitialised.pending()
+            result[f"{how}_pending"] = zerograph.runtime.state.state_of(loaded).uninitialised.pending()
         result["seconds_loading"] = time.perf_counter() - started
         if stage in train_stages:
             result["losses"] = train_steps(model, cfg, rank, world_size, 3, 4)
@@ -180,7 +180,7 @@ def llama_meta_init(rank: int, world_size: int, steps: int = 0, forward: bool = 
     rows = local_rows(model)
     out["rows_differ"] = [name for name, p in model.named_parameters() for layout, start, stop in [rows[id(p)]]
                           if not torch.equal(p.to_local(), ordinary.get_parameter(name)[start:stop])]
-    out["units"] = [u.name for u in zerograph.state.state_of(model).runtime.units]
+    out["units"] = [u.name for u in zerograph.runtime.state.state_of(model).runtime.units]
     out["buffer_kept"] = model.freqs_cis is compiled_buffer  # the values were copied into compile's buffer
     out["buffer_equal"] = torch.equal(model.freqs_cis, ordinary.freqs_cis)
     if steps:
@@ -208,7 +208,7 @@ def llama_meta_init(rank: int, world_size: int, steps: int = 0, forward: bool = 
                 o.zero_grad()
         out["param_difference"] = max((p.full_tensor() - ordinary.get_parameter(n)).abs().max().item()
                                       for n, p in model.named_parameters())
-        out["inline_reasons"] = [k.inline_reason for k in zerograph.state.state_of(model).unit_kinds]
+        out["inline_reasons"] = [k.inline_reason for k in zerograph.runtime.state.state_of(model).unit_kinds]
     elif forward:
         model(*(torch.zeros(1, cfg.max_seq_len, dtype=torch.long),) * 2)  # no longer refused
     return out
@@ -229,7 +229,7 @@ def llama_whole_model_init(rank: int, world_size: int, stage: int, through_zerog
         left = zerograph.init_weights(model, lambda module: module.init_weights() if module is model else None)
     else:
         model.init_weights()
-        tracker = zerograph.state.state_of(model).uninitialised
+        tracker = zerograph.runtime.state.state_of(model).uninitialised
         left = tracker.pending() if tracker is not None else []
     ordinary = ordinary_llama(cfg, 0)
     rows = local_rows(model)
@@ -237,7 +237,7 @@ def llama_whole_model_init(rank: int, world_size: int, stage: int, through_zerog
                                                for _, start, stop in [rows[id(p)]]
                                                if not torch.equal(p.to_local(), ordinary.get_parameter(name)[start:stop])]}
     out["buffer_equal"] = torch.equal(model.freqs_cis, ordinary.freqs_cis)
-    if not zerograph.fake.is_fake_world():
+    if not zerograph.runtime.fake.is_fake_world():
         out["full_differ"] = [name for name, p in model.named_parameters()
                               if not torch.equal(p.full_tensor(), ordinary.get_parameter(name).detach())]
         out["halves_equal"] = [name for name, p in model.named_parameters() for full in [p.full_tensor()]

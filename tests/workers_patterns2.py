@@ -23,7 +23,7 @@ from torch.func import functional_call
 
 import zerograph
 from zerograph.passes.liveness import timeline
-from zerograph.state import graphs_of, runtime_of_model
+from zerograph.runtime.state import graphs_of, runtime_of_model
 
 from .models import build as build_named
 from .models import rank_slice

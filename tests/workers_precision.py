@@ -26,9 +26,9 @@ from torch import nn
 from torch.func import functional_call
 
 import zerograph
-from zerograph.ops import ACCUMULATE_UNSYNCED, TAKE_UNSYNCED
-from zerograph.state import graphs_of, runtime_of_model
-from zerograph.vocab import COLLECTIVE_KINDS, TAG
+from zerograph.graph.ops import ACCUMULATE_UNSYNCED, TAKE_UNSYNCED
+from zerograph.graph.vocab import COLLECTIVE_KINDS, TAG
+from zerograph.runtime.state import graphs_of, runtime_of_model
 
 from .models import build as build_named
 from .models import global_batch, rank_slice

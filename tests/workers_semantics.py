@@ -27,8 +27,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
 import zerograph
-from zerograph import flat, ops
 from zerograph.errors import ZeroGraphError
+from zerograph.graph import ops
+from zerograph.shard import flat
 
 STEPS, LR, ROWS, WIDTH = 2, 0.05, 4, 8  # AdamW steps, learning rate, rows of the global batch, block width
 
@@ -513,7 +514,7 @@ def run_case(rank: int, world: int, name: str, stage: int, templates: bool) -> d
 def _read_frames() -> list[str]:
     """The functions of a parameter read that Dynamo compiled as frames of their own: a read met
     as a frame (eager code after a graph break, e.g. nn.GRU's weight refresh) runs eagerly with
-    everything it calls (zerograph.sharding), so this is ``[]``."""
+    everything it calls (zerograph.shard.sharding), so this is ``[]``."""
     reads = (DTensor.to_local, torch.distributed.tensor._api._ToTorchTensor.forward, ops._unshard_setup,
              flat.FlatShard.full_parameter, flat.FlatShard.restore_)
     return [fn.__qualname__ for fn in reads if torch._dynamo.eval_frame._debug_get_cache_entry_list(fn)]

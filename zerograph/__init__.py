@@ -17,8 +17,8 @@ from .errors import (
     ZeroGraphError,
     ZeroGraphWarning,
 )
-from .fake import FakeWorldError, fake_world
 from .policies import ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, SchedulePolicy
+from .runtime.fake import FakeWorldError, fake_world
 
 __all__ = ["Config", "ActivationPolicy", "MemoryPolicy", "MixedPrecisionPolicy", "SchedulePolicy", "compile",
            "CollectiveError", "CollectiveBufferError", "ConfigError", "ModelChangedError", "PassError", "PoolCorruptionError",
@@ -29,22 +29,22 @@ from . import checkpoint  # noqa: E402  (zerograph.checkpoint.save / load / full
 from .checkpoint import CheckpointError  # noqa: E402
 
 __all__ += ["checkpoint", "CheckpointError"]
-from .stats import Stats, stats
+from .report.stats import Stats, stats
 
 __all__ += ["Stats", "stats"]
-from .plan import Plan, plan
+from .planning.plan import Plan, plan
 
 __all__ += ["Plan", "plan"]
 from . import kernels, optim  # noqa: E402  (kernels import triton lazily, on first Triton call)
 
 __all__ += ["kernels", "optim"]
-from .costmodel import CostModel, calibrate
-from .timeline import Event, Schedule, measure, predict
+from .graph.costmodel import CostModel, calibrate
+from .report.timeline import Event, Schedule, measure, predict
 
 __all__ += ["CostModel", "calibrate", "Event", "Schedule", "measure", "predict"]
 from .errors import DumpError
-from .init import init_weights, reset_parameters  # noqa: E402
-from .loading import LoadError, load_safetensors  # noqa: E402
+from .io.init import init_weights, reset_parameters  # noqa: E402
+from .io.loading import LoadError, load_safetensors  # noqa: E402
 
 __all__ += ["init_weights", "reset_parameters", "LoadError", "load_safetensors"]
 

@@ -12,21 +12,21 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .budget import fit_memory_budget
-from .capture import CapturedGraphs, ZeroGraphBackend
-from .compile_setup import Placement, check_arguments, place
-from .compiled_model import compiled_class
+from .capture.capture import CapturedGraphs, ZeroGraphBackend
+from .capture.compile_setup import Placement, check_arguments, place
+from .capture.compiled_model import compiled_class
 from .config import Config, check_stage
 from .errors import UnshardedParameterError
-from .flat import FlatShard, flatten_unit_, flattenable
-from .registry import next_key
-from .replicas import sync_replicas
-from .runtime import Runtime
-from .sharding import ParameterWatch, find_units, shard_module_, traceable_forward
-from .state import STATE_ATTR, ZeroGraphState
-from .templates import FlatPlan, install_unit_templates, unit_parameters
-from .uninitialised import UninitialisedTracker, allocate_meta_buffers_
-from .units import warn_large_units
+from .graph.registry import next_key
+from .planning.budget import fit_memory_budget
+from .runtime.runtime import Runtime
+from .runtime.state import STATE_ATTR, ZeroGraphState
+from .shard.flat import FlatShard, flatten_unit_, flattenable
+from .shard.replicas import sync_replicas
+from .shard.sharding import ParameterWatch, find_units, shard_module_, traceable_forward
+from .shard.uninitialised import UninitialisedTracker, allocate_meta_buffers_
+from .shard.units import warn_large_units
+from .templates.kinds import FlatPlan, install_unit_templates, unit_parameters
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
 
     Warns ``UnitSizeWarning`` at stage 3 when one unit, the root included, holds more than a quarter
     of the parameters and repeated blocks inside it could be units; the message names the
-    ``Config(unit_classes=...)`` that splits it (``zerograph.units``, where the default units are
+    ``Config(unit_classes=...)`` that splits it (``zerograph.shard.units``, where the default units are
     found: the children of the model's stacks of repeated blocks).
 
     Collective: every rank of the group takes group rank 0's parameters and buffers (``replicas.py``).
@@ -149,8 +149,8 @@ def _shard(model: nn.Module, stage: int, config: Config, placement: Placement,
 def _install_templates(runtime: Runtime, config: Config, units: list[tuple[str, nn.Module]],
                        captured: CapturedGraphs) -> list:
     """With ``Config.unit_templates``: each kind of repeated unit traced once and called per unit
-    (``templates.install_unit_templates``), its shards moved into flat buffers where they can be;
-    the kinds (``templates.UnitKind``), or none."""
+    (``templates.kinds.install_unit_templates``), its shards moved into flat buffers where they can be;
+    the kinds (``templates.kinds.UnitKind``), or none."""
     if not config.unit_templates:
         return []
     key_of = {id(shard): key for key, shard in runtime.shards.items()}

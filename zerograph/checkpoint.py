@@ -68,9 +68,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .checkpoint_agreement import CheckpointError, agree, attempt, dcp_call, gather, group_of, raise_first
-from .checkpoint_unpickle import RestrictedFileSystemReader, WeightsOnlyLoadPlanner
-from .state import state_of
+from .io.checkpoint_agreement import CheckpointError, agree, attempt, dcp_call, gather, group_of, raise_first
+from .io.checkpoint_unpickle import RestrictedFileSystemReader, WeightsOnlyLoadPlanner
+from .runtime.state import state_of
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.Path
         ProcessGroupError: the model's process group was destroyed.
     """
     group = group_of(model)
-    from .fake import refuse_in_fake_world  # fake-world guard (zerograph/fake.py): values are meaningless
+    from .runtime.fake import refuse_in_fake_world  # fake-world guard (zerograph/runtime/fake.py): values are meaningless
     refuse_in_fake_world("zerograph.checkpoint.save", group)
     path = os.fspath(path)
     rank, size = dist.get_rank(group), dist.get_world_size(group)

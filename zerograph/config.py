@@ -21,8 +21,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .costmodel import CostModel, nominal_cost_model
 from .errors import ConfigError
+from .graph.costmodel import CostModel, nominal_cost_model
 from .kernels.quantize import QUANTIZATIONS
 from .passes.manager import check_disabled_passes
 from .policies import ActivationPolicy, MemoryPolicy, MixedPrecisionPolicy, SchedulePolicy, check_module_classes
@@ -67,7 +67,7 @@ class Config:
             wins). ``None`` finds the model's stacks of repeated blocks (``nn.ModuleList``,
             ``nn.ModuleDict``, ``nn.Sequential``; several stacks, as an encoder-decoder's or a
             two-tower model's) and makes each block a unit, as FSDP2 users wrap ``fully_shard``
-            per block (the rule: ``zerograph.units``). Parameters outside every unit form the root unit.
+            per block (the rule: ``zerograph.shard.units``). Parameters outside every unit form the root unit.
         lowering: ``"eager"`` runs the transformed FX graphs op by op (fast to compile);
             ``"inductor"`` compiles them with Inductor (C++ on CPU, Triton on GPU). ``"auto"`` (the
             default) is Inductor on CUDA, where its fused Triton kernels are the point of a compiler
@@ -110,10 +110,10 @@ class Config:
             raises ``ConfigError``).
         unit_templates: ``True`` traces, partitions and lowers each kind of unit once (units of
             one structure: a transformer's identical blocks) and makes each unit one call of that
-            template in the model graph (``zerograph.templates``); the passes still place every
+            template in the model graph (``zerograph.templates.kinds``); the passes still place every
             unit's all-gather, reduce-scatter, prefetch and release. At every stage (without hpZ or
             quantized collectives) each such unit's shards also live in one flat buffer, one graph
-            input and one all-gather marker per unit (``zerograph.flat``), so compile time grows
+            input and one all-gather marker per unit (``zerograph.shard.flat``), so compile time grows
             much more slowly with depth (figures: docs/benchmarks.md, "Compile time"). Calls take their
             template with keyword arguments, constants and containers of tensors, under autocast;
             where a unit cannot, it runs inline and says so (``strict_templates``). ``False``: the
@@ -129,7 +129,7 @@ class Config:
         inductor_islands: under the Inductor lowering with templated units, also lower the
             compute between the units' calls (the root's embedding, final norm and loss, their
             gradients, gradients' pre-divides) with Inductor, each distinct island once
-            (``zerograph.islands``). ``False`` (default): Inductor lowers the templated bodies,
+            (``zerograph.capture.islands``). ``False`` (default): Inductor lowers the templated bodies,
             what repeats, and the rest runs op by op as ATen, as FSDP2 + ``torch.compile`` per
             block (torchtitan) leaves the root uncompiled; each distinct island costs a cold C++
             compile on CPU, a large share of the first step on the GPT (figures:
@@ -197,7 +197,7 @@ class Config:
             raise ConfigError(f"Config.timeout_s must be positive seconds, got {self.timeout_s!r}")
         cost_model = self.activations.cost_model
         if cost_model is not None and not isinstance(cost_model, CostModel):
-            raise ConfigError(f"Config.activation_cost_model must be a zerograph.costmodel.CostModel or None, "
+            raise ConfigError(f"Config.activation_cost_model must be a zerograph.graph.costmodel.CostModel or None, "
                               f"got {cost_model!r}")
         if self.unit_classes is not None:
             object.__setattr__(self, "unit_classes", check_module_classes("Config", "unit_classes", self.unit_classes))

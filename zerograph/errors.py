@@ -78,7 +78,7 @@ class TemplateFallbackError(ZeroGraphError):
 
 class DynamicShapeTrace(TemplateUnavailable):
     """A unit template met a dynamic shape: the compiled forward traces the model again with every
-    templated unit inline, for this trace only (``templates.every_unit_inline``)."""
+    templated unit inline, for this trace only (``templates.kinds.every_unit_inline``)."""
 
 
 class ZeroGraphWarning(UserWarning):
@@ -89,7 +89,7 @@ class ZeroGraphWarning(UserWarning):
 class UnitSizeWarning(ZeroGraphWarning):
     """At stage 3 one sharding unit (the root included) holds more than a quarter of the model's
     parameters although it holds repeated blocks that could be units of their own; the message
-    names the ``Config(unit_classes=...)`` that splits it (``zerograph.units``)."""
+    names the ``Config(unit_classes=...)`` that splits it (``zerograph.shard.units``)."""
 
 
 class SyncedForHooksWarning(ZeroGraphWarning):

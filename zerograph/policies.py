@@ -187,7 +187,7 @@ class ActivationPolicy:
             kept as this rank's 1/M (M = the group's size) and all-gathered back in backward. The
             activations must be bitwise equal across the group, dropout included. ``None``: no
             partitioning. Source: ZeRO section 6.1, partitioned activation checkpointing (P_a).
-        cost_model: the ``zerograph.costmodel.CostModel`` that prices recompute (roofline seconds),
+        cost_model: the ``zerograph.graph.costmodel.CostModel`` that prices recompute (roofline seconds),
             offload (its ``host_bytes_per_s``) and P_a (its all-gather, ``resized`` to the group).
             Give every rank the same model: ranks that decide differently would run different
             collectives. ``None``: ``Config`` fills in the rates of clusters.json's nominal
@@ -198,7 +198,7 @@ class ActivationPolicy:
     budget_bytes: int | None = None
     offload: bool = False
     group: torch.distributed.ProcessGroup | None = None
-    cost_model: Any = None  # zerograph.costmodel.CostModel (checked by Config, which sits above it)
+    cost_model: Any = None  # zerograph.graph.costmodel.CostModel (checked by Config, which sits above it)
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None:

@@ -15,11 +15,11 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from zerograph.ops import REDUCE_GRAD, UNSHARD
+from zerograph.graph.ops import REDUCE_GRAD, UNSHARD
+from zerograph.graph.vocab import COLLECTIVE_KINDS, WAIT
 from zerograph.passes._fx import find_collectives
 from zerograph.passes.context import PassContext
-from zerograph.sharding import ROOT_INDEX, ParamLayout, Unit, make_layout
-from zerograph.vocab import COLLECTIVE_KINDS, WAIT
+from zerograph.shard.sharding import ROOT_INDEX, ParamLayout, Unit, make_layout
 
 aten = torch.ops.aten
 GROUP = "0"  # the process group's name as the collectives carry it; no such group exists

@@ -14,12 +14,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import zerograph.passes.activation_partition as ap
 from tests.passes.graphs import aten, gathered_joint, gathers
-from zerograph.costmodel import CostModel
-from zerograph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
+from zerograph.graph.costmodel import CostModel
+from zerograph.graph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
+from zerograph.graph.vocab import TAG
 from zerograph.passes.activation_partition import ACTIVATION, KEEP, OFFLOAD, PARTITION, RECOMPUTE, activation_partition
 from zerograph.passes.selective_unshard import selective_unshard
 from zerograph.policies import ActivationPolicy, MemoryPolicy
-from zerograph.vocab import TAG
 
 HIDDEN, OUT = 2 * 16 * 4, 2 * 4 * 4  # bytes of a unit's hidden activation and of its output
 UNITS_SAVED = 2 * (HIDDEN + OUT) + HIDDEN  # 448

@@ -1,11 +1,11 @@
 """``bucketing`` on hand-built forward and backward graphs: which markers share a collective."""
 from tests.passes.graphs import backward_chain, collectives, graph_text, linear_chain
-from zerograph.ops import REDUCE_GRAD, UNSHARD
+from zerograph.graph.ops import REDUCE_GRAD, UNSHARD
+from zerograph.graph.vocab import TAG
 from zerograph.passes.bucketing import assign_buckets, bucketing
 from zerograph.passes.insert_allgather import insert_allgather
 from zerograph.passes.insert_reduce_scatter import insert_reduce_scatter
 from zerograph.policies import SchedulePolicy
-from zerograph.vocab import TAG
 
 UNIT_BYTES = (4 * 4 + 4) * 4  # a (4, 4) weight and a (4,) bias in fp32, full bytes
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.passes.graphs import aten, collectives, count, gathered_forward, linear_chain
-from zerograph.buffer_pool import POOL_BUFFER
+from zerograph.graph.vocab import COLLECTIVE_KINDS, TAG
 from zerograph.passes.bucketing import bucketing
 from zerograph.passes.buffer_reuse import PooledBuffer, assign_slots, buffer_reuse, plan_buffers
 from zerograph.passes.insert_allgather import insert_allgather
@@ -13,7 +13,7 @@ from zerograph.passes.manager import check_collectives_waited
 from zerograph.passes.prefetch import prefetch
 from zerograph.passes.schedule_overlap import schedule_overlap
 from zerograph.policies import SchedulePolicy
-from zerograph.vocab import COLLECTIVE_KINDS, TAG
+from zerograph.runtime.buffer_pool import POOL_BUFFER
 
 ALL_GATHER_OUT = torch.ops._c10d_functional.all_gather_into_tensor_out.default
 

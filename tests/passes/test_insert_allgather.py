@@ -4,13 +4,13 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from tests.passes.graphs import GraphBuilder, aten, collectives, count, graph_text, linear_chain, positions, waits
+from zerograph.graph.ops import UNSHARD
+from zerograph.graph.vocab import TAG, WAIT
 from zerograph.kernels.ops import PACK_SHARDS, UNPACK_GATHERED
-from zerograph.ops import UNSHARD
 from zerograph.passes._fx import is_alias_of_input
 from zerograph.passes.bucketing import bucketing
 from zerograph.passes.insert_allgather import insert_allgather
 from zerograph.passes.manager import check_collectives_waited
-from zerograph.vocab import TAG, WAIT
 
 
 def _full_values(gm) -> list[torch.Tensor]:

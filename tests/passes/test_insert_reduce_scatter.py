@@ -4,12 +4,12 @@ import torch
 from torch.testing import FileCheck
 
 from tests.passes.graphs import GraphBuilder, aten, backward_chain, collectives, count, graph_text, positions
+from zerograph.graph.ops import REDUCE_GRAD
+from zerograph.graph.vocab import WAIT
 from zerograph.kernels.ops import PACK_SHARDS
-from zerograph.ops import REDUCE_GRAD
 from zerograph.passes.bucketing import bucketing
 from zerograph.passes.insert_reduce_scatter import insert_reduce_scatter
 from zerograph.passes.manager import check_collectives_waited
-from zerograph.vocab import WAIT
 
 
 def _reduced_grads(gm) -> dict[str, int]:

@@ -1,11 +1,11 @@
 """``liveness.timeline`` on hand-built graphs: gathered parameters and full gradients are live
 from the node that allocates them to their last read, and nothing is left live at the end."""
 from tests.passes.graphs import aten, collectives, gathered_forward, reduced_backward
+from zerograph.graph.vocab import WAIT
 from zerograph.kernels.ops import UNPACK_GATHERED
 from zerograph.passes.liveness import storage_root, timeline
 from zerograph.passes.prefetch import prefetch
 from zerograph.policies import SchedulePolicy
-from zerograph.vocab import WAIT
 
 UNIT_BYTES = 2 * (2 * 4 + 2) * 4  # one unit's gathered buffer (and its unpacked copy): 20 fp32; its send buffer: half
 

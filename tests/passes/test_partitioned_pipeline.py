@@ -18,7 +18,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from tests.passes.graphs import graph_text
 from zerograph.errors import PassError
-from zerograph.ops import REDUCE_GRAD
+from zerograph.graph.ops import REDUCE_GRAD
 from zerograph.passes.context import PartitionedGraphs, PassContext
 from zerograph.passes.manager import pipeline, run_pipeline
 from zerograph.passes.saved_opaque_objects_last import saved_opaque_objects_last

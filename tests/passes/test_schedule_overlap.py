@@ -12,11 +12,11 @@ from tests.passes.graphs import (
     positions,
     reduced_backward,
 )
+from zerograph.graph.vocab import COLLECTIVE_KINDS, WAIT
 from zerograph.passes.manager import check_collectives_waited
 from zerograph.passes.prefetch import prefetch
 from zerograph.passes.schedule_overlap import schedule_overlap
 from zerograph.policies import SchedulePolicy
-from zerograph.vocab import COLLECTIVE_KINDS, WAIT
 
 REDUCE_BYTES = 2 * (2 * 4 + 2) * 4  # one unit's reduce-scatter send buffer: N x (weight + bias chunk) fp32
 

@@ -9,14 +9,14 @@ import pytest
 from torch.utils.checkpoint import CheckpointPolicy
 
 from tests.passes.graphs import aten, collectives, count, gathered_joint, gathers
-from zerograph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
+from zerograph.graph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
+from zerograph.graph.vocab import TAG, WAIT
 from zerograph.passes._fx import is_alias_of_input
 from zerograph.passes.activation_partition import backward_nodes
 from zerograph.passes.liveness import storage_root
 from zerograph.passes.secondary_partition import secondary_partition
 from zerograph.passes.selective_unshard import selective_unshard
 from zerograph.policies import MemoryPolicy
-from zerograph.vocab import TAG, WAIT
 
 NODE = ("node", 2)  # the secondary group: 2 ranks of a world of 4
 

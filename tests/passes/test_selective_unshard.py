@@ -3,11 +3,11 @@ recompute tags (saved for backward, not gathered again), smallest first within t
 from torch.utils.checkpoint import CheckpointPolicy
 
 from tests.passes.graphs import aten, gathers, linear_chain
+from zerograph.graph.vocab import TAG
 from zerograph.passes.bucketing import bucketing
 from zerograph.passes.insert_allgather import insert_allgather
 from zerograph.passes.selective_unshard import choose_kept, selective_unshard
 from zerograph.policies import MemoryPolicy
-from zerograph.vocab import TAG
 
 UNIT_BYTES = 2 * (2 * 4 + 2) * 4  # one block's gathered bytes
 

@@ -87,17 +87,17 @@ Definitions, identical for every system (also written into the JSON):
 
 Sources: ZeRO (Rajbhandari et al., arXiv 1910.02054); FSDP2 (``torch.distributed.fsdp.fully_shard``);
 the bus-bandwidth convention of NCCL's nccl-tests (``PERFORMANCE.md``); the two-stream projection
-is ``zerograph.timeline.predict``.
+is ``zerograph.report.timeline.predict``.
 
 Layout (one module per concern): ``cli`` (flags, validation before any rank starts, launch),
 ``systems``, ``workloads``, ``runner`` (the per-rank step loop), ``profiling`` (profiled steps),
-``comm``, ``memory``, ``real_models``, ``simulation`` (``--simulate``; per-node times from ``zerograph.profile``),
+``comm``, ``memory``, ``real_models``, ``simulation`` (``--simulate``; per-node times from ``zerograph.report.profile``),
 ``report`` (text, JSON, PNG). The names below are the package's public surface.
 """
 from __future__ import annotations
 
-from ..costmodel import CLUSTERS_FILE, cluster_cost_model, load_cluster_table
-from ..profile import ProfiledCost, attribute_seconds, match_nodes, roofline_seconds
+from ..graph.costmodel import CLUSTERS_FILE, cluster_cost_model, load_cluster_table
+from ..report.profile import ProfiledCost, attribute_seconds, match_nodes, roofline_seconds
 from .cli import (
     DEFAULT_SYSTEMS,
     add_arguments,

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from ..config import Config
-from ..costmodel import CLUSTERS_FILE, load_cluster_table
 from ..errors import ConfigError
+from ..graph.costmodel import CLUSTERS_FILE, load_cluster_table
 from .real_models import REAL_MODELS
 from .report import report
 from .runner import rank_main

@@ -5,7 +5,7 @@ Volumes follow the ZeRO paper's convention (arXiv 1910.02054, section 7): elemen
 tensors, an all-reduce counted twice. Exposed communication is defined in the package docstring.
 
 Source: ``torch.utils._python_dispatch.TorchDispatchMode`` (the counter); ``c10d`` and
-``_c10d_functional`` op schemas (the sizes); ``zerograph.timeline`` (interval arithmetic).
+``_c10d_functional`` op schemas (the sizes); ``zerograph.report.timeline`` (interval arithmetic).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..stats import stats
-from ..timeline import (
+from ..report.stats import stats
+from ..report.timeline import (
     Event,
     is_top_level_op,
     schedule_from_events,
@@ -127,7 +127,7 @@ def comm_breakdown(events: Sequence[Any], window: Any, device: torch.device) -> 
 
 def zerograph_wait_breakdown(events: Sequence[Any], windows: Sequence[Any]) -> list[float]:
     """Per profiled step, seconds the training thread sat in ``wait_tensor``: the exposed
-    communication as ``zerograph.timeline.measure`` defines it (comparable with ``predict``)."""
+    communication as ``zerograph.report.timeline.measure`` defines it (comparable with ``predict``)."""
     out = []
     for w in windows:
         inside = [e for e in events if w.time_range.start <= e.time_range.start and e.time_range.end <= w.time_range.end]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..state import is_compiled, runtime_of_model
+from ..runtime.state import is_compiled, runtime_of_model
 from .profiling import profile_run, step_windows
 
 

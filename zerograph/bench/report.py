@@ -38,7 +38,7 @@ DEFINITIONS = {
                  "module buffers, comm buffers kept across steps (zerograph's buffer pool, DDP's gradient buckets); "
                  "state + peak = the step's peak allocated bytes; max over ranks",
     "comm_volume": "elements of the full tensors moved per step, all-reduce counted twice (ZeRO paper section 7); "
-                   "zerograph from zerograph.stats, baselines counted by a dispatch mode over one step; divided "
+                   "zerograph from zerograph.report.stats, baselines counted by a dispatch mode over one step; divided "
                    "by psi (unique parameters)",
 }
 

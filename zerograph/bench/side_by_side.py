@@ -117,7 +117,7 @@ class ModelSpec:
         (one module at a time), FSDP2's after ``to_empty``."""
         import zerograph
 
-        from ..state import is_compiled
+        from ..runtime.state import is_compiled
 
         if is_compiled(model):
             fn = (model.init_passes() if self.family == "gpt" else model.init_module if self.real is None
@@ -263,7 +263,7 @@ def templated_units(model: nn.Module) -> dict[str, int]:
     """How many of a compiled model's units ran their unit template in its forward graphs: calls of
     ``zerograph::unit_forward`` in the final forward graphs (``templated``) against the units
     other than the root (``units``); the others ran their body inline, traced into the model's graph."""
-    from ..state import state_of, units_of
+    from ..runtime.state import state_of, units_of
 
     forward_op = torch.ops.zerograph.unit_forward.default
     graphs = [record["forward"].graph for record in state_of(model).captured.graphs if "forward" in record]

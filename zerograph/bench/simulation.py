@@ -1,12 +1,12 @@
 """``--simulate``: a zerograph system's profiled step projected onto another cluster.
 
-Each measured node time (``zerograph.profile``) is scaled by this machine's calibrated FLOP/s
-over the cluster's and replayed by ``zerograph.timeline.predict`` with the cluster's alpha-beta
+Each measured node time (``zerograph.report.profile``) is scaled by this machine's calibrated FLOP/s
+over the cluster's and replayed by ``zerograph.report.timeline.predict`` with the cluster's alpha-beta
 collectives; the cluster named ``local`` is this machine as calibrated, a self-check of the
 projection. Clusters are described in ``clusters.json`` (bus bandwidth, latency, rates).
 
 Source: the bus-bandwidth convention of NCCL's nccl-tests (``PERFORMANCE.md``);
-``zerograph.costmodel.calibrate``; ``zerograph.plan`` for the model-state bytes.
+``zerograph.graph.costmodel.calibrate``; ``zerograph.plan`` for the model-state bytes.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from ..costmodel import (
+from ..errors import ConfigError
+from ..graph.costmodel import (
     CostModel,
     calibrate,
     cluster_bandwidth,
@@ -31,13 +32,12 @@ from ..costmodel import (
     load_cluster_table,
     ring_collectives,
 )
-from ..errors import ConfigError
-from ..ops import GATHER_ACTIVATION
-from ..plan import plan as memory_plan
-from ..profile import ProfiledCost, profile_step
-from ..state import runtime_of_model
-from ..timeline import predict
-from ..vocab import COLLECTIVE_KINDS, REPLICATE_DIM, SECONDARY_DIM, SHARD_DIM, group_name_of
+from ..graph.ops import GATHER_ACTIVATION
+from ..graph.vocab import COLLECTIVE_KINDS, REPLICATE_DIM, SECONDARY_DIM, SHARD_DIM, group_name_of
+from ..planning.plan import plan as memory_plan
+from ..report.profile import ProfiledCost, profile_step
+from ..report.timeline import predict
+from ..runtime.state import runtime_of_model
 from .systems import SystemSpec
 from .workloads import Workload, shapes_only
 
@@ -183,7 +183,7 @@ def _busbw(cost: CostModel) -> float:
 def simulate_system(spec: SystemSpec, model: nn.Module, events: Sequence[Any], window: Any,
                     clusters: Sequence[Cluster], workload: Workload, world_size: int) -> dict:
     """Project one zerograph system's profiled step onto each cluster with ``timeline.predict``,
-    node times from ``zerograph.profile.profile_step``.
+    node times from ``zerograph.report.profile.profile_step``.
 
     Per cluster: predicted ``step_s`` (graphs on two streams plus the time outside them),
     ``compute_s``, ``comm_s``, ``exposed_comm_s`` (seconds) and model-state bytes per rank from

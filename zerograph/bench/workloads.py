@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..sharding import find_units
+from ..shard.sharding import find_units
 from .real_models import REAL_MODELS
 
 # the real models' size when --n-embd / --n-layer / --seq-len are not given, and their vocabulary

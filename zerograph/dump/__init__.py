@@ -30,11 +30,11 @@ wrote), ``reader`` (reading and checking a dump, for ``zerograph inspect``), ``t
 in PyTorch's structured trace, ``TORCH_TRACE``, for ``tlparse``).
 
 Dumping off costs nothing: ``import zerograph`` imports none of this package, and
-``passes/manager.py`` and ``zerograph/capture.py`` import it only when a dump directory is set.
+``passes/manager.py`` and ``zerograph/capture/capture.py`` import it only when a dump directory is set.
 This file imports no submodule: each name below is loaded on first use (PEP 562 ``__getattr__``).
 
 Source: torchtitan's graph-pass debug dumps (each graph before/after a pass, op-count diffs);
-``torch.fx.GraphModule.print_readable``; the Chrome Trace Event Format (``zerograph.timeline``).
+``torch.fx.GraphModule.print_readable``; the Chrome Trace Event Format (``zerograph.report.timeline``).
 """
 from __future__ import annotations
 

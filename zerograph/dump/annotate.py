@@ -14,13 +14,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from zerograph.graph.vocab import TAG, full_buffer
 from zerograph.passes._fx import find_collectives
 from zerograph.passes.activation_partition import ACTIVATION
 from zerograph.passes.context import graph_modules
 from zerograph.passes.liveness import reads, storage_root
-from zerograph.vocab import TAG, full_buffer
 
-from ..sharding import Unit
+from ..shard.sharding import Unit
 
 
 def op_name(node: fx.Node) -> str:

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..timeline import predict
+from ..report.timeline import predict
 from .manifest import rank_manifest, write_json
 from .memory import held_inputs, memory_timeline, plot_memory
 from .render import write_rendering
@@ -32,7 +32,7 @@ def finish_graph(directory: str | None, kind: str, gm: Any, runtime: Any, captur
     the collective schedule, memory timeline and predicted schedule to PyTorch's structured trace
     too (``dump.trace``); ``directory`` ``None``: only that, no file.
 
-    ``runtime``: ``zerograph.runtime.Runtime``; ``captured``: ``CapturedGraphs``; ``carried``: roles
+    ``runtime``: ``zerograph.runtime.runtime.Runtime``; ``captured``: ``CapturedGraphs``; ``carried``: roles
     of the placeholders a forward saved (backward graphs). Schedules need the cost model that
     ``calibrate_once`` cached at the backend's entry; without it they are skipped. No collective.
     """

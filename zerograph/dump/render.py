@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from zerograph.vocab import TAG
+from zerograph.graph.vocab import TAG
 
-from ..sharding import Unit
+from ..shard.sharding import Unit
 from .annotate import collectives, op_name, releases, tagged_units
 
 log = logging.getLogger(__name__)

@@ -243,8 +243,8 @@ def write_summary_files(rank_dir: str, report: Mapping[str, Any]) -> str:
 
 
 def _report_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, dict[str, Any]]:
-    from ..state import state_of
-    from ..stats import stats
+    from ..report.stats import stats
+    from ..runtime.state import state_of
 
     state = state_of(model)
     numbers = stats(model, optimizer) if state.captured.graphs else None

@@ -2,7 +2,7 @@
 predicted schedule of graphs run back to back (``schedule.json``) and a measured step
 (``measured_schedule.json``), both as Chrome traces.
 
-Source: the Chrome Trace Event Format (``zerograph.timeline``); ``zerograph.costmodel``.
+Source: the Chrome Trace Event Format (``zerograph.report.timeline``); ``zerograph.graph.costmodel``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ _COST_MODELS: dict[str, Any] = {}
 
 
 def calibrate_once(group: Any) -> Any:
-    """Calibrate ``zerograph.costmodel`` on ``group`` once per process (later calls return the
+    """Calibrate ``zerograph.graph.costmodel`` on ``group`` once per process (later calls return the
     cached model); ``None`` when the module is missing.
 
     Collective: every rank of ``group`` must call it at the same point the first time. The
@@ -29,7 +29,7 @@ def calibrate_once(group: Any) -> Any:
     key = getattr(group, "group_name", "")
     if key not in _COST_MODELS:
         try:
-            from .. import costmodel
+            from ..graph import costmodel
         except ImportError:
             return None
         _COST_MODELS[key] = costmodel.calibrate(group)
@@ -38,9 +38,9 @@ def calibrate_once(group: Any) -> Any:
 
 def write_schedule(path: str, graphs: Sequence[fx.GraphModule], cost: Any) -> bool:
     """Predict ``graphs`` run back to back with ``cost`` and write the Chrome trace to ``path``
-    (open it in Perfetto or ``chrome://tracing``). False when ``zerograph.timeline`` is missing."""
+    (open it in Perfetto or ``chrome://tracing``). False when ``zerograph.report.timeline`` is missing."""
     try:
-        from .. import timeline as timeline_mod
+        from ..report import timeline as timeline_mod
     except ImportError:
         return False
     write_json(path, timeline_mod.predict(list(graphs), cost).to_chrome_trace())
@@ -54,7 +54,7 @@ def write_measured_schedule(model: torch.nn.Module, schedule: Any) -> str | None
 
     Raises ``ShardingError`` when ``model`` was not compiled by ``zerograph.compile``.
     """
-    from ..state import state_of
+    from ..runtime.state import state_of
 
     state = state_of(model)
     dump_root = state.config.resolved_dump_dir()

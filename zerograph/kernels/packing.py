@@ -1,6 +1,6 @@
 """Pack parameter shards into one flat send buffer, and unpack a rank-major gathered buffer.
 
-Layout (FSDP2's flat all-gather layout; see ``zerograph.sharding``): a parameter of ``rows`` rows is
+Layout (FSDP2's flat all-gather layout; see ``zerograph.shard.sharding``): a parameter of ``rows`` rows is
 split on dim 0 into ``world_size`` chunks of ``c = ceil(rows / world_size)`` rows (``torch.chunk``'s
 rule), the last ones short or empty. Each rank sends its chunks padded to ``c`` rows, concatenated
 over the parameters of a unit, so every rank's send buffer has the same length ``S``. All-gathering
