@@ -176,7 +176,8 @@ def test_priming_runs_one_model_per_kind_and_leaves_no_bytes_held():
     import gc
 
     from zerograph.bench import runner
-    from zerograph.runtime.runtime import Runtime, buffer_pool
+    from zerograph.runtime import buffer_pool
+    from zerograph.runtime.runtime import Runtime
 
     from .distributed import fake_rank
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import zerograph
-from zerograph.capture.capture import compiled_model
+from zerograph.capture import compiled_model
 from zerograph.errors import ModelChangedError, ShardingError
 from zerograph.graph.ops import UNSHARD
 from zerograph.models.gpt import GPT, GPTConfig

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import zerograph
-from zerograph.capture.capture import lowering
+from zerograph.capture import lowering
 from zerograph.capture.islands import lower_islands
 from zerograph.models.gpt import GPT, GPTConfig
 from zerograph.runtime.state import graphs_of

@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from zerograph.capture.capture import compiled_model
+from zerograph.capture import compiled_model
 
 from .distributed import spawn
 from .workers_patterns2 import (

@@ -472,7 +472,7 @@ class _ScaledStack(nn.Module):
 
 def _traces_counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the kinds traced from here on (``template_cache.trace_unit`` calls)."""
-    from zerograph.templates.kinds import template_cache as templates_module
+    from zerograph.templates import template_cache as templates_module
 
     traced, real = [], templates_module.trace_unit
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import zerograph
-from zerograph.capture.capture import compiled_model
+from zerograph.capture import compiled_model
 from zerograph.errors import ShardingError
 from zerograph.graph.ops import UNIT_FORWARD
 from zerograph.models.gpt import GPT, GPTConfig

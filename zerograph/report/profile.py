@@ -36,7 +36,7 @@ from ..runtime.state import graphs_of
 from .timeline import is_top_level_op
 
 REGION_KINDS = {"CompiledFunction": "forward", "CompiledFunctionBackward": "backward"}
-STEP_LABEL = "zerograph.report.profile.step"  # record_function around the step measure_node_seconds profiles
+STEP_LABEL = "zerograph.profile.step"  # record_function around the step measure_node_seconds profiles
 LOOKAHEAD = 8       # profile events skipped at most when matching one graph node to its event
 MIN_MATCHED = 0.9   # below this fraction of a graph's operator nodes matched, spread its time by roofline
 _US = 1e6           # profiler times are microseconds
