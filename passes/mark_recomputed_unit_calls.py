@@ -33,11 +33,13 @@ def mark_recomputed_unit_calls(gm: fx.GraphModule, ctx: PassContext) -> PassResu
     for node in gm.graph.nodes:
         if node.target is UNIT_CALL_BACKWARD:
             call = call_of_token(node.args[2])
-            if call.meta.get("recompute") in RECOMPUTE_POLICIES and template_of(call).draws_random:
+            if call.meta.get("recompute") not in RECOMPUTE_POLICIES:
+                continue
+            if template_of(call).draws_random:
                 for value in (call, *call.users):  # the call and its outputs: nor may the partitioner run it again
                     value.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 kept += 1
-            elif call.meta.get("recompute") in RECOMPUTE_POLICIES:
+            else:
                 template_id, _, token, tangents = node.args
                 node.args = (template_id, list(call.args[3]), token, tangents)
                 node.meta[RECOMPUTED] = True

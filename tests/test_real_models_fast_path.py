@@ -13,6 +13,8 @@ import zerograph
 from zerograph.bench.real_models import REAL_MODELS
 from zerograph.runtime.state import state_of
 
+from .test_unit_template_calls import _grads_match
+
 VOCAB, SEQ = 64, 16
 
 
@@ -28,10 +30,7 @@ def test_every_block_runs_its_template_in_training_and_eval(name: str) -> None:
     for net in (reference, model):  # the same seed: GPT-2's dropout draws the same masks
         torch.manual_seed(1)
         real.loss(net, tokens[:, :-1], tokens[:, 1:]).backward()
-    for (param_name, p), q in zip(reference.named_parameters(), model.parameters()):
-        assert (p.grad is None) == (q.grad is None), param_name
-        if p.grad is not None:
-            torch.testing.assert_close(q.grad.full_tensor(), p.grad, rtol=1e-5, atol=1e-5, msg=param_name)
+    _grads_match(reference, model)
     reference.eval()
     model.eval()
     for batch in (2, 3):
