@@ -81,17 +81,19 @@ gpu-check: install
 # STRESS_K: a pytest -k expression), STRESS_ITERATIONS times each under MALLOC_PERTURB_, the
 # iterations alternating glibc's checking allocator (MALLOC_CHECK_=3) and its own (STRESS_MALLOC:
 # alternate, check or plain; tests/stress.py says why), with STRESS_ENV's NAME=VALUE pairs added
-# (e.g. ZEROGRAPH_DEBUG_COLLECTIVES=1); exits non-zero when a run aborted or failed
+# (e.g. ZEROGRAPH_DEBUG_COLLECTIVES=1); STRESS_BESIDE=1 runs the in-process tests in a loop beside
+# them (the full suite's load); exits non-zero when a run aborted or failed
 STRESS_ITERATIONS ?= 3
 STRESS_TESTS ?=
 STRESS_K ?=
 STRESS_LOGS ?= stress-logs
 STRESS_ENV ?=
 STRESS_MALLOC ?= alternate
+STRESS_BESIDE ?=
 stress: bytecode
 	$(BIN)/python -m tests.stress --iterations $(STRESS_ITERATIONS) --log-dir $(STRESS_LOGS) --malloc $(STRESS_MALLOC) \
 	  $(if $(STRESS_TESTS),--tests $(STRESS_TESTS)) $(if $(STRESS_K),-k "$(STRESS_K)") \
-	  $(foreach e,$(STRESS_ENV),--env $(e))
+	  $(foreach e,$(STRESS_ENV),--env $(e)) $(if $(STRESS_BESIDE),--beside-in-process)
 
 clean:
 	rm -rf $(VENV) *.egg-info site

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import json
 import os
 import resource
 import signal
@@ -34,6 +35,10 @@ import torch.multiprocessing as mp
 
 import zerograph
 from tests import forkserver, guard_probe  # noqa: F401  (guard_probe: Dynamo's latency probe off in the ranks)
+
+# the running rank's store (set by _worker): ranks compare notes through it, outside gloo
+_store: dist.Store | None = None
+_cases_run = 0  # cases this rank has run through `run_case_in_step`
 
 # CPU seconds of the ranks forked from the forkserver: they are its children, not this process's,
 # so tests/cpu_durations.py adds this to the children's CPU it reads from getrusage
@@ -56,6 +61,8 @@ def _worker(rank: int, world_size: int, outdir: str, fn: Callable, args: tuple, 
     faulthandler.enable(crash_log, all_threads=True)
     try:
         store = _rendezvous(rank, world_size, outdir, timeout)
+        global _store
+        _store = store
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         if init_group:
@@ -107,6 +114,50 @@ class RankFailed(RuntimeError):
     pass
 
 
+class RanksOutOfStep(RuntimeError):
+    """After a case of a multi-case run, the ranks disagree on what they ran: a different case, a
+    different outcome (one raised, another did not), or a different number of collectives on the
+    world group. Their next collectives would pair with different ones of the peer, which gloo
+    does not check (it aborts, or reads and writes buffers of another collective: heap corruption)."""
+
+
+def timed(fn: Callable[..., dict], *args: Any) -> dict:
+    """``fn(*args)``'s result dict with the wall seconds it took added as ``"seconds"``."""
+    start = time.perf_counter()
+    result = fn(*args)
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def run_case_in_step(key: object, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, one case of a worker that runs several in one spawn: its result, or the
+    traceback text of its exception (the test of that case reports it); then the ranks check, through the
+    run's store and not through gloo, that they are still in step: the same case, both returned
+    or both raised, and the same count of collectives run on the world group
+    (``ProcessGroup._get_sequence_number_for_group``). Raises ``RanksOutOfStep`` naming each
+    rank's case, outcome and count otherwise, so the run stops here with the cause instead of the next
+    collective pairing with another one of the peer's."""
+    global _cases_run
+    try:
+        result, outcome = fn(*args), "returned"
+    except Exception as exc:  # noqa: BLE001 - the case's own test reports it
+        result, outcome = traceback.format_exc(), f"raised {type(exc).__name__}: {str(exc)[:300]}"
+    if _store is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return result
+    _cases_run += 1
+    seq = dist.group.WORLD._get_sequence_number_for_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prefix = f"case_in_step/{_cases_run}/"
+    _store.set(f"{prefix}{rank}", json.dumps([repr(key), outcome.startswith("raised"), seq, outcome]))
+    # a peer out of step may sit in a collective until the process group's timeout: wait longer
+    _store.wait([f"{prefix}{r}" for r in range(world)], datetime.timedelta(seconds=PG_TIMEOUT_S + STALL_MARGIN_S))
+    notes = [json.loads(_store.get(f"{prefix}{r}")) for r in range(world)]
+    if any(note[:3] != notes[0][:3] for note in notes):
+        raise RanksOutOfStep(f"ranks out of step after case {_cases_run} of this run: " + "; ".join(
+            f"rank {r}: case {k}, {out}, {s} collectives on the world group" for r, (k, _, s, out) in enumerate(notes)))
+    return result
+
+
 class SpawnNotMarked(RuntimeError):
     """A test spawned ranks without the ``distributed`` marker (it would run in ``make test-fast``)."""
 
@@ -114,6 +165,7 @@ class SpawnNotMarked(RuntimeError):
 # set by tests/conftest.py around each test: whether the running test is marked `distributed`
 spawn_allowed: Callable[[], bool] = lambda: True  # noqa: E731
 
+SPAWN_LOG = "ZEROGRAPH_SPAWN_LOG"  # a file each spawn appends a line to (tests/stress.py counts them)
 WALL_FACTOR = 8  # wall-clock backstop: timeout_s * WALL_FACTOR seconds, whatever the load
 STALL_MARGIN_S = 60  # a run whose ranks use no CPU for pg_timeout_s + this long is hung
 
@@ -171,6 +223,9 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_
         raise SpawnNotMarked(f"spawn({fn.__name__}) in a test not marked `distributed`: add "
                              "@pytest.mark.distributed (or pytestmark) so `make test-fast` leaves it out")
     ctx = (forkserver.context() if start_method == "forkserver" else None) or mp.get_context(start_method)
+    if os.environ.get(SPAWN_LOG):  # the stress lane counts spawned runs
+        with open(os.environ[SPAWN_LOG], "a") as log:
+            log.write(f"{fn.__module__}.{fn.__name__} x{world_size}\n")
     with tempfile.TemporaryDirectory() as outdir:
         procs = [ctx.Process(target=_worker,
                              args=(r, world_size, outdir, fn, args, pg_timeout_s, teardown_barrier, init_group))

@@ -11,16 +11,14 @@ parameter with one row leaves rank 1 an empty shard.
 from __future__ import annotations
 
 import dataclasses
-import time
-import traceback
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import zerograph
+from tests.distributed import run_case_in_step, timed
 from zerograph.runtime.state import graphs_of, runtime_of_model
 
 from .models import rank_slice
@@ -302,11 +300,6 @@ def train_patterns(rank: int, world_size: int, names: tuple[str, ...], stages: t
     out: dict = {}
     for name in names:
         for stage in stages:
-            start = time.perf_counter()
-            try:
-                out[name, stage] = _train(name, stage, rank, world_size, steps, batch_size, lr)
-                out[name, stage]["seconds"] = time.perf_counter() - start
-            except Exception:  # noqa: BLE001 - reported by the test of this pattern and stage
-                out[name, stage] = traceback.format_exc()
-            dist.barrier()
+            out[name, stage] = run_case_in_step((name, stage), timed, _train, name, stage, rank, world_size, steps,
+                                                batch_size, lr)
     return out

@@ -24,10 +24,12 @@ gloo abort message, a *failure* when it failed otherwise; the log of each is kep
 
     python -m tests.stress [--iterations N] [--tests TARGET ...] [-k EXPR] [--log-dir DIR]
                            [--perturb BYTE] [--malloc alternate|check|plain] [--timeout S]
-                           [--env NAME=VALUE ...]
+                           [--env NAME=VALUE ...] [--beside-in-process]
 
 Without ``--tests`` every test file with a test marked ``distributed`` is a target. Prints a
-summary: runs, aborts and failures, by target, and which tests the aborted runs failed in.
+summary by target: runs, spawned runs of ranks (``tests.distributed.spawn`` calls), aborts and
+failures, and which tests the aborted runs failed in. ``--beside-in-process`` loads the cores as
+``make test`` does: its other lane, the in-process tests, runs in a loop beside the runs.
 Under the checking allocator, tests that read the ranks' resident memory may fail without a
 fault (``test_bench``'s peak over baseline reads 0): a failure is not an abort.
 """
@@ -35,14 +37,20 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes.util
 import glob
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+
+from tests.distributed import SPAWN_LOG
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -98,20 +106,42 @@ def classify(returncode: int, output: str) -> str:
     return "abort" if returncode < 0 or ABORT_PATTERNS.search(output) else "failure"
 
 
-def run_once(target: str, keyword: str | None, env: dict[str, str], timeout_s: float) -> tuple[int, str, float]:
-    """One pytest process over ``target``: its exit code (negative: a signal; 124: timed out), output, seconds."""
+def run_once(target: str, keyword: str | None, env: dict[str, str],
+             timeout_s: float) -> tuple[int, str, float, int]:
+    """One pytest process over ``target``: its exit code (negative: a signal; 124: timed out),
+    output, seconds, and the ranks' runs it spawned (``tests.distributed.spawn`` calls)."""
     command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-m", "distributed", "-rfE",
                target]
     if keyword:
         command += ["-k", keyword]
     start = time.monotonic()
+    with tempfile.NamedTemporaryFile("r", suffix=".spawns") as spawns:
+        env = {**env, SPAWN_LOG: spawns.name}
+        try:
+            done = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  timeout=timeout_s, text=True, errors="replace")
+            returncode, output = done.returncode, done.stdout
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            returncode, output = 124, out + f"\n[stress] timed out after {timeout_s:g} s\n"
+        return returncode, output, time.monotonic() - start, len(spawns.read().splitlines())
+
+
+@contextlib.contextmanager
+def in_process_lane_beside(enabled: bool, env: dict[str, str]) -> Iterator[None]:
+    """While the block runs, ``make test``'s other lane (the tests that spawn no ranks) runs again and
+    again in a process of its own, so the ranks share the cores as they do in the full suite."""
+    if not enabled:
+        yield
+        return
+    command = (f"while true; do {sys.executable} -m pytest -q -p no:cacheprovider -m 'not distributed' "
+               "-x tests > /dev/null 2>&1; done")
+    lane = subprocess.Popen(["bash", "-c", command], cwd=REPO, env=env, start_new_session=True)
     try:
-        done = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              timeout=timeout_s, text=True, errors="replace")
-        return done.returncode, done.stdout, time.monotonic() - start
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return 124, out + f"\n[stress] timed out after {timeout_s:g} s\n", time.monotonic() - start
+        yield
+    finally:
+        os.killpg(lane.pid, signal.SIGKILL)
+        lane.wait()
 
 
 def slug(target: str) -> str:
@@ -132,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                              "other by iteration (default)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="more environment for the runs, e.g. ZEROGRAPH_DEBUG_COLLECTIVES=1 (repeatable)")
+    parser.add_argument("--beside-in-process", action="store_true",
+                        help="run the in-process tests in a loop beside, as make test's other lane does")
     args = parser.parse_args(argv)
     if not 1 <= args.perturb <= 255:
         parser.error("--perturb must be 1-255 (0 turns MALLOC_PERTURB_ off)")
@@ -143,20 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     aborted_in: collections.Counter = collections.Counter()
     print(f"[stress] {args.iterations} x {len(targets)} targets; malloc {args.malloc}, MALLOC_PERTURB_={args.perturb} "
           f"{' '.join(args.env)}; logs in {log_dir}/", flush=True)
-    for iteration in range(args.iterations):
-        allocator = args.malloc if args.malloc != "alternate" else ("check", "plain")[iteration % 2]
-        env = {**checked_environment(args.perturb, allocator == "check"), **extra}
-        for target in targets:
-            returncode, output, seconds = run_once(target, args.keyword, env, args.timeout)
-            outcome = classify(returncode, output)
-            counts[target]["runs"] += 1
-            counts[target][outcome] += 1
-            line = f"[stress] {iteration + 1}/{args.iterations} ({allocator}) {target}: {outcome} " \
-                   f"(exit {returncode}, {seconds:.0f} s)"
-            if outcome != "ok":
-                line += keep_log(log_dir / f"{outcome}-{iteration + 1:03d}-{slug(target)}.log", output,
-                                 aborted_in if outcome == "abort" else None, target)
-            print(line, flush=True)
+    with in_process_lane_beside(args.beside_in_process, {**os.environ, "OMP_NUM_THREADS": "1"}):
+        for iteration in range(args.iterations):
+            allocator = args.malloc if args.malloc != "alternate" else ("check", "plain")[iteration % 2]
+            env = {**checked_environment(args.perturb, allocator == "check"), **extra}
+            for target in targets:
+                returncode, output, seconds, spawns = run_once(target, args.keyword, env, args.timeout)
+                outcome = classify(returncode, output)
+                counts[target].update({"runs": 1, outcome: 1, "spawns": spawns})
+                line = f"[stress] {iteration + 1}/{args.iterations} ({allocator}) {target}: {outcome} " \
+                       f"(exit {returncode}, {spawns} spawns, {seconds:.0f} s)"
+                if outcome != "ok":
+                    line += keep_log(log_dir / f"{outcome}-{iteration + 1:03d}-{slug(target)}.log", output,
+                                     aborted_in if outcome == "abort" else None, target)
+                print(line, flush=True)
     print(summary(counts, aborted_in), flush=True)
     return 1 if any(c["abort"] or c["failure"] for c in counts.values()) else 0
 
@@ -173,11 +205,12 @@ def keep_log(path: pathlib.Path, output: str, aborted_in: collections.Counter | 
 
 def summary(counts: dict[str, collections.Counter], aborted_in: collections.Counter) -> str:
     width = max(len(t) for t in counts)
-    lines = ["", f"{'target':<{width}}  runs  aborts  failures"]
+    lines = ["", f"{'target':<{width}}  runs  spawns  aborts  failures"]
     for target, c in counts.items():
-        lines.append(f"{target:<{width}}  {c['runs']:>4}  {c['abort']:>6}  {c['failure']:>8}")
+        lines.append(f"{target:<{width}}  {c['runs']:>4}  {c['spawns']:>6}  {c['abort']:>6}  {c['failure']:>8}")
     total = sum(counts.values(), collections.Counter())
-    lines.append(f"{'total':<{width}}  {total['runs']:>4}  {total['abort']:>6}  {total['failure']:>8}")
+    lines.append(f"{'total':<{width}}  {total['runs']:>4}  {total['spawns']:>6}  {total['abort']:>6}  "
+                 f"{total['failure']:>8}")
     if aborted_in:
         lines.append("aborted runs failed in: " + ", ".join(f"{t} x{n}" for t, n in aborted_in.most_common()))
     return "\n".join(lines)

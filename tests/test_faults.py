@@ -19,6 +19,7 @@ from zerograph.runtime.state import runtime_of_model, state_of
 
 from .distributed import RankFailed, spawn
 from .workers_faults import (
+    cases_out_of_step,
     dies_between_forward_and_backward,
     one_rank_goes_silent,
     replica_and_checkpoint_faults,
@@ -139,6 +140,20 @@ def test_a_silent_rank_makes_the_others_raise_within_config_timeout(silent_run) 
     assert "Config.timeout_s (2 s here)" in error["message"] and "timed out" in error["message"].lower()
     assert 1.5 <= _waited_s(error["message"]) < 30, error["message"]
     assert error["elapsed_s"] < 45
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("episode", ["group_timeout", "config_timeout"])
+def test_after_a_failed_collective_the_group_runs_no_more(silent_run, episode: str) -> None:
+    """After its collective failed, rank 0's count of collectives on the group differs from its
+    peer's: a later call raises at once, naming the earlier failure, instead of pairing its
+    collectives with different ones of the peer (gloo's buffers of another collective)."""
+    busy, _ = silent_run
+    again = busy[episode]["again"]
+    assert again["type"] == "CollectiveError" and again["zerograph"], again
+    assert "failed on this rank earlier (the schedule check before forward graph #" in again["message"]
+    assert "destroy the process group, create a new one" in again["message"]
+    assert again["elapsed_s"] < 1.5, again  # no wait for any timeout
 
 
 @pytest.mark.distributed
@@ -331,3 +346,20 @@ def test_eager_collectives_translate_communication_failures(monkeypatch) -> None
     with pytest.raises(RuntimeError, match="shape") as info:
         runtime.eager.unshard(torch.zeros(2, 4), key)
     assert not isinstance(info.value, zerograph.ZeroGraphError)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case, difference", [
+    ("raised", "rank 0: case 'raised', raised ValueError: a bad batch on rank 0 only, 0 collectives"),
+    ("extra collective", "rank 0: case 'extra collective', returned, 1 collectives on the world group; "
+                         "rank 1: case 'extra collective', returned, 0 collectives"),
+])
+def test_a_multi_case_run_stops_where_its_ranks_fall_out_of_step(case: str, difference: str) -> None:
+    """The tests' runs of many cases per spawn check after each case, through the store, that the
+    ranks ran the same case to the same end and the same number of collectives: a rank that raised
+    alone (a timeout, a one-sided error) would otherwise pair its next collectives with different
+    ones of its peer, which gloo answers with a crash in a later test or wrong values."""
+    with pytest.raises(RankFailed, match="ranks out of step after case 1 of this run") as failed:
+        spawn(cases_out_of_step, WORLD, case, timeout_s=120, teardown_barrier=False)
+    assert difference in str(failed.value)
+    assert "the next case" not in str(failed.value)

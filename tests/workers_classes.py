@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import traceback
 from collections.abc import Callable
 
 import torch
@@ -21,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import zerograph
+from tests.distributed import run_case_in_step
 from zerograph.runtime.state import runtime_of_model, state_of
 
 STEPS, LR, ROWS = 2, 0.1, 4  # SGD steps, learning rate, rows of the global batch
@@ -28,10 +28,7 @@ STEPS, LR, ROWS = 2, 0.1, 4  # SGD steps, learning rate, rows of the global batc
 
 def _guarded(fn: Callable[..., object], *args: object) -> object:
     torch._dynamo.reset()  # a fresh model per case: Dynamo keeps at most 8 graphs per code object
-    try:
-        return fn(*args)
-    except Exception:
-        return traceback.format_exc()
+    return run_case_in_step((fn.__name__, *args[2:]), fn, *args)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

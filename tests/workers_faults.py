@@ -16,6 +16,8 @@ from torch import nn
 import zerograph
 from zerograph.runtime.state import graphs_of
 
+from .distributed import run_case_in_step
+
 WIDTH = 8
 
 
@@ -125,6 +127,7 @@ def one_rank_goes_silent(rank: int, world_size: int, flag_dir: str) -> dict:
 
     1. on a new group with a 3 s process-group timeout and the default ``Config`` (300 s);
     2. on the world group (60 s timeout, from the test) with ``Config(timeout_s=2)``.
+    Each time rank 0 then calls the model again: the group is out of step, so it must raise at once.
     The first leaves no collective pending (gloo gave up), so the second starts clean.
     """
     short = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=3))
@@ -143,6 +146,9 @@ def one_rank_goes_silent(rank: int, world_size: int, flag_dir: str) -> dict:
             continue
         start = time.monotonic()
         episodes[name] = {**(error_of(lambda: model(batch(4)).backward()) or {}), "elapsed_s": time.monotonic() - start}
+        start = time.monotonic()  # the group is out of step now: the next call must not communicate
+        episodes[name]["again"] = {**(error_of(lambda: model(batch(4)).backward()) or {}),
+                                   "elapsed_s": time.monotonic() - start}
         open(flag, "w").close()  # let rank 1 go on
     return episodes
 
@@ -238,3 +244,18 @@ def replica_and_checkpoint_faults(rank: int, world_size: int, root: str) -> None
         torch.save({**describe(exc), "elapsed_s": time.monotonic() - start}, f"{root}/dead_peer.pt")
         raise
     torch.save({"type": None}, f"{root}/dead_peer.pt")
+
+
+def cases_out_of_step(rank: int, world_size: int, case: str) -> None:
+    """Two ranks leave one case of a multi-case run out of step (``run_case_in_step`` must stop the
+    run there): ``"raised"``, rank 0 raises where rank 1 returns; ``"extra collective"``, rank 0
+    posts a send to rank 1, which receives nothing, so rank 0 has run one more operation on the
+    world group."""
+    def one_sided() -> None:
+        if case == "raised" and rank == 0:
+            raise ValueError("a bad batch on rank 0 only")
+        if case == "extra collective" and rank == 0:
+            dist.isend(torch.ones(1), 1)  # never received, never waited for
+
+    run_case_in_step(case, one_sided)
+    run_case_in_step("the next case", lambda: None)

@@ -4,7 +4,6 @@ single-process eager on the whole batch, from the same weights."""
 from __future__ import annotations
 
 import copy
-import traceback
 from collections.abc import Callable
 
 import torch
@@ -13,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerograph
+from tests.distributed import run_case_in_step
 from zerograph.errors import ZeroGraphError
 
 from .workers_semantics import full, global_mean
@@ -191,9 +191,6 @@ def moe_runs(rank: int, world: int, runs: tuple[tuple[str, int], ...]) -> dict:
     """Each ``(case, stage)`` of ``runs``: ``{(case, stage): result or traceback}``."""
     out: dict = {}
     for name, stage in runs:
-        try:
-            out[name, stage] = run_case(rank, world, name, stage)
-        except Exception:
-            out[name, stage] = traceback.format_exc()
+        out[name, stage] = run_case_in_step((name, stage), run_case, rank, world, name, stage)
     dist.barrier()
     return out

@@ -11,8 +11,6 @@ loss whose gradient the ranks' averaged gradients are.
 from __future__ import annotations
 
 import os
-import time
-import traceback
 from collections.abc import Callable
 
 import torch
@@ -22,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 import zerograph
+from tests.distributed import run_case_in_step, timed
 from zerograph.passes.liveness import timeline
 from zerograph.runtime.state import graphs_of, runtime_of_model
 
@@ -439,13 +438,7 @@ def eval_runs(rank: int, world_size: int, stages: tuple[int, ...] = EVAL_STAGES)
 def _each_stage(run: Callable[[int], dict], stages: tuple[int, ...]) -> dict:
     out: dict = {}
     for stage in stages:
-        start = time.perf_counter()
-        try:
-            out[stage] = run(stage)
-            out[stage]["seconds"] = time.perf_counter() - start
-        except Exception:  # noqa: BLE001 - reported by the test of this stage
-            out[stage] = traceback.format_exc()
-        dist.barrier()
+        out[stage] = run_case_in_step(stage, timed, run, stage)
     return out
 
 
@@ -559,9 +552,5 @@ def run_parts(rank: int, world_size: int, names: tuple[str, ...]) -> dict:
     the other in this process (a spawn costs more than most checks)."""
     out: dict = {}
     for name in names:
-        try:
-            out[name] = _parts()[name](rank, world_size)
-        except Exception:  # noqa: BLE001 - reported by the tests of that check
-            out[name] = traceback.format_exc()
-        dist.barrier()
+        out[name] = run_case_in_step(name, _parts()[name], rank, world_size)
     return out

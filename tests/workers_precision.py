@@ -16,7 +16,6 @@ Mixed precision references:
 from __future__ import annotations
 
 import contextlib
-import traceback
 import warnings
 from collections.abc import Callable
 
@@ -26,6 +25,7 @@ from torch import nn
 from torch.func import functional_call
 
 import zerograph
+from tests.distributed import run_case_in_step
 from zerograph.graph.ops import ACCUMULATE_UNSYNCED, TAKE_UNSYNCED
 from zerograph.graph.vocab import COLLECTIVE_KINDS, TAG
 from zerograph.runtime.state import graphs_of, runtime_of_model
@@ -40,10 +40,7 @@ STEPS, LR, BATCH = 3, 1e-3, 4  # as the parity tests: 3 AdamW steps on a global 
 
 def _guarded(fn: Callable[..., dict], *args: object) -> dict | str:
     torch._dynamo.reset()  # a fresh model per case: Dynamo keeps at most 8 graphs per code object
-    try:
-        return fn(*args)
-    except Exception:
-        return traceback.format_exc()
+    return run_case_in_step((fn.__name__, *args[2:]), fn, *args)
 
 
 def collectives(gm: fx.GraphModule) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -10,12 +10,12 @@ gradient is the exact reduction of the full-precision gradient at the dequantize
 from __future__ import annotations
 
 import math
-import traceback
 
 import torch
 from torch import nn
 
 import zerograph
+from tests.distributed import run_case_in_step
 from zerograph.kernels.quantize import BLOCK, QMAX, quantize_reference
 
 from .models import build as build_named
@@ -153,10 +153,7 @@ def quantize_runs(rank: int, world_size: int) -> dict:
     """Every case of ``CASES`` one after the other; a case that raises returns its traceback."""
     out = {}
     for case in CASES:
-        try:
-            out[case] = train(rank, world_size, *case)
-        except Exception:
-            out[case] = traceback.format_exc()
+        out[case] = run_case_in_step(case, train, rank, world_size, *case)
     return out
 
 

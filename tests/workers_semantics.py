@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import traceback
 from collections.abc import Callable
 
 import torch
@@ -27,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
 import zerograph
+from tests.distributed import run_case_in_step
 from zerograph.errors import ZeroGraphError
 from zerograph.graph import ops
 from zerograph.shard import flat
@@ -530,9 +530,7 @@ def semantics_runs(rank: int, world: int, builds: tuple[tuple[int, bool], ...] =
         for name in names or tuple(CASES):
             if (name, templates, stage) in NOT_RUN:
                 continue
-            try:
-                out[stage, name, templates] = run_case(rank, world, name, stage, templates)
-            except Exception:
-                out[stage, name, templates] = traceback.format_exc()
+            out[stage, name, templates] = run_case_in_step((stage, name, templates), run_case, rank, world, name,
+                                                           stage, templates)
     dist.barrier()
     return out

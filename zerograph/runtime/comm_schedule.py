@@ -136,6 +136,7 @@ class ScheduleCheck:
         size = dist.get_world_size(self.topology.world_group)  # every rank of the mesh: replicas must agree too
         if size == 1 or not schedule.entries or self.topology.fake_world:
             return
+        self.topology.check_in_step()
         mine = torch.tensor([schedule.digest, len(schedule.entries)], dtype=torch.int64, device=self.device)
         everyone = torch.empty(size * 2, dtype=torch.int64, device=self.device)  # (N * 2,)
         start = time.monotonic()
@@ -143,8 +144,9 @@ class ScheduleCheck:
             work = all_gather_single(everyone, mine, group=self.topology.world_group, async_op=True)
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
-            raise CollectiveError(self.failure_message(f"the schedule check before {schedule.label}",
-                                                       schedule, exc, time.monotonic() - start)) from exc
+            what = f"the schedule check before {schedule.label}"
+            self.topology.mark_out_of_step(f"{what}: {type(exc).__name__}")
+            raise CollectiveError(self.failure_message(what, schedule, exc, time.monotonic() - start)) from exc
         digests = everyone.view(size, 2)[:, 0].tolist()
         if any(d != digests[0] for d in digests):
             self._raise_mismatch(schedule, digests)
@@ -156,6 +158,7 @@ class ScheduleCheck:
             dist.all_gather_object(peers, (schedule.label, schedule.entries), group=self.topology.world_group)
         except RuntimeError as exc:
             what = "exchanging schedules after a mismatch"
+            self.topology.mark_out_of_step(f"{what}: {type(exc).__name__}")
             raise CollectiveError(self.failure_message(what, schedule, exc, 0.0)) from exc
         other = next(r for r, d in enumerate(digests) if d != digests[0])
         same = [r for r, d in enumerate(digests) if d == digests[0]]
@@ -227,4 +230,5 @@ class ScheduleCheck:
             if not is_communication_failure(exc):
                 raise
             what = f"a collective of {schedule.label}"
+            self.topology.mark_out_of_step(f"{what}: {type(exc).__name__}")
             raise CollectiveError(self.failure_message(what, schedule, exc, time.monotonic() - start)) from exc

@@ -115,6 +115,7 @@ class EagerCollectives:
         """``fn(*tensors)``, its collectives counted into the step; a communication failure
         becomes a ``CollectiveError`` naming it (as ``ScheduleCheck.run_graph`` does for graphs),
         chaining gloo's or NCCL's error."""
+        self.topology.check_in_step()
         start = time.monotonic()
         try:
             scope = f"rank {self.topology.rank}, the eager {kind} of {self.layouts[key].fqn!r}"
@@ -124,6 +125,7 @@ class EagerCollectives:
             if not is_communication_failure(exc):
                 raise
             self.topology.check_group()
+            self.topology.mark_out_of_step(f"the eager {kind} of {self.layouts[key].fqn!r}: {type(exc).__name__}")
             raise CollectiveError(
                 f"rank {self.topology.rank}: the eager {kind} of {self.layouts[key].fqn!r} (run outside a graph: "
                 f"Dynamo fell back to eager for this frame) failed after {time.monotonic() - start:.1f} s. A peer "

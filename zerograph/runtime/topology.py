@@ -12,12 +12,25 @@ Source: FSDP2's ``FSDPMeshInfo`` / ``HSDPMeshInfo`` (shard and replicate groups 
 """
 from __future__ import annotations
 
+import weakref
+
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..errors import ProcessGroupError
+from ..errors import CollectiveError, ProcessGroupError
 from ..graph.vocab import REPLICATE_DIM, SECONDARY_DIM, SHARD_DIM
 from .fake import is_fake_world
+
+# [Note: a failed collective leaves the group out of step]
+# gloo and NCCL pair a rank's collectives with its peers' by their order on the group, not by what
+# they are. When one of this rank's collectives fails (a timeout, a peer gone) while a peer's went
+# through, the two ranks' counts differ from then on, and the next collective of each would pair
+# with a different one of the other: gloo then reads and writes the buffers of another collective
+# (a crash in the allocator much later, or wrong values), NCCL hangs or reduces the wrong data. So a
+# group on which a collective of this rank failed runs no further zerograph collective: each
+# raises ``CollectiveError`` at once, until a new group is made. Keyed by the group object: a group
+# created after ``destroy_process_group`` reuses the old one's name.
+_OUT_OF_STEP: weakref.WeakKeyDictionary[dist.ProcessGroup, str] = weakref.WeakKeyDictionary()
 
 
 class Topology:
@@ -77,6 +90,33 @@ class Topology:
                 self._group_sizes[group_name] = dist.get_world_size(_resolve_process_group(group_name))
             return SHARD_DIM, self._group_sizes[group_name]
         return SHARD_DIM, self.world_size
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        """Every process group this model communicates over (shard, world, replicate, secondary)."""
+        found = [self.group, self.world_group, self.replicate_group, self.secondary_group]
+        return [g for i, g in enumerate(found) if g is not None and all(g is not h for h in found[:i])]
+
+    def mark_out_of_step(self, what: str) -> None:
+        """A collective of this rank failed (``what`` says which, and why): from now on its groups
+        run no zerograph collective (see the Note above ``Topology``)."""
+        for group in self.groups():
+            _OUT_OF_STEP.setdefault(group, what)
+
+    def check_in_step(self) -> None:
+        """Raise ``CollectiveError`` when a collective of this rank failed earlier on one of the
+        model's groups (``mark_out_of_step``): its next collective could pair with a different one
+        of a peer. Skipped in a fake world (no peers)."""
+        if self.fake_world or not _OUT_OF_STEP:
+            return
+        for group in self.groups():
+            failed = _OUT_OF_STEP.get(group)
+            if failed is not None:
+                raise CollectiveError(
+                    f"rank {self.mesh_rank}: a collective on process group {group.group_name!r} failed on this "
+                    f"rank earlier ({failed}). Since then this rank's collectives may pair with different ones "
+                    "of its peers (gloo and NCCL match collectives by their order on a group, not by what they "
+                    "are), so zerograph runs none on it: destroy the process group, create a new one "
+                    "(torch.distributed.destroy_process_group, init_process_group) and compile the model again")
 
     def check_group(self) -> None:
         """Raise ``ProcessGroupError`` when the model's process group was destroyed (e.g. by
