@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zerograph.graph.ops import REDUCE_GRAD, UNSHARD
 from zerograph.graph.vocab import COLLECTIVE_KINDS, TAG, WAIT
 from zerograph.passes._fx import find_collectives
-from zerograph.passes.context import PassContext
+from zerograph.passes.context import PassContext, graph_modules
 from zerograph.passes.manager import lazily_recompiled, run_checked
 from zerograph.shard.sharding import ROOT_INDEX, ParamLayout, Unit, make_layout
 
@@ -318,8 +318,17 @@ def recompute_note(node: fx.Node) -> str:
 
 def run_pass(pass_fn: Callable, graphs, ctx: PassContext):
     """``pass_fn`` run as the pass manager runs each pass (``run_checked`` on lazily recompiled
-    modules: the graph linted and every collective checked waited after it); its ``PassResult``."""
-    return run_checked(pass_fn, lazily_recompiled(graphs), ctx)
+    modules: the graph linted and every collective checked waited after it); its ``PassResult``.
+    The modules' code is read before the pass (as a dump does), so a pass that changes a graph
+    without ``gm.recompile()`` (its code then stale) fails here."""
+    graphs = lazily_recompiled(graphs)
+    for gm in graph_modules(graphs):
+        gm.code  # generated now, as the dump of the input graph generates it
+    result = run_checked(pass_fn, graphs, ctx)
+    if result.modified:
+        for gm in graph_modules(result.graph_module):
+            assert gm.code == gm.graph.python_code("self").src, f"{pass_fn.__name__} changed the graph without recompile()"
+    return result
 
 
 class _Name(str):
