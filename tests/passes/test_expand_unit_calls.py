@@ -4,16 +4,16 @@ backward's ``unit_call_backward`` becomes ``unit_backward`` reading the activati
 (or, for a checkpointed unit, a ``unit_forward`` run again in backward), and saved values no
 backward node reads any more (the token) are dropped from both sides."""
 from tests.passes.graphs import graph_text, run_pass
-from tests.passes.unit_graphs import block_kind, partitioned_unit, template_of_call
+from tests.passes.unit_graphs import block_kind, partitioned_unit
 from zerograph.graph.ops import UNIT_BACKWARD, UNIT_CALL, UNIT_CALL_BACKWARD, UNIT_FORWARD
 from zerograph.passes._fx import saved_tensor_inputs
-from zerograph.passes.expand_unit_calls import expand_unit_calls
+from zerograph.passes.expand_unit_calls import expand_unit_calls, template_of
 
 
 def _expanded(recomputed: bool):
     b, pair = partitioned_unit(recomputed=recomputed)
     (call,) = pair.forward.graph.find_nodes(op="call_function", target=UNIT_CALL)
-    template = template_of_call(call).id
+    template = template_of(call).id
     ctx = b.ctx("partitioned", stage=0)
     result = run_pass(expand_unit_calls, pair, ctx)
     assert result.modified and result.counts == {"unit_forwards": 1, "unit_backwards": 1}  # calls expanded

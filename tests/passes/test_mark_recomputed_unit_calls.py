@@ -2,9 +2,9 @@
 (``unit_graphs.joint_unit``): a unit call inside an activation checkpoint has its backward given
 every primal of the call and marked, so that ``expand_unit_calls`` runs its forward again."""
 from tests.passes.graphs import graph_text, recompute_note, run_pass
-from tests.passes.unit_graphs import block_kind, joint_unit, template_of_call
+from tests.passes.unit_graphs import block_kind, joint_unit
 from zerograph.graph.ops import UNIT_CALL, UNIT_CALL_BACKWARD
-from zerograph.passes.expand_unit_calls import RECOMPUTED
+from zerograph.passes.expand_unit_calls import RECOMPUTED, template_of
 from zerograph.passes.mark_recomputed_unit_calls import mark_recomputed_unit_calls
 
 
@@ -18,7 +18,7 @@ def test_expected_joint_of_a_checkpointed_unit():
     b, gm = joint_unit(checkpointed=True)
     kind, mode, call, _ = block_kind()
     (unit_call,) = gm.graph.find_nodes(op="call_function", target=UNIT_CALL)
-    template = template_of_call(unit_call).id
+    template = template_of(unit_call).id
     result = run_pass(mark_recomputed_unit_calls, gm, b.ctx("joint", stage=0))
     assert result.modified and result.counts == {"recomputed_unit_calls": 1, "random_unit_calls_kept": 0}
     assert graph_text(gm, note=_note) == f"""\
@@ -53,7 +53,7 @@ def test_expected_joint_of_a_checkpointed_unit_that_draws_random_numbers():
     b, gm = joint_unit(checkpointed=True, dropout=True)
     kind, mode, call, _ = block_kind(dropout=True)
     (unit_call,) = gm.graph.find_nodes(op="call_function", target=UNIT_CALL)
-    template = template_of_call(unit_call)
+    template = template_of(unit_call)
     assert template.draws_random
     result = run_pass(mark_recomputed_unit_calls, gm, b.ctx("joint", stage=0))
     assert result.counts == {"recomputed_unit_calls": 0, "random_unit_calls_kept": 1}

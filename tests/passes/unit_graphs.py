@@ -19,10 +19,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from tests.passes.graphs import GraphBuilder, aten
-from zerograph.graph import registry
 from zerograph.graph.ops import UNIT_CALL, UNIT_CALL_BACKWARD
 from zerograph.passes.context import PartitionedGraphs
-from zerograph.passes.expand_unit_calls import RECOMPUTED
+from zerograph.passes.expand_unit_calls import RECOMPUTED, template_of
 from zerograph.templates.kinds import install_unit_templates
 from zerograph.templates.unit_calls import call_key, describe
 
@@ -80,13 +79,9 @@ def _unit_call(b: GraphBuilder, x, w, *, checkpointed: bool = False, token: bool
     return node, out, token
 
 
-def template_of_call(node) -> Any:
-    return registry.unit_template(*node.args[:3], [p.meta["val"] for p in node.args[3]], node.args[4])
-
-
 def _backward(b: GraphBuilder, call, token, primals, tangent):
     """``unit_call_backward`` of ``call`` reading ``primals``: ``w``'s gradient (a ``getitem``)."""
-    node = b.op(UNIT_CALL_BACKWARD, template_of_call(call).id, primals, token, [tangent])
+    node = b.op(UNIT_CALL_BACKWARD, template_of(call).id, primals, token, [tangent])
     return b.op(operator.getitem, node, 0)
 
 
@@ -98,7 +93,7 @@ def joint_unit(*, checkpointed: bool = False, dropout: bool = False):
     x, tangent, w = b.input("x", 2, ROWS), b.input("tangents_1"), b.input("w", ROWS, ROWS)
     call, out, token = _unit_call(b, x, w, checkpointed=checkpointed, dropout=dropout)
     loss = b.op(aten.sum.default, out)
-    primals = [[x, w][i] for i in template_of_call(call).saved_primals]
+    primals = [[x, w][i] for i in template_of(call).saved_primals]
     grad = _backward(b, call, token, primals, b.op(aten.expand.default, tangent, [2, ROWS]))
     return b, b.output(loss, b.reduce_grad(grad, 0))
 
