@@ -133,11 +133,8 @@ def run_pipeline(graphs: Graphs, ctx: PassContext, passes: Sequence[Pass], *,
         before = _node_count(graphs) if logged else 0
         start = time.perf_counter()
         try:
-            result = pass_fn(graphs, ctx)
+            result = run_checked(pass_fn, graphs, ctx)
             graphs = result.graph_module
-            for gm in graph_modules(graphs):
-                gm.graph.lint()
-                check_collectives_waited(gm.graph)
         except PassError:
             raise
         except Exception as exc:
@@ -152,6 +149,21 @@ def run_pipeline(graphs: Graphs, ctx: PassContext, passes: Sequence[Pass], *,
     check_pipeline_end(graphs, ctx, done)
     graphs.meta[PASS_TIMES] = {"nodes_in": nodes_in, "nodes_out": _node_count(graphs), "seconds": seconds}
     return graphs  # code is generated when first read or run; the eager lowering generates its own
+
+
+def run_checked(pass_fn: Pass, graphs: Graphs, ctx: PassContext) -> PassResult:
+    """One pass as ``run_pipeline`` runs each: then ``graph.lint()`` and ``check_collectives_waited``
+    on every graph module it returns (tests run a single pass through this, as the pipeline does).
+
+    Raises:
+        PassError: a collective is not waited exactly once; whatever the pass or ``lint`` raise
+            (``run_pipeline`` names the pass in a ``PassError``).
+    """
+    result = pass_fn(graphs, ctx)
+    for gm in graph_modules(result.graph_module):
+        gm.graph.lint()
+        check_collectives_waited(gm.graph)
+    return result
 
 
 def _node_count(graphs: Graphs) -> int:

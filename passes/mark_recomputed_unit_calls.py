@@ -44,4 +44,7 @@ def mark_recomputed_unit_calls(gm: fx.GraphModule, ctx: PassContext) -> PassResu
                 node.args = (template_id, list(call.args[3]), token, tangents)
                 node.meta[RECOMPUTED] = True
                 marked += 1
-    return PassResult(gm, bool(marked), {"recomputed_unit_calls": marked, "random_unit_calls_kept": kept})
+    if marked:
+        gm.recompile()
+    # retagging a random call MUST_SAVE changes what the partitioner does: the graph changed too
+    return PassResult(gm, bool(marked or kept), {"recomputed_unit_calls": marked, "random_unit_calls_kept": kept})

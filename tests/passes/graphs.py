@@ -9,16 +9,17 @@ group: passes never touch one, and ``group_name`` is just a string on the collec
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zerograph.graph.ops import REDUCE_GRAD, UNSHARD
-from zerograph.graph.vocab import COLLECTIVE_KINDS, WAIT
+from zerograph.graph.vocab import COLLECTIVE_KINDS, TAG, WAIT
 from zerograph.passes._fx import find_collectives
-from zerograph.passes.context import PassContext
+from zerograph.passes.context import PassContext, graph_modules
+from zerograph.passes.manager import lazily_recompiled, run_checked
 from zerograph.shard.sharding import ROOT_INDEX, ParamLayout, Unit, make_layout
 
 aten = torch.ops.aten
@@ -282,22 +283,52 @@ def _op_name(target) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def graph_text(gm: fx.GraphModule, *, args: bool = True) -> str:
+def graph_text(gm: fx.GraphModule, *, args: bool = True, note: Callable[[fx.Node], str] | None = None) -> str:
     """The graph as text, one line per node, for expected-graph tests: ``name = op(arguments)``
     (nodes by name, other arguments as ``repr`` gives them), ``input name``, ``return (...)``.
-    Without ``args``, ``name = op`` only (the order of ops, which a scheduling pass changes)."""
+    Without ``args``, ``name = op`` only (the order of ops, which a scheduling pass changes).
+    ``note``: text appended to a node's line as ``  # text`` where it returns any (what a pass
+    that only tags nodes changes: ``recompute_note``)."""
     lines = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            lines.append(f"input {node.name}")
+            line = f"input {node.name}"
         elif node.op == "output":
-            lines.append(f"return {fx.node.map_arg(node.args[0], lambda n: n.name)}".replace("'", ""))
+            line = f"return {fx.node.map_arg(node.args[0], lambda n: n.name)}".replace("'", "")
         elif not args:
-            lines.append(f"{node.name} = {_op_name(node.target)}")
+            line = f"{node.name} = {_op_name(node.target)}"
         else:
             shown = fx.node.map_arg(node.args, lambda n: _Name(n.name))
-            lines.append(f"{node.name} = {_op_name(node.target)}({', '.join(map(repr, shown))})")
+            kwargs = "".join(f", {k}={v!r}" for k, v in fx.node.map_arg(node.kwargs, lambda n: _Name(n.name)).items())
+            line = f"{node.name} = {_op_name(node.target)}({', '.join(map(repr, shown))}{kwargs})"
+        text = note(node) if note is not None else ""
+        lines.append(f"{line}  # {text}" if text else line)
     return "\n".join(lines)
+
+
+def recompute_note(node: fx.Node) -> str:
+    """A node's checkpoint policy as ``graph_text`` notes it (``must recompute``, ``must save``,
+    ...), with ``kept`` for a gather ``selective_unshard`` kept; empty when untagged."""
+    policy = node.meta.get("recompute")
+    words = [policy.name.lower().replace("_", " ")] if policy else []
+    if node.meta.get(TAG, {}).get("kept"):
+        words.append("kept")
+    return ", ".join(words)
+
+
+def run_pass(pass_fn: Callable, graphs, ctx: PassContext):
+    """``pass_fn`` run as the pass manager runs each pass (``run_checked`` on lazily recompiled
+    modules: the graph linted and every collective checked waited after it); its ``PassResult``.
+    The modules' code is read before the pass (as a dump does), so a pass that changes a graph
+    without ``gm.recompile()`` (its code then stale) fails here."""
+    graphs = lazily_recompiled(graphs)
+    for gm in graph_modules(graphs):
+        gm.code  # generated now, as the dump of the input graph generates it
+    result = run_checked(pass_fn, graphs, ctx)
+    if result.modified:
+        for gm in graph_modules(result.graph_module):
+            assert gm.code == gm.graph.python_code("self").src, f"{pass_fn.__name__} changed the graph without recompile()"
+    return result
 
 
 class _Name(str):

@@ -13,7 +13,7 @@ import pytest
 from torch.utils.checkpoint import CheckpointPolicy
 
 import zerograph.passes.activation_partition as ap
-from tests.passes.graphs import aten, gathered_joint, gathers
+from tests.passes.graphs import aten, gathered_joint, gathers, graph_text, recompute_note, run_pass
 from zerograph.graph.costmodel import CostModel
 from zerograph.graph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
 from zerograph.graph.vocab import TAG
@@ -263,3 +263,91 @@ def test_a_user_output_is_not_counted_as_saved():
     b, gm, ctx = _joint()
     plan = ap.plan_activations(gm.graph, ctx.units, UNCONSTRAINED, FAST)
     assert plan.root_bytes == 0 and plan.unconstrained_bytes == UNITS_SAVED
+
+
+# one MLP block's joint graph up to its compute, as both expected graphs below share it
+_GATHERED_BLOCK = """\
+input x
+input tangents_1
+input shard_0
+input shard_1
+view_default = aten.view(shard_0, [8, 4])
+view_default_1 = aten.view(shard_1, [2, 16])
+pack_shards = zerograph.pack_shards([view_default, view_default_1], [8, 2], 1, torch.float32)  # must recompute
+all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(pack_shards, 2, '0')  # must recompute
+wait_tensor = _c10d_functional.wait_tensor(all_gather_into_tensor)  # must recompute
+unpack_gathered = zerograph.unpack_gathered(wait_tensor, 2, [8, 2], [16, 4], [4, 16])  # must recompute
+slice_1 = aten.slice(unpack_gathered, 0, 0, 64)  # must recompute
+view = aten.view(slice_1, [16, 4])  # must recompute
+slice_2 = aten.slice(unpack_gathered, 0, 64, 128)  # must recompute
+view_1 = aten.view(slice_2, [4, 16])  # must recompute
+t_default = aten.t(view)  # must recompute
+"""
+
+
+def _region_note(node) -> str:
+    """``recompute_note`` and the checkpoint region (``ac_graph_id``) the pass gave the node."""
+    region = f"region {node.meta['ac_graph_id']}" if "ac_graph_id" in node.meta else ""
+    return ", ".join(text for text in (recompute_note(node), region) if text)
+
+
+def test_expected_joint_of_one_recomputed_unit():
+    """A budget of 0 bytes: the block's four forward compute nodes are tagged ``MUST_RECOMPUTE``
+    in checkpoint region 1 (as ``torch.utils.checkpoint`` tags a region); the loss, the backward
+    and the gather chain (tagged by ``insert_allgather``) keep their tags; no node is added."""
+    b, gm, ctx = _joint(1, budget=0)
+    before = graph_text(gm)
+    result = run_pass(activation_partition, gm, ctx)
+    assert result.counts == {"recompute_units": 1, "offload_units": 0, "partition_units": 0, "units": 1,
+                             "estimated_saved_bytes": 0}
+    assert graph_text(gm) == before
+    assert graph_text(gm, note=_region_note) == _GATHERED_BLOCK + """\
+mm_default = aten.mm(x, t_default)  # must recompute, region 1
+relu_default = aten.relu(mm_default)  # must recompute, region 1
+t_default_1 = aten.t(view_1)  # must recompute
+mm_default_1 = aten.mm(relu_default, t_default_1)  # must recompute, region 1
+view_default_2 = aten.view(mm_default_1, [2, 4])  # must recompute, region 1
+sum_default = aten.sum(view_default_2)
+expand_default = aten.expand(tangents_1, [2, 4])
+t_default_2 = aten.t(expand_default)
+mm_default_2 = aten.mm(t_default_2, relu_default)
+reduce_grad_default = zerograph.reduce_grad(mm_default_2, 1)
+mm_default_3 = aten.mm(expand_default, view_1)
+threshold_backward_default = aten.threshold_backward(mm_default_3, relu_default, 0)
+t_default_3 = aten.t(threshold_backward_default)
+mm_default_4 = aten.mm(t_default_3, x)
+reduce_grad_default_1 = zerograph.reduce_grad(mm_default_4, 0)
+return (sum_default, reduce_grad_default_1, reduce_grad_default)"""
+    assert _recomputed_by_pass(gm) == {1}
+
+
+def test_expected_joint_of_one_partitioned_unit():
+    """A budget of half the block's hidden activation, P_a cheaper than recompute: the forward
+    keeps this rank's half of ``relu`` (``shard_activation`` right after it, ``MUST_SAVE``) and
+    the backward all-gathers it over the activation group before its first read; both backward
+    reads of ``relu`` read the gathered copy (the docstring's invariant)."""
+    b, gm, ctx = _joint(1, budget=HIDDEN // 2, cost=SLOW, group=("act", 2))
+    result = run_pass(activation_partition, gm, ctx)
+    assert result.counts == {"recompute_units": 0, "offload_units": 0, "partition_units": 1, "units": 1,
+                             "estimated_saved_bytes": HIDDEN // 2}
+    assert graph_text(gm, note=recompute_note) == _GATHERED_BLOCK + """\
+mm_default = aten.mm(x, t_default)
+relu_default = aten.relu(mm_default)
+shard_activation_default = zerograph.shard_activation(relu_default, 'act', 2)  # must save
+t_default_1 = aten.t(view_1)  # must recompute
+mm_default_1 = aten.mm(relu_default, t_default_1)
+view_default_2 = aten.view(mm_default_1, [2, 4])
+sum_default = aten.sum(view_default_2)
+expand_default = aten.expand(tangents_1, [2, 4])
+t_default_2 = aten.t(expand_default)
+gather_activation_default = zerograph.gather_activation(shard_activation_default, [2, 16], 'act', 2)
+mm_default_2 = aten.mm(t_default_2, gather_activation_default)
+reduce_grad_default = zerograph.reduce_grad(mm_default_2, 1)
+mm_default_3 = aten.mm(expand_default, view_1)
+threshold_backward_default = aten.threshold_backward(mm_default_3, gather_activation_default, 0)
+t_default_3 = aten.t(threshold_backward_default)
+mm_default_4 = aten.mm(t_default_3, x)
+reduce_grad_default_1 = zerograph.reduce_grad(mm_default_4, 0)
+return (sum_default, reduce_grad_default_1, reduce_grad_default)"""
+    (hidden,) = gm.graph.find_nodes(op="call_function", target=aten.relu.default)
+    assert not set(hidden.users) & ap.backward_nodes(gm.graph)  # backward reads the gathered copy only

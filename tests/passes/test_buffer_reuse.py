@@ -3,8 +3,9 @@ pool slot; at stage 3 with ``prefetch_depth = d`` the gathered slots number at m
 import pytest
 import torch
 
-from tests.passes.graphs import aten, collectives, count, gathered_forward, linear_chain
+from tests.passes.graphs import aten, collectives, count, gathered_forward, graph_text, linear_chain, run_pass
 from zerograph.graph.vocab import COLLECTIVE_KINDS, TAG
+from zerograph.kernels.ops import PACK_SHARDS
 from zerograph.passes.bucketing import bucketing
 from zerograph.passes.buffer_reuse import PooledBuffer, assign_slots, buffer_reuse, plan_buffers
 from zerograph.passes.insert_allgather import insert_allgather
@@ -13,8 +14,9 @@ from zerograph.passes.manager import check_collectives_waited
 from zerograph.passes.prefetch import prefetch
 from zerograph.passes.schedule_overlap import schedule_overlap
 from zerograph.policies import SchedulePolicy
-from zerograph.runtime.buffer_pool import POOL_BUFFER
+from zerograph.runtime.buffer_pool import PACK_SHARDS_OUT, POOL_BUFFER
 
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 ALL_GATHER_OUT = torch.ops._c10d_functional.all_gather_into_tensor_out.default
 
 
@@ -103,3 +105,56 @@ def test_assign_slots_colours_by_start():
     assert slots["a"] != slots["b"] and slots["b"] != slots["c"]
     assert slots["a"] == slots["c"]  # a ends before c starts: one slot, reused
     assert slots["d"] == 0  # another role: its own numbering
+
+
+def test_expected_graph_of_two_units_sharing_their_slots():
+    """Two units gathered just in time (no prefetch): each unit's send buffer is a ``pool_buffer``
+    that ``pack_shards_out`` writes and the all-gather reads, and its gathered buffer the
+    ``out=`` of ``all_gather_into_tensor_out``. Unit 1's buffers are dead (copied out) before
+    unit 2's are taken, so both units take slot 0 of each role. Every other node keeps its
+    place and its arguments."""
+    b, gm, ctx = gathered_forward(2, buffer_pool=0)
+    others_before = [n.name for n in gm.graph.nodes if n.target not in (ALL_GATHER, PACK_SHARDS)]
+    result = run_pass(buffer_reuse, gm, ctx)
+    assert result.counts == {"pooled": 4, "slots": 2, "slot_bytes": (10 + 20) * 4}
+    assert graph_text(gm) == """\
+input x
+input shard_0
+input shard_1
+input shard_2
+input shard_3
+view_default = aten.view(shard_0, [2, 4])
+view_default_1 = aten.view(shard_1, [2])
+view_default_2 = aten.view(shard_2, [2, 4])
+view_default_3 = aten.view(shard_3, [2])
+pool_buffer_default = zerograph.pool_buffer(0, 'send', 0, 10, torch.float32, device(type='cpu'))
+pack_shards_out_default = zerograph.pack_shards_out([view_default, view_default_1], [2, 2], 1, out=pool_buffer_default)
+pool_buffer_default_1 = zerograph.pool_buffer(0, 'gathered', 0, 20, torch.float32, device(type='cpu'))
+all_gather_into_tensor_out_default = _c10d_functional.all_gather_into_tensor_out(pool_buffer_default, 2, '0', out=pool_buffer_default_1)
+wait_tensor = _c10d_functional.wait_tensor(all_gather_into_tensor_out_default)
+unpack_gathered = zerograph.unpack_gathered(wait_tensor, 2, [2, 2], [4, 4], [4, 1])
+slice_1 = aten.slice(unpack_gathered, 0, 0, 16)
+view = aten.view(slice_1, [4, 4])
+slice_2 = aten.slice(unpack_gathered, 0, 16, 20)
+view_1 = aten.view(slice_2, [4])
+t_default = aten.t(view)
+addmm_default = aten.addmm(view_1, x, t_default)
+relu_default = aten.relu(addmm_default)
+pool_buffer_default_2 = zerograph.pool_buffer(0, 'send', 0, 10, torch.float32, device(type='cpu'))
+pack_shards_out_default_1 = zerograph.pack_shards_out([view_default_2, view_default_3], [2, 2], 1, out=pool_buffer_default_2)
+pool_buffer_default_3 = zerograph.pool_buffer(0, 'gathered', 0, 20, torch.float32, device(type='cpu'))
+all_gather_into_tensor_out_default_1 = _c10d_functional.all_gather_into_tensor_out(pool_buffer_default_2, 2, '0', out=pool_buffer_default_3)
+wait_tensor_1 = _c10d_functional.wait_tensor(all_gather_into_tensor_out_default_1)
+unpack_gathered_1 = zerograph.unpack_gathered(wait_tensor_1, 2, [2, 2], [4, 4], [4, 1])
+slice_3 = aten.slice(unpack_gathered_1, 0, 0, 16)
+view_2 = aten.view(slice_3, [4, 4])
+slice_4 = aten.slice(unpack_gathered_1, 0, 16, 20)
+view_3 = aten.view(slice_4, [4])
+t_default_1 = aten.t(view_2)
+addmm_default_1 = aten.addmm(view_3, relu_default, t_default_1)
+relu_default_1 = aten.relu(addmm_default_1)
+sum_default = aten.sum(relu_default_1)
+return (sum_default,)"""  # noqa: E501 (the graph's own lines)
+    # the docstring's invariant: the graph's order stays the same (the pass only swaps allocations)
+    assert [n.name for n in gm.graph.nodes if n.target not in (POOL_BUFFER, PACK_SHARDS_OUT, ALL_GATHER_OUT)] \
+        == others_before

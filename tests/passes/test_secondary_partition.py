@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from torch.utils.checkpoint import CheckpointPolicy
 
-from tests.passes.graphs import aten, collectives, count, gathered_joint, gathers
+from tests.passes.graphs import aten, collectives, count, gathered_joint, gathers, graph_text, recompute_note, run_pass
 from zerograph.graph.ops import GATHER_ACTIVATION, SHARD_ACTIVATION
 from zerograph.graph.vocab import TAG, WAIT
 from zerograph.passes._fx import is_alias_of_input
@@ -174,3 +174,53 @@ def test_plain_unit_chain_is_untagged():
     secondary_partition(gm, ctx)
     for collective in gathers(gm):
         assert not any("recompute" in n.meta for n in collective.issue + collective.finish), collective.units
+
+
+def test_expected_joint_of_one_unit():
+    """One MLP block over 4 ranks, a node of 2: right after the copy-out the forward cuts its half
+    of the unpacked buffer (``shard_activation``, ``MUST_SAVE``); the backward's one read of a
+    gathered weight (the hidden gradient's ``mm`` with the down weight) reads it from the node
+    all-gather of that piece, through the same slice and view replayed on it. The N-rank chain
+    loses its recompute tags: only the forward reads it now."""
+    b, gm, ctx = _hpz(1)
+    result = run_pass(secondary_partition, gm, ctx)
+    assert result.modified and result.counts == {"secondary_partitions": 1}
+    assert graph_text(gm, note=recompute_note) == """\
+input x
+input tangents_1
+input shard_0
+input shard_1
+view_default = aten.view(shard_0, [4, 4])
+view_default_1 = aten.view(shard_1, [1, 16])
+pack_shards = zerograph.pack_shards([view_default, view_default_1], [4, 1], 1, torch.float32)
+all_gather_into_tensor = _c10d_functional.all_gather_into_tensor(pack_shards, 4, '0')
+wait_tensor = _c10d_functional.wait_tensor(all_gather_into_tensor)
+unpack_gathered = zerograph.unpack_gathered(wait_tensor, 4, [4, 1], [16, 4], [4, 16])
+shard_activation_default = zerograph.shard_activation(unpack_gathered, 'node', 2)  # must save
+slice_1 = aten.slice(unpack_gathered, 0, 0, 64)
+view = aten.view(slice_1, [16, 4])
+slice_2 = aten.slice(unpack_gathered, 0, 64, 128)
+view_1 = aten.view(slice_2, [4, 16])
+t_default = aten.t(view)
+mm_default = aten.mm(x, t_default)
+relu_default = aten.relu(mm_default)
+t_default_1 = aten.t(view_1)
+mm_default_1 = aten.mm(relu_default, t_default_1)
+view_default_2 = aten.view(mm_default_1, [2, 4])
+sum_default = aten.sum(view_default_2)
+expand_default = aten.expand(tangents_1, [2, 4])
+t_default_2 = aten.t(expand_default)
+mm_default_2 = aten.mm(t_default_2, relu_default)
+reduce_grad_default = zerograph.reduce_grad(mm_default_2, 1)
+gather_activation_default = zerograph.gather_activation(shard_activation_default, [128], 'node', 2)
+slice_tensor = aten.slice(gather_activation_default, 0, 64, 128)  # must recompute
+view_default_3 = aten.view(slice_tensor, [4, 16])  # must recompute
+mm_default_3 = aten.mm(expand_default, view_default_3)
+threshold_backward_default = aten.threshold_backward(mm_default_3, relu_default, 0)
+t_default_3 = aten.t(threshold_backward_default)
+mm_default_4 = aten.mm(t_default_3, x)
+reduce_grad_default_1 = zerograph.reduce_grad(mm_default_4, 0)
+return (sum_default, reduce_grad_default_1, reduce_grad_default)"""
+    # the docstring's invariant: no backward node reads the N-rank gather or its views
+    backward = backward_nodes(gm.graph)
+    assert not any(u in backward for n in _chain(gathers(gm)[0]) for u in n.users)
