@@ -102,7 +102,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
         ModelChangedError: a parameter was added or replaced, or a ``requires_grad`` flipped, after
             compile (freeze before compile instead).
         ScheduleMismatchError: on every rank, when ranks are about to run different collectives
-            (checked before each graph's first collective; see ``Runtime.check_schedule``).
+            (checked before each graph's first collective; see ``ScheduleCheck.check_schedule``).
         CollectiveError: a collective failed or timed out (``Config.timeout_s``): a peer died or stopped.
         ShardingError: a submodule called (or ``torch.compile``d) on its own, outside the model's forward.
     """
@@ -121,7 +121,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     uninitialised = _uninitialised(model, runtime, fresh_buffers) if placement.meta_built else None
     _capture(model, runtime, config, captured, unit_kinds, uninitialised)
     log.info("zerograph: stage %d, world size %d (x %d replicas), %d units, %d parameters (%d elements)", stage,
-             runtime.world_size, runtime.replicate_size, len(runtime.units), len(runtime.layouts),
+             runtime.topology.world_size, runtime.topology.replicate_size, len(runtime.units), len(runtime.layouts),
              sum(layout.numel for layout in runtime.layouts.values()))
     return model
 
@@ -216,7 +216,7 @@ def _flat_plan(runtime: Runtime, config: Config, units: list[tuple[str, nn.Modul
         return flattenable(params, param_layouts, index)
 
     def make(index: int, name: str, module: nn.Module) -> FlatShard:
-        return flatten_unit_(index, name, *layouts(module), runtime.rank, next_key())
+        return flatten_unit_(index, name, *layouts(module), runtime.topology.rank, next_key())
 
     def retire(flat: FlatShard) -> None:
         runtime.flat_shards.pop(flat.layout.key, None)

@@ -86,10 +86,10 @@ def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     try:
         for flat in flats:  # each unit's graph input, an autograd function of its shards
             flat.open_forward()
-        state.runtime.prepare_backward(mode)
+        state.runtime.grad_buffers.prepare_backward(mode)
         args, kwargs = _cast_inputs(state.config.mixed_precision, args, kwargs)
         out = _run_falling_back(state, self, args, kwargs)
-        state.runtime.flush_leftovers_after_backward(out, mode)
+        state.runtime.grad_buffers.flush_leftovers_after_backward(out, mode)
         return out
     except (BackendCompilerFailed, TorchRuntimeError, InternalTorchDynamoError) as exc:
         # zerograph's own errors raised while Dynamo compiled (a changed requires_grad, a broken
@@ -123,7 +123,7 @@ def grad_mode_for(state: ZeroGraphState, model: nn.Module) -> str:
     what eager's see; the micro-batches then cost one reduction each. (DDP runs the hooks on each
     rank's local gradient, which matches eager only for hooks linear in the gradient; FSDP2 runs
     none on an unsynced backward.)"""
-    mode = state.runtime.grad_mode()
+    mode = state.runtime.grad_buffers.grad_mode()
     if mode != GRAD_ACCUMULATE:
         return mode
     hooked = [name for name, param in model.named_parameters()
@@ -136,7 +136,7 @@ def grad_mode_for(state: ZeroGraphState, model: nn.Module) -> str:
         "register_post_accumulate_grad_hook), which must see each micro-batch's gradient and the sum so far, "
         "as in eager; remove the hooks while accumulating to skip the reductions", SyncedForHooksWarning,
         stacklevel=3)
-    return GRAD_FLUSH if state.runtime.unsynced_bytes() else GRAD_SYNC
+    return GRAD_FLUSH if state.runtime.grad_buffers.unsynced_bytes() else GRAD_SYNC
 
 
 def _run_falling_back(state: ZeroGraphState, model: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -267,7 +267,7 @@ def set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool) ->
 
     Source: FSDP2's ``FSDPModule.set_requires_gradient_sync``; DDP's ``no_sync``.
     """
-    state_of(self).runtime.requires_gradient_sync = bool(requires_gradient_sync)
+    state_of(self).runtime.grad_buffers.requires_gradient_sync = bool(requires_gradient_sync)
 
 
 @contextlib.contextmanager
@@ -276,7 +276,7 @@ def no_sync(self: nn.Module):
     (DDP's ``no_sync``). Decided by the forward, as DDP's: the backwards of forwards run inside it
     keep their gradients unreduced wherever they run, unless a synced forward's backward runs in
     the same backward (a loss summing both), which reduces them at its end."""
-    gradients = state_of(self).runtime.gradients
+    gradients = state_of(self).runtime.grad_buffers
     previous = gradients.requires_gradient_sync, gradients.no_sync
     gradients.requires_gradient_sync, gradients.no_sync = False, True
     try:
