@@ -161,7 +161,7 @@ def test_world_size_1_accumulates_straight_into_grad() -> None:
         with model.no_sync() if micro < MICRO - 1 else contextlib.nullcontext():
             loss = model(x[2 * micro : 2 * micro + 2], y[2 * micro : 2 * micro + 2]) / MICRO
         loss.backward()
-        assert runtime.unsynced_bytes() == 0
+        assert runtime.grad_buffers.unsynced_bytes() == 0
     opt.step()
     reference = reference_training("mlp", 1, 8, 1e-3)
     for name, param in model.named_parameters():
@@ -172,16 +172,16 @@ def test_no_sync_restores_the_previous_setting() -> None:
     torch._dynamo.reset()
     model = zerograph.compile(build("mlp"), stage=1)
     runtime = runtime_of_model(model)
-    assert runtime.requires_gradient_sync
+    assert runtime.grad_buffers.requires_gradient_sync
     with pytest.raises(KeyError):
         with model.no_sync():
-            assert not runtime.requires_gradient_sync
+            assert not runtime.grad_buffers.requires_gradient_sync
             raise KeyError("inside")
-    assert runtime.requires_gradient_sync
+    assert runtime.grad_buffers.requires_gradient_sync
     model.set_requires_gradient_sync(False)
     with model.no_sync():
         pass
-    assert not runtime.requires_gradient_sync
+    assert not runtime.grad_buffers.requires_gradient_sync
 
 
 @pytest.mark.parametrize("templates", [True, False], ids=["unit_templates", "per_parameter"])
@@ -197,21 +197,21 @@ def test_zero_grad_in_place_discards_the_held_gradients(templates) -> None:
         x, y = global_batch("mlp", 0, 4)
         with model.no_sync():
             model(x, y).backward()
-            held = runtime.unsynced_bytes()
+            held = runtime.grad_buffers.unsynced_bytes()
             assert held > 0
             model(x, y).backward()  # a second holding backward writes .grad too: still held
-            assert runtime.unsynced_bytes() == held
+            assert runtime.grad_buffers.unsynced_bytes() == held
             model(x, y)  # the forward before which the zeroing is looked for
-            assert runtime.unsynced_bytes() == held
+            assert runtime.grad_buffers.unsynced_bytes() == held
         opt.zero_grad(set_to_none=False)
         model(x, y)
-        assert runtime.unsynced_bytes() == 0
+        assert runtime.grad_buffers.unsynced_bytes() == 0
         with model.no_sync():
             model(x, y).backward()
         for param in model.parameters():
             param.grad.zero_()
         model(x, y).backward()
-        assert runtime.unsynced_bytes() == 0
+        assert runtime.grad_buffers.unsynced_bytes() == 0
 
 
 def test_set_requires_gradient_sync_is_read_at_backward() -> None:
@@ -226,20 +226,20 @@ def test_set_requires_gradient_sync_is_read_at_backward() -> None:
         x, y = global_batch("mlp", 0, 4)
         model.set_requires_gradient_sync(False)
         model(x, y).backward()
-        assert runtime.unsynced_bytes() > 0
+        assert runtime.grad_buffers.unsynced_bytes() > 0
         loss = model(x, y)
         model.set_requires_gradient_sync(True)
         loss.backward()
-        assert runtime.unsynced_bytes() == 0
+        assert runtime.grad_buffers.unsynced_bytes() == 0
         assert zerograph.stats(model).comm_elements["reduce_scatter"] > 0
         with model.no_sync():
             loss = model(x, y)
         loss.backward()  # the forward decided: held
-        assert runtime.unsynced_bytes() > 0
+        assert runtime.grad_buffers.unsynced_bytes() > 0
         with model.no_sync():
             unsynced = model(x, y)
         (unsynced + model(x, y)).backward()
-        assert runtime.unsynced_bytes() == 0
+        assert runtime.grad_buffers.unsynced_bytes() == 0
 
 
 def test_an_optimizer_step_over_held_gradients_is_refused() -> None:

@@ -136,7 +136,7 @@ def test_runtime_checks_its_graphs_and_eager_frames(monkeypatch: pytest.MonkeyPa
         model(x, y).backward()
         assert runtime.accounting.current.graphs  # graphs ran under the watch
         schedule = CommSchedule("a graph", "forward", (), 0)
-        issuer = Issuer(runtime.group_name)
+        issuer = Issuer(runtime.topology.group_name)
         with pytest.raises(zerograph.CollectiveBufferError, match="a graph: collective #0 .* never waited"):
             runtime.run_graph(schedule, lambda args: issuer.gather(torch.ones(4)), [])
         issuer.wait_all()

@@ -66,7 +66,7 @@ def dump_worker(rank: int, world_size: int, dump_dir: str, off_dir: str) -> dict
         "stats": stats,
         "explain": text,
         "shard_bytes": sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters()),
-        "liveness_gathered_peak": {k: t.peak(("gather",)) for k, t in rt.graph_memory[0].items()},
+        "liveness_gathered_peak": {k: t.peak(("gather",)) for k, t in rt.accounting.graph_memory[0].items()},
         "units": [u.name for u in rt.units],
     }
 

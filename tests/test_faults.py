@@ -88,14 +88,14 @@ def test_mismatch_text_names_dtype_and_world_size_one_skips_the_check() -> None:
     entry = ScheduleEntry("all_gather", 72, "float32", (1,))
     runtime = runtime_of_model(zerograph.compile(torch.nn.Linear(3, 3), stage=3))
     graph = torch.fx.Graph()
-    empty = runtime.schedule(graph, "forward")
+    empty = runtime.schedule_check.schedule(graph, "forward")
     assert isinstance(empty, CommSchedule) and empty.entries == () and empty.label.startswith("forward graph #")
     a = CommSchedule("x", "forward", (entry,), 0)
     text = runtime.schedule_check._describe_mismatch(("forward graph #0", a.entries), 1,
                                                      ("forward graph #3", (ScheduleEntry("all_gather", 72, "bfloat16", (1,)),)))
     assert "rank 0 runs all_gather of 72 float32 elements for unit" in text
     assert "rank 1 runs all_gather of 72 bfloat16 elements" in text
-    runtime.check_schedule(a)  # world size 1: nothing to compare, no collective
+    runtime.schedule_check.check_schedule(a)  # world size 1: nothing to compare, no collective
 
 
 # -- silent and dead peers ----------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def _bound(model: torch.nn.Module) -> tuple[int, dict]:
 def _check(model: torch.nn.Module, stats: zerograph.Stats) -> None:
     bound, parts = _bound(model)
     assert len(parts["units"]) >= 4  # a root and three blocks at least: a third unit would show
-    peaks = {kind: t.peak(PARAM_ROLES) for mem in state_of(model).runtime.graph_memory for kind, t in mem.items()}
+    peaks = {kind: t.peak(PARAM_ROLES) for mem in state_of(model).runtime.accounting.graph_memory for kind, t in mem.items()}
     assert peaks and all(peak <= bound for peak in peaks.values()), (peaks, bound, parts)
     assert stats.transient_bytes["params"] <= bound, (stats.transient_bytes, bound, parts)
 

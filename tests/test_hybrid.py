@@ -111,7 +111,7 @@ def test_bytes_per_mesh_dim_match_the_formulas_and_the_plan(name: str, stage: in
                        for k in sent if sent[k]), dim
         # shards are over S = 2: rank 3 is shard rank 1 (coordinate (1, 1)) and holds its rows of each
         rt = runtime_of_model(model)
-        assert rt.rank == 1 and list(mesh.get_coordinate()) == [1, 1]
+        assert rt.topology.rank == 1 and list(mesh.get_coordinate()) == [1, 1]
         assert [tuple(p.to_local().shape) for p in model.parameters()] == [
             rt.layouts[k].local_shape(1) for k in sorted(rt.layouts)]
 
@@ -164,7 +164,7 @@ def test_a_one_dimensional_mesh_shards_over_its_group() -> None:
         mesh = init_device_mesh("cpu", (4,))
         model = zerograph.compile(build("mlp"), 3, mesh=mesh)
         rt = runtime_of_model(model)
-        assert rt.world_size == 4 and rt.replicate_group is None
+        assert rt.topology.world_size == 4 and rt.topology.replicate_group is None
         assert tuple(next(model.parameters()).placements) == (Shard(0),)
 
 
@@ -277,9 +277,9 @@ def test_checkpoint_saved_on_2x2_loads_on_1x2(hybrid_run) -> None:
 def test_world_group_spans_the_mesh() -> None:
     with fake_rank(4, rank=2):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=MESH_DIMS)
-        rt = runtime_of_model(zerograph.compile(build("mlp"), 2, mesh=mesh))
-        assert dist.get_world_size(rt.world_group) == 4 and rt.world_size == 2 and rt.replicate_size == 2
-        assert rt.dp_size == 4
+        topology = runtime_of_model(zerograph.compile(build("mlp"), 2, mesh=mesh)).topology
+        assert dist.get_world_size(topology.world_group) == 4 and topology.world_size == 2 and topology.replicate_size == 2
+        assert topology.dp_size == 4
 
 
 def test_gradient_accumulation_without_sync_reduces_once_over_both_dims() -> None:
@@ -305,7 +305,7 @@ def test_dump_folders_are_named_by_the_rank_among_all_mesh_ranks(tmp_path) -> No
     with fake_rank(4, rank=3):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=MESH_DIMS)
         model = zerograph.compile(build("mlp"), 3, mesh=mesh, config=zerograph.Config(dump_dir=str(tmp_path)))
-        assert runtime_of_model(model).rank == 1 and runtime_of_model(model).mesh_rank == 3
+        assert runtime_of_model(model).topology.rank == 1 and runtime_of_model(model).topology.mesh_rank == 3
         model(*rank_slice(global_batch("mlp", 0, BATCH), 3, 4)).backward()
         zerograph.explain(model)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["rank3"]

@@ -52,6 +52,47 @@ def test_shapes_that_change_keep_parity(static_shapes: int, monkeypatch: pytest.
         assert kind.inline_reason is None and kind.exits == {} and len(kind.templates) == 3
 
 
+class _ReadsUnreached(nn.Module):
+    """A block whose ``extra`` its output never reaches (no gradient), read all the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.extra = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x)) + self.extra.detach().sum() * 0
+
+
+@pytest.mark.slow  # compiles models: the fast lane keeps to checks without one
+def test_a_second_fallback_in_the_every_unit_inline_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dynamic shape runs the forward again with every unit inline, where the inline body reads
+    ``extra`` through its flat shard (which the template left without a gradient): the kind falls
+    back a second time and the forward is traced a third time, still every unit inline. That third
+    trace once failed entering the inline context it had used up (``AttributeError`` from
+    ``contextlib``). Eager's numbers, and both exits counted."""
+    monkeypatch.setattr(compiled_model, "STATIC_SHAPES", 1)
+    torch.manual_seed(0)
+    reference = nn.Sequential(_ReadsUnreached(), _ReadsUnreached(), _ReadsUnreached())
+    model = zerograph.compile(copy.deepcopy(reference), 3, config=TEMPLATES)
+    for length in (16, 8):
+        x = torch.randn(2, length, 8)
+        model.zero_grad()
+        reference.zero_grad()
+        loss, expected = model(x).sum(), reference(x).sum()
+        loss.backward()
+        expected.backward()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            if q.grad is None:
+                assert p.grad is None, name
+                continue
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    (kind,) = state_of(model).unit_kinds
+    assert kind.path()["path"] == "inline" and len(kind.exits) == 2
+    assert any("dynamic shapes" in reason for reason in kind.exits)
+
+
 def _symbolic(graph: torch.fx.Graph) -> bool:
     """Whether any input of a Dynamo graph has a symbolic size (Dynamo made a dim dynamic)."""
     for node in graph.find_nodes(op="placeholder"):

@@ -182,7 +182,7 @@ def pooled_training(rank: int, world_size: int, name: str, stage: int, steps: in
         "allocations": allocations,
         "pool_bytes": pool_bytes,
         "pooled": pooled,
-        "gathered_peak": {(i, kind): t.peak(PARAM_ROLES) for i, mem in enumerate(state.runtime.graph_memory)
+        "gathered_peak": {(i, kind): t.peak(PARAM_ROLES) for i, mem in enumerate(state.runtime.accounting.graph_memory)
                           for kind, t in mem.items()},
         "unit_bytes": [sum(state.runtime.layouts[k].padded_numel * state.runtime.layouts[k].param_dtype.itemsize
                            for k in u.keys) for u in state.runtime.units],

@@ -159,7 +159,7 @@ def unused_case(rank: int, world: int, stage: int, config: zerograph.Config | No
             grads.append(_grads(net))
             opt.step()
             opt.zero_grad()
-        held = sorted(runtime_of_model(compiled).gradients.unsynced) if net is compiled else []
+        held = sorted(runtime_of_model(compiled).grad_buffers.unsynced) if net is compiled else []
         runs.append({"grads": grads, "params": {n: full(p) for n, p in net.named_parameters()}, "held": held})
     return {"ours": runs[0], "reference": runs[1],
             "inline_reasons": [kind.inline_reason for kind in state_of(compiled).unit_kinds]}

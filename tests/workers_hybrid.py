@@ -139,7 +139,7 @@ def hpz_graph_facts(rank: int, world_size: int, size: int, name: str = "gpt", te
     forward, backward = record["forward"].graph, record["backward"].graph
     return {
         "world_gathers_in_backward": sum(COLLECTIVE_KINDS.get(n.target) == "all_gather" for n in backward.nodes),
-        "node_gathers_in_backward": [(n.args[2] == runtime.secondary_group_name, n.args[3])
+        "node_gathers_in_backward": [(n.args[2] == runtime.topology.secondary_group_name, n.args[3])
                                      for n in backward.nodes if n.target is GATHER_ACTIVATION],
         "node_gathers_of_saved_pieces": sum(n.target is GATHER_ACTIVATION and n.args[0].op == "placeholder"
                                             for n in backward.nodes),

@@ -371,7 +371,7 @@ def _sharded_baseline(model: nn.Module) -> bool:
     """Every parameter attribute, read outside forward, is the DTensor shard itself (nothing
     gathered stays reachable), with this rank's shard shape, and no gradient exists."""
     runtime = runtime_of_model(model)
-    shapes = {layout.fqn: layout.local_shape(runtime.rank) for layout in runtime.layouts.values()}
+    shapes = {layout.fqn: layout.local_shape(runtime.topology.rank) for layout in runtime.layouts.values()}
     for mod_name, mod in model.named_modules():
         for name, param in mod._parameters.items():
             attr = getattr(mod, name)

@@ -300,7 +300,7 @@ def train_accumulating(rank: int, world_size: int, name: str, stage: int, sync_e
             warned.append([str(w.message) for w in caught if issubclass(w.category, zerograph.SyncedForHooksWarning)])
             loss.backward()
             comm.append(dict(zerograph.stats(model).comm_elements))
-            unsynced.append(runtime.unsynced_bytes())
+            unsynced.append(runtime.grad_buffers.unsynced_bytes())
         grads.append({n: _full(p.grad) for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()

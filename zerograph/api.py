@@ -1,4 +1,12 @@
-"""``zerograph.compile``: shard a model's parameters and capture its step for the passes."""
+"""``zerograph.compile``: shard a model's parameters and capture its step for the passes.
+
+``compile``'s body is the stages in order, one short call each: check the arguments and place
+the model (``capture/compile_setup.py``); plan its units and a schedule that fits the memory
+budget, read off the unsharded model (``planning/``); shard it (``shard/``); build the runtime
+that holds the shards (``runtime/``); trace each kind of unit as a template (``templates/``),
+which needs the runtime's shards; put the forward under ``torch.compile`` (``capture/``), whose
+backend needs all of it. The graphs are captured at the first call.
+"""
 from __future__ import annotations
 
 import logging
@@ -23,7 +31,7 @@ from .runtime.runtime import Runtime
 from .runtime.state import STATE_ATTR, ZeroGraphState
 from .shard.flat import FlatShard, flatten_unit_, flattenable
 from .shard.replicas import sync_replicas
-from .shard.sharding import ParameterWatch, find_units, shard_module_, traceable_forward
+from .shard.sharding import ParameterWatch, ParamLayout, Unit, find_units, shard_module_, traceable_forward
 from .shard.uninitialised import UninitialisedTracker, allocate_meta_buffers_
 from .shard.units import warn_large_units
 from .templates.kinds import FlatPlan, install_unit_templates, unit_parameters
@@ -102,7 +110,7 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
         ModelChangedError: a parameter was added or replaced, or a ``requires_grad`` flipped, after
             compile (freeze before compile instead).
         ScheduleMismatchError: on every rank, when ranks are about to run different collectives
-            (checked before each graph's first collective; see ``Runtime.check_schedule``).
+            (checked before each graph's first collective; see ``ScheduleCheck.check_schedule``).
         CollectiveError: a collective failed or timed out (``Config.timeout_s``): a peer died or stopped.
         ShardingError: a submodule called (or ``torch.compile``d) on its own, outside the model's forward.
     """
@@ -110,40 +118,54 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     config = check_arguments(model, stage, config, process_group, mesh)
     placement = place(model, config, process_group, mesh, device)
     sync_replicas(model, placement.world_group, placement.device)  # all start from rank 0's values, as with DDP
-    units = find_units(model, config.unit_classes)
-    warn_large_units(model, units, stage)  # before sharding: the blocks' classes are still their own
-    config = fit_memory_budget(model, stage, placement.shard_size, placement.replicate_size, config)
-    originals = dict(model.named_parameters())
-    runtime, fresh_buffers = _shard(model, stage, config, placement, units)
-    _install_optimizer_guard(originals)
+    units, config = _plan(model, stage, config, placement)
+    layouts, unit_objs, fresh_buffers = _shard(model, stage, config, placement, units)
+    runtime = _build_runtime(model, stage, config, placement, layouts, unit_objs)
     captured = CapturedGraphs()
     unit_kinds = _install_templates(runtime, config, units, captured)
     uninitialised = _uninitialised(model, runtime, fresh_buffers) if placement.meta_built else None
     _capture(model, runtime, config, captured, unit_kinds, uninitialised)
     log.info("zerograph: stage %d, world size %d (x %d replicas), %d units, %d parameters (%d elements)", stage,
-             runtime.world_size, runtime.replicate_size, len(runtime.units), len(runtime.layouts),
+             runtime.topology.world_size, runtime.topology.replicate_size, len(runtime.units), len(runtime.layouts),
              sum(layout.numel for layout in runtime.layouts.values()))
     return model
 
 
+def _plan(model: nn.Module, stage: int, config: Config, placement: Placement) -> tuple[list[tuple[str, nn.Module]], Config]:
+    """The units (``(name, module)`` in order, warned about when one is too large) and the
+    ``config`` whose schedule fits ``Config.memory``'s budget (``planning.budget``), both read off
+    the model before sharding: the blocks' classes and full parameters are still its own."""
+    units = find_units(model, config.unit_classes)
+    warn_large_units(model, units, stage)
+    return units, fit_memory_budget(model, stage, placement.shard_size, placement.replicate_size, config)
+
+
 def _shard(model: nn.Module, stage: int, config: Config, placement: Placement,
-           units: list[tuple[str, nn.Module]]) -> tuple[Runtime, list]:
-    """Replace ``model``'s parameters by this rank's shards (``sharding.shard_module_``), allocate
-    a meta-built model's buffers on the device, and build the ``Runtime`` the graphs call into;
-    returns it and the ``(name, buffer)`` pairs allocated."""
+           units: list[tuple[str, nn.Module]]) -> tuple[list[ParamLayout], list[Unit], list]:
+    """Replace ``model``'s parameters by this rank's shards (``sharding.shard_module_``), refuse an
+    optimizer step over the replaced ones, and allocate a meta-built model's buffers on the device;
+    returns the parameters' layouts, the units and the ``(name, buffer)`` pairs allocated."""
     precision = config.mixed_precision
+    originals = dict(model.named_parameters())
     layouts, unit_objs = shard_module_(model, placement.mesh, stage, units, next_key,
                                        param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
                                        full_precision_classes=precision.full_precision_classes,
                                        device=placement.device)
+    _install_optimizer_guard(originals)
     fresh = allocate_meta_buffers_(model, placement.device) if placement.meta_built else []
+    return layouts, unit_objs, fresh
+
+
+def _build_runtime(model: nn.Module, stage: int, config: Config, placement: Placement, layouts: list[ParamLayout],
+                   unit_objs: list[Unit]) -> Runtime:
+    """The ``Runtime`` the graphs call into, holding the model's shards."""
     runtime = Runtime(placement.group, stage, layouts, unit_objs, timeout_s=config.timeout_s, device=placement.device,
                       replicate_group=placement.replicate_group, world_group=placement.world_group,
                       secondary_group=placement.node_group)
     runtime.shards.update({layout.key: model.get_parameter(layout.fqn) for layout in layouts})
     runtime.eager.gather_quantization = config.gather_quantization  # graph breaks' eager gathers quantize too
     runtime.eager.reduce_quantization = config.reduce_quantization  # and their reductions
-    return runtime, fresh
+    return runtime
 
 
 def _install_templates(runtime: Runtime, config: Config, units: list[tuple[str, nn.Module]],
@@ -216,7 +238,7 @@ def _flat_plan(runtime: Runtime, config: Config, units: list[tuple[str, nn.Modul
         return flattenable(params, param_layouts, index)
 
     def make(index: int, name: str, module: nn.Module) -> FlatShard:
-        return flatten_unit_(index, name, *layouts(module), runtime.rank, next_key())
+        return flatten_unit_(index, name, *layouts(module), runtime.topology.rank, next_key())
 
     def retire(flat: FlatShard) -> None:
         runtime.flat_shards.pop(flat.layout.key, None)

@@ -59,8 +59,9 @@ class PoolCorruptionError(ZeroGraphError, RuntimeError):
 
 class TemplateUnavailable(ZeroGraphError):
     """A kind of unit could not be traced as a unit template (``Config.unit_templates``); its
-    units now run inline. Raised to the compiled forward, which traces the model again (never
-    reaches the user)."""
+    units now run inline. Raised out of Dynamo's trace (the one way out of it) to the compiled
+    forward, which takes it as a fallback (``compiled_model.FellBack``) and traces the model again;
+    it never reaches the user."""
 
 
 class HeldGradientsError(ZeroGraphError, RuntimeError):

@@ -102,7 +102,7 @@ def group_cost_models(links: Links, dims: Mapping[str, tuple[str, int]], shard_s
     """Which link prices each process group of a measured model on the cluster
     (``timeline.predict``'s ``group_costs``).
 
-    ``dims``: process-group name -> ``(mesh dim, group size here)`` (``Runtime.comm_dim``);
+    ``dims``: process-group name -> ``(mesh dim, group size here)`` (``Topology.comm_dim``);
     ``shard_size``: ranks of the shard dim here. A model with a replicate dim (hybrid sharding)
     maps its shard dim onto one node and its replicate dim onto the cross-node ring; hpZ's
     secondary group maps onto one node; a 1-D model's shard dim is the whole world (``world``, so
@@ -125,7 +125,7 @@ def mesh_dims_of(graphs: Sequence[fx.GraphModule], comm_dim: Callable[[str], tup
                  ) -> dict[str, tuple[str, int]]:
     """``{process-group name: (mesh dim, group size)}`` of every group the graphs communicate over:
     the functional collectives' groups and ``zerograph::gather_activation``'s (hpZ's node group,
-    P_a's group). ``comm_dim``: ``Runtime.comm_dim``."""
+    P_a's group). ``comm_dim``: ``Topology.comm_dim``."""
     groups = {group_name_of(node) if node.target in COLLECTIVE_KINDS else node.args[2]
               for graph in graphs for node in graph.graph.nodes
               if node.target in COLLECTIVE_KINDS or node.target is GATHER_ACTIVATION}
@@ -197,14 +197,14 @@ def simulate_system(spec: SystemSpec, model: nn.Module, events: Sequence[Any], w
         return {"error": str(exc)}
     seconds, outside_s = measured.by_node(), measured.outside_s
     runtime = runtime_of_model(model)
-    dims = mesh_dims_of(measured.graphs, runtime.comm_dim)
+    dims = mesh_dims_of(measured.graphs, runtime.topology.comm_dim)
     out: dict[str, Any] = {"matched_node_fraction": measured.matched_fraction, "outside_graphs_s": outside_s,
                            "profiled_step_s": measured.step_s}
     for cluster in clusters:
         scaled = {node: max(s * cluster.scale, cluster.cost.op_overhead_s) for node, s in seconds.items()}
         cost = ProfiledCost(**{f.name: getattr(cluster.cost, f.name) for f in dataclasses.fields(CostModel)},
                             node_seconds=scaled)
-        group_costs = {} if cluster.links is None else group_cost_models(cluster.links, dims, runtime.world_size)
+        group_costs = {} if cluster.links is None else group_cost_models(cluster.links, dims, runtime.topology.world_size)
         schedule = predict(measured.graphs, cost, group_costs)
         out[cluster.name] = {
             "world_size": cluster.world_size,

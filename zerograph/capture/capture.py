@@ -84,18 +84,16 @@ class ZeroGraphBackend:
 
     def pass_context(self, kind: str) -> PassContext:
         """The ``PassContext`` of a graph of ``kind``: the runtime's layout and the config's policies."""
-        runtime, config = self.runtime, self.config
-        return PassContext(kind, runtime.stage, runtime.world_size, runtime.group_name, runtime.marker_layouts,
+        runtime, config, topology = self.runtime, self.config, self.runtime.topology
+        return PassContext(kind, runtime.stage, topology.world_size, topology.group_name, runtime.marker_layouts,
                            tuple(runtime.units), schedule=config.schedule, memory=config.memory,
                            activations=dataclasses.replace(config.activations, group=None),
                            activation_group=config.activations.group_for_passes(),
                            buffer_pool=_pool_for(self.lowering, runtime, config),
-                           replicate_group=(None if runtime.replicate_group is None
-                                            else (runtime.replicate_group_name, runtime.replicate_size)),
+                           replicate_group=topology.replicate_spec,
                            gather_quantization=config.gather_quantization,
                            reduce_quantization=config.reduce_quantization,
-                           secondary_group=(None if runtime.secondary_group is None
-                                            else (runtime.secondary_group_name, runtime.secondary_size)))
+                           secondary_group=topology.secondary_spec)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         check_no_parameter_writes(gm.graph, self.runtime.marker_layouts, {
@@ -110,7 +108,7 @@ class ZeroGraphBackend:
             inference_compiler=functools.partial(graph.compile_graph, "inference"),
             partition_fn=graph.partition, decompositions=decompositions(self.lowering),
         )
-        return none_for_unreached(compiled, reach, self.runtime.world_group, self.runtime.device)
+        return none_for_unreached(compiled, reach, self.runtime.topology.world_group, self.runtime.device)
 
 
 class _GraphCompile:
@@ -129,18 +127,18 @@ class _GraphCompile:
                                       if flat.input is not None}}
         captured.input_params.append([names.get(id(x)) for x in example_inputs])
         captured.graphs.append(self.record)
-        runtime.graph_memory.append(self.memory)
+        runtime.accounting.graph_memory.append(self.memory)
         self.dump_root = backend.config.resolved_dump_dir()
         if self.dump_root:  # the dump's cost model: collective, so here on every rank alike (not in AOT's compilers)
             from ..dump import begin_dump, calibrate_once  # imported only when dumping: off costs nothing
 
-            calibrate_once(runtime.group)
+            calibrate_once(runtime.topology.group)
             begin_dump(self.dump_root, runtime)  # the run's manifest; clears a previous dump there, refuses a non-dump
 
     def run_passes(self, kind: str, g: Graphs) -> Graphs:
         """Run the pipeline of ``kind`` on ``g`` (dumped when asked) and record the result."""
         backend = self.backend
-        dump_dir = (os.path.join(self.dump_root, f"rank{backend.runtime.mesh_rank}", f"graph{self.graph_id}_{kind}")
+        dump_dir = (os.path.join(self.dump_root, f"rank{backend.runtime.topology.mesh_rank}", f"graph{self.graph_id}_{kind}")
                     if self.dump_root else None)
         g = run_pipeline(g, backend.pass_context(kind), pipeline(kind), disabled=backend.config.disabled_passes,
                          dump_dir=dump_dir)
@@ -213,18 +211,18 @@ def _pool_for(lowering: str, runtime: Runtime, config: Config) -> int | None:
 
 def _account(runtime: Runtime, gm: fx.GraphModule, compiled: Callable, backward: bool, graph_id: int) -> Callable:
     """Wrap a lowered graph: each call first checks that every rank is about to run the same
-    communication schedule (``Runtime.check_schedule``: one 16-byte all-gather, raises
+    communication schedule (``ScheduleCheck.check_schedule``: one 16-byte all-gather, raises
     ``ScheduleMismatchError`` instead of letting diverged ranks hang), then counts the graph's
     collectives (and that graph ``graph_id`` ran) into the step counter, then runs it. A communication failure inside the graph (a
     peer died, a timeout) is re-raised as ``CollectiveError`` naming the graph, chaining the cause.
     """
     volume = collective_volume(gm.graph)
-    schedule = runtime.schedule(gm.graph, "backward" if backward else "forward")  # computed once per graph
+    schedule = runtime.schedule_check.schedule(gm.graph, "backward" if backward else "forward")  # computed once per graph
 
     def call(args: list[Any]) -> Any:
-        runtime.check_schedule(schedule)
+        runtime.schedule_check.check_schedule(schedule)
         for kind, numel, itemsize, group_name in volume:
-            dim, size = runtime.comm_dim(group_name)
+            dim, size = runtime.topology.comm_dim(group_name)
             runtime.accounting.current.add(kind, numel, itemsize, size, dim)
         runtime.accounting.current.graphs.add(graph_id)
         if backward:

@@ -7,7 +7,10 @@ methods (FSDP2's ``fully_shard`` swaps the class the same way).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import functools
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +27,8 @@ from ..policies import MixedPrecisionPolicy
 from ..runtime.state import STATE_ATTR, ZeroGraphState, state_of
 from ..shard.sharding import forget_shape_history, set_gathering, set_grad_mode, set_substituted
 from ..templates.kinds import every_unit_inline, refresh_unit_modes
+
+log = logging.getLogger(__name__)
 
 
 def compiled_class(cls: type) -> type:
@@ -86,10 +91,10 @@ def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     try:
         for flat in flats:  # each unit's graph input, an autograd function of its shards
             flat.open_forward()
-        state.runtime.prepare_backward(mode)
+        state.runtime.grad_buffers.prepare_backward(mode)
         args, kwargs = _cast_inputs(state.config.mixed_precision, args, kwargs)
         out = _run_falling_back(state, self, args, kwargs)
-        state.runtime.flush_leftovers_after_backward(out, mode)
+        state.runtime.grad_buffers.flush_leftovers_after_backward(out, mode)
         return out
     except (BackendCompilerFailed, TorchRuntimeError, InternalTorchDynamoError) as exc:
         # zerograph's own errors raised while Dynamo compiled (a changed requires_grad, a broken
@@ -123,7 +128,7 @@ def grad_mode_for(state: ZeroGraphState, model: nn.Module) -> str:
     what eager's see; the micro-batches then cost one reduction each. (DDP runs the hooks on each
     rank's local gradient, which matches eager only for hooks linear in the gradient; FSDP2 runs
     none on an unsynced backward.)"""
-    mode = state.runtime.grad_mode()
+    mode = state.runtime.grad_buffers.grad_mode()
     if mode != GRAD_ACCUMULATE:
         return mode
     hooked = [name for name, param in model.named_parameters()
@@ -136,35 +141,74 @@ def grad_mode_for(state: ZeroGraphState, model: nn.Module) -> str:
         "register_post_accumulate_grad_hook), which must see each micro-batch's gradient and the sum so far, "
         "as in eager; remove the hooks while accumulating to skip the reductions", SyncedForHooksWarning,
         stacklevel=3)
-    return GRAD_FLUSH if state.runtime.unsynced_bytes() else GRAD_SYNC
+    return GRAD_FLUSH if state.runtime.grad_buffers.unsynced_bytes() else GRAD_SYNC
+
+
+class NextTrace(enum.Enum):
+    """How the compiled forward traces again after a unit template could not serve a trace."""
+
+    # a kind of unit now runs inline (``UnitKind.fall_back`` set its flags, which the graphs guard on)
+    SAME = enum.auto()
+    # a template met a dynamic shape: this forward's trace again with every templated unit inline
+    EVERY_UNIT_INLINE = enum.auto()
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A trace attempt that compiled (or found its graph) and ran: the forward's ``output``."""
+
+    output: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class FellBack:
+    """A trace attempt a unit template could not serve: ``reason`` (the kind and why, as the
+    kind's ``exits`` and its log line say it) and how the next attempt traces."""
+
+    reason: str
+    next_trace: NextTrace
 
 
 def _run_falling_back(state: ZeroGraphState, model: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """The compiled forward; traced again each time a kind of unit cannot be a template
-    (``TemplateUnavailable``: its units now run inline), at most once per kind, and once with
-    every unit inline when a template met a dynamic shape (``DynamicShapeTrace``: that trace
-    only). Every rank meets the same failure in the same trace, so the ranks stay in step."""
-    inline_trace = contextlib.nullcontext()
+    """The compiled forward; traced again each time a kind of unit cannot be a template (its
+    units now run inline), at most three times per kind, and once with every unit inline when a
+    template met a dynamic shape (that trace only). Every rank meets the same fallback in the same
+    trace, so the ranks stay in step."""
     if not state.captured.graphs:  # this model's first trace: static, whatever other models of its class saw
         forget_shape_history(state.compiled_forward.__wrapped__)
     # a retry runs again the graphs that ran before the failed trace (those before a graph break):
     # their writes to buffers (a counter, running statistics) and their random numbers are undone
     # first, so the retried forward is the one eager runs once
     before = _ForwardSideEffects(model) if state.unit_kinds else None
+    inline = False
     # a kind falls back at most three times (in a training-flag mode, off its flat shards, to islands)
     for _ in range(3 * len(state.unit_kinds) + 2):
-        try:
-            with inline_trace, shape_policy(state, args, kwargs):
-                return state.compiled_forward(model, *args, **kwargs)
-        except Exception as exc:
-            error = own_error(exc)
-            if not isinstance(error, TemplateUnavailable):
-                raise
-            if before is not None:
-                before.undo()
-            if isinstance(error, DynamicShapeTrace):  # this trace again, every unit inline (no template is asked)
-                inline_trace = every_unit_inline()
+        outcome = _trace_once(state, model, args, kwargs, all_inline=inline)
+        if isinstance(outcome, Traced):
+            return outcome.output
+        log.debug("zerograph: tracing the forward again (%s): %s", outcome.next_trace.name, outcome.reason)
+        if before is not None:
+            before.undo()
+        inline = inline or outcome.next_trace is NextTrace.EVERY_UNIT_INLINE
     raise AssertionError("unreachable: each retry makes one more kind of unit, or the whole trace, more inline")
+
+
+def _trace_once(state: ZeroGraphState, model: nn.Module, args: tuple, kwargs: dict, *,
+                all_inline: bool) -> Traced | FellBack:
+    """One attempt at the compiled forward (``all_inline``: every templated unit inline, no
+    template asked). A template that cannot serve the trace raises ``TemplateUnavailable`` from
+    inside Dynamo's trace, the one way out of it; here it becomes a ``FellBack``. Any other error
+    propagates (``TemplateFallbackError`` under ``Config.strict_templates`` among them)."""
+    inline_trace = every_unit_inline() if all_inline else contextlib.nullcontext()
+    try:
+        with inline_trace, shape_policy(state, args, kwargs):
+            return Traced(state.compiled_forward(model, *args, **kwargs))
+    except Exception as exc:
+        error = own_error(exc)
+        if not isinstance(error, TemplateUnavailable):
+            raise
+    dynamic = isinstance(error, DynamicShapeTrace)
+    return FellBack(str(error), NextTrace.EVERY_UNIT_INLINE if dynamic else NextTrace.SAME)
 
 
 class _ForwardSideEffects:
@@ -267,7 +311,7 @@ def set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool) ->
 
     Source: FSDP2's ``FSDPModule.set_requires_gradient_sync``; DDP's ``no_sync``.
     """
-    state_of(self).runtime.requires_gradient_sync = bool(requires_gradient_sync)
+    state_of(self).runtime.grad_buffers.requires_gradient_sync = bool(requires_gradient_sync)
 
 
 @contextlib.contextmanager
@@ -276,7 +320,7 @@ def no_sync(self: nn.Module):
     (DDP's ``no_sync``). Decided by the forward, as DDP's: the backwards of forwards run inside it
     keep their gradients unreduced wherever they run, unless a synced forward's backward runs in
     the same backward (a loss summing both), which reduces them at its end."""
-    gradients = state_of(self).runtime.gradients
+    gradients = state_of(self).runtime.grad_buffers
     previous = gradients.requires_gradient_sync, gradients.no_sync
     gradients.requires_gradient_sync, gradients.no_sync = False, True
     try:

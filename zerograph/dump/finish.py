@@ -38,14 +38,14 @@ def finish_graph(directory: str | None, kind: str, gm: Any, runtime: Any, captur
     """
     if kind == "partitioned":  # the pair goes on into the forward and backward pipelines, whose folders render it
         if directory is not None:
-            rank_manifest(os.path.dirname(directory), runtime.mesh_rank, runtime.dp_size).finish_graph(
+            rank_manifest(os.path.dirname(directory), runtime.topology.mesh_rank, runtime.topology.dp_size).finish_graph(
                 os.path.basename(directory))
         return
-    param_bytes = {layout.fqn: math.prod(layout.local_shape(runtime.rank)) * layout.dtype.itemsize
+    param_bytes = {layout.fqn: math.prod(layout.local_shape(runtime.topology.rank)) * layout.dtype.itemsize
                    for layout in runtime.marker_layouts.values()}  # the units' flat shards too
     held = held_inputs(gm, captured.graphs[graph_id].get("dynamo"), captured.input_params[graph_id], param_bytes)
     memory = memory_timeline(gm.graph, held, carried)
-    cost = _COST_MODELS.get(runtime.group_name)  # from ``calibrate_once`` at the backend's entry
+    cost = _COST_MODELS.get(runtime.topology.group_name)  # from ``calibrate_once`` at the backend's entry
     if traced:
         from .trace import emit_graph_results
 
@@ -54,11 +54,11 @@ def finish_graph(directory: str | None, kind: str, gm: Any, runtime: Any, captur
     if directory is None:
         return
     rank_dir = os.path.dirname(directory)
-    manifest = rank_manifest(rank_dir, runtime.mesh_rank, runtime.dp_size)
+    manifest = rank_manifest(rank_dir, runtime.topology.mesh_rank, runtime.topology.dp_size)
     write_rendering(directory, gm.graph, runtime.units)
     write_json(os.path.join(directory, "memory.json"), memory)
     plot_memory(memory, os.path.join(directory, "memory.png"),
-                f"rank {runtime.mesh_rank}, graph {graph_id} {kind}: live bytes (stage {runtime.stage})")
+                f"rank {runtime.topology.mesh_rank}, graph {graph_id} {kind}: live bytes (stage {runtime.stage})")
     if kind != "joint" and cost is not None:  # the joint graph never runs as such: no schedule
         write_schedule(os.path.join(directory, "schedule.json"), [gm], cost)
     manifest.record(*(path for name in GRAPH_RESULT_FILES if os.path.exists(path := os.path.join(directory, name))))

@@ -183,24 +183,25 @@ def begin_dump(dump_root: str, runtime: Any) -> RankManifest:
     a run id with the other ranks, clear this rank's previous dump, start its manifest; rank 0 also
     writes ``<dump_root>/manifest.json`` and clears ``rank<k>/`` dumps with ``k >= world size``.
 
-    Collective the first time per folder (one ``broadcast_object_list`` over ``runtime.world_group``,
-    every rank of the mesh; folders are named by ``runtime.mesh_rank``, unique under hybrid sharding):
+    Collective the first time per folder (one ``broadcast_object_list`` over ``topology.world_group``,
+    every rank of the mesh; folders are named by ``topology.mesh_rank``, unique under hybrid sharding):
     every rank must call it at the same point, as ``calibrate_once``. Raises ``DumpError`` when a
     folder is not a zerograph dump (``clear_previous``).
     """
-    rank_dir = os.path.join(dump_root, f"rank{runtime.mesh_rank}")
+    topology = runtime.topology
+    rank_dir = os.path.join(dump_root, f"rank{topology.mesh_rank}")
     key = os.path.realpath(rank_dir)
     if key in _OPEN and os.path.isdir(rank_dir):
         return _OPEN[key]
     run = [uuid.uuid4().hex]
-    if runtime.dp_size > 1 and not runtime.fake_world:  # a fake world has no peers to agree with
+    if topology.dp_size > 1 and not topology.fake_world:  # a fake world has no peers to agree with
         import torch.distributed as dist
 
-        dist.broadcast_object_list(run, src=dist.get_global_rank(runtime.world_group, 0), group=runtime.world_group)
-    if runtime.mesh_rank == 0:
-        _begin_root(dump_root, run[0], runtime.dp_size)
+        dist.broadcast_object_list(run, src=dist.get_global_rank(topology.world_group, 0), group=topology.world_group)
+    if topology.mesh_rank == 0:
+        _begin_root(dump_root, run[0], topology.dp_size)
     _OPEN.pop(key, None)
-    return rank_manifest(rank_dir, runtime.mesh_rank, runtime.dp_size, run[0])
+    return rank_manifest(rank_dir, topology.mesh_rank, topology.dp_size, run[0])
 
 
 def _begin_root(dump_root: str, run: str, world_size: int) -> None:

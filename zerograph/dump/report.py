@@ -25,7 +25,7 @@ def build_report(runtime: Any, captured: Any, stats: Any | None) -> dict[str, An
     """The summary as plain data (``summary.json``): per unit its size and where each graph
     gathers, waits for, releases and reduces it; with ``stats`` (``zerograph.Stats`` of a finished
     step) the totals beside the ZeRO paper's formulas (sections 5 and 7)."""
-    rank = runtime.rank  # the shard group's rank: what the local shapes follow
+    rank = runtime.topology.rank  # the shard group's rank: what the local shapes follow
     rows = []
     for unit in runtime.units:
         layouts = [runtime.layouts[k] for k in unit.keys]
@@ -50,8 +50,8 @@ def build_report(runtime: Any, captured: Any, stats: Any | None) -> dict[str, An
                 if r["role"] == "gather":
                     for u in r["units"]:
                         rows[u]["released"].append({**where, "node": r["node"], "position": r["position"]})
-    report: dict[str, Any] = {"rank": rank, "world_size": runtime.world_size, "stage": runtime.stage,
-                              "replicas": runtime.replicate_size,
+    report: dict[str, Any] = {"rank": rank, "world_size": runtime.topology.world_size, "stage": runtime.stage,
+                              "replicas": runtime.topology.replicate_size,
                               "graphs": len(captured.graphs), "units": rows, "passes": _pass_times(captured),
                               "templates": _templates(captured), "unit_paths": captured.unit_paths()}
     if stats is not None:
@@ -260,7 +260,7 @@ def write_summary(model: torch.nn.Module, dump_dir: str, optimizer: torch.optim.
     when ``<dump_dir>/rank<r>/`` holds files but is not a zerograph dump (``dump.manifest``).
     """
     state, report = _report_of(model, optimizer)
-    return write_summary_files(os.path.join(dump_dir, f"rank{state.runtime.mesh_rank}"), report)
+    return write_summary_files(os.path.join(dump_dir, f"rank{state.runtime.topology.mesh_rank}"), report)
 
 
 def explain(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
@@ -275,7 +275,7 @@ def explain(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     state, report = _report_of(model, optimizer)
     dump_root = state.config.resolved_dump_dir()
     if dump_root:
-        write_summary_files(os.path.join(dump_root, f"rank{state.runtime.mesh_rank}"), report)
+        write_summary_files(os.path.join(dump_root, f"rank{state.runtime.topology.mesh_rank}"), report)
     return summary_markdown(report)
 
 

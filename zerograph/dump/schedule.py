@@ -60,9 +60,9 @@ def write_measured_schedule(model: torch.nn.Module, schedule: Any) -> str | None
     dump_root = state.config.resolved_dump_dir()
     if not dump_root:
         return None
-    rank_dir = os.path.join(dump_root, f"rank{state.runtime.mesh_rank}")
-    manifest = rank_manifest(rank_dir, state.runtime.mesh_rank, state.runtime.dp_size)
+    rank_dir = os.path.join(dump_root, f"rank{state.runtime.topology.mesh_rank}")
+    manifest = rank_manifest(rank_dir, state.runtime.topology.mesh_rank, state.runtime.topology.dp_size)
     path = os.path.join(rank_dir, "measured_schedule.json")
-    write_json(path, schedule.to_chrome_trace(pid=state.runtime.mesh_rank))
+    write_json(path, schedule.to_chrome_trace(pid=state.runtime.topology.mesh_rank))
     manifest.record(path)
     return path

@@ -61,7 +61,7 @@ def _unshard_fake(shard: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> 
 def reduce_grad(grad: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> torch.Tensor:
     """This rank's shard of the rank-averaged gradient. ``grad``: full shape in ``param_dtype`` ->
     (local_rows, *rest) in the parameter's dtype (zeros under ``"accumulate"``)."""
-    return registry.runtime_of(key).eager.reduce_grad(grad, key, grad_mode)
+    return registry.runtime_of(key).reduce_grad(grad, key, grad_mode)
 
 
 @reduce_grad.register_fake
@@ -92,7 +92,7 @@ def accumulate_unsynced(grad: torch.Tensor, key: int) -> torch.Tensor:
     """Add a full gradient to the runtime's unsynced buffer of ``key`` (in ``reduce_dtype``); no
     collective. Returns zeros of this rank's shard shape in the parameter's dtype, the shard's
     gradient for this micro-batch (its share arrives when the buffer is reduced)."""
-    return registry.runtime_of(key).gradients.accumulate(grad, key)
+    return registry.runtime_of(key).grad_buffers.accumulate(grad, key)
 
 
 @accumulate_unsynced.register_fake
@@ -104,7 +104,7 @@ def _accumulate_unsynced_fake(grad: torch.Tensor, key: int) -> torch.Tensor:
 def take_unsynced(grad: torch.Tensor, key: int) -> torch.Tensor:
     """``grad`` (full shape) plus the unsynced buffer of ``key``, in ``reduce_dtype``; empties the
     buffer. Without a buffer (the parameter was unused while unsynced) a copy of ``grad``."""
-    return registry.runtime_of(key).gradients.take(grad, key)
+    return registry.runtime_of(key).grad_buffers.take(grad, key)
 
 
 @take_unsynced.register_fake

@@ -29,8 +29,8 @@ def group_of(model: nn.Module) -> dist.ProcessGroup:
     """The group a checkpoint of ``model`` is collective over; ``ShardingError`` for a model zerograph
     did not compile, ``ProcessGroupError`` for a destroyed group."""
     runtime = state_of(model).runtime
-    runtime.check_group()
-    return runtime.world_group  # every rank of the mesh (hybrid sharding: replicas write once, DCP dedups)
+    runtime.topology.check_group()
+    return runtime.topology.world_group  # every rank of the mesh (hybrid sharding: replicas write once, DCP dedups)
 
 
 def gather(group: dist.ProcessGroup, value: Any, what: str) -> list[Any]:

@@ -180,7 +180,7 @@ class _UnitWalk:
                 if p is not None:
                     self.holders.setdefault(self.key_of[id(p)], []).append((mod, name))
         pending = _pending_keys(model, self.key_of)
-        self.pending, self.rng_diverged = _agree(runtime.world_group, pending, device)  # replicas too
+        self.pending, self.rng_diverged = _agree(runtime.topology.world_group, pending, device)  # replicas too
         self.rng_start = _rng_state(device)
         self.written = {key: versions(p) for key, p in self.shard_of.items()}  # what our own copies leave
         self.direct: set[int] = set()  # keys whose shards fn wrote directly
@@ -224,7 +224,7 @@ class _UnitWalk:
         fulls = {}
         for key in self.runtime.units[unit].keys:
             shard = self.shard_of[key]
-            full = _full(shard, self.layout_of[key], self.runtime.group, self.device, key in self.pending)
+            full = _full(shard, self.layout_of[key], self.runtime.topology.group, self.device, key in self.pending)
             param = nn.Parameter(full, requires_grad=shard.requires_grad)
             self.key_of[id(param)] = key  # the walk finds it where the shard was
             for mod, name in self.holders[key]:

@@ -49,8 +49,8 @@ def local_rows(model: nn.Module) -> dict[int, tuple[ParamLayout, int, int]]:
         layout = by_fqn[name]
         if layout.sharded:
             total = layout.shape[0]
-            start = min(runtime.rank * layout.chunk_rows, total)
-            rows[id(param)] = (layout, start, start + layout.rank_rows[runtime.rank])
+            start = min(runtime.topology.rank * layout.chunk_rows, total)
+            rows[id(param)] = (layout, start, start + layout.rank_rows[runtime.topology.rank])
         else:
             rows[id(param)] = (layout, 0, layout.shape[0] if layout.shape else 1)
     return rows

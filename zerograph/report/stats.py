@@ -160,13 +160,13 @@ def stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> S
     grad_shard_bytes = sum(_local(p.grad).numel() * _local(p.grad).element_size() for p in params if p.grad is not None)
     # the frames of the last step: graphs that ran in it (not an eval-only graph, nor the other
     # variant of a recompiled or no-sync graph)
-    step = rt.finished_step()
-    ran = [m for graph_id, m in enumerate(rt.graph_memory) if graph_id in step.graphs]
+    step = rt.accounting.finished_step()
+    ran = [m for graph_id, m in enumerate(rt.accounting.graph_memory) if graph_id in step.graphs]
     gathered = sum(max((m[k].peak(PARAM_ROLES) for k in ("forward", "backward") if k in m), default=0)
                    for m in ran)
     grads_peak = sum(m["backward"].peak(GRAD_ROLES) for m in ran if "backward" in m)
     # full gradients the runtime holds while gradient sync is off (set_requires_gradient_sync)
-    grads_peak += rt.unsynced_bytes()
+    grads_peak += rt.grad_buffers.unsynced_bytes()
     resident = {"params": shard_bytes + gathered, "grads": max(grads_peak, grad_shard_bytes)}
     transient = {"params": gathered, "grads": resident["grads"] - grad_shard_bytes}
     opt_bytes_per_elem = None
@@ -184,15 +184,15 @@ def stats(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> S
     num_params = sum(layout.numel for layout in rt.layouts.values())
     compute = _bytes_per_element(rt, lambda layout: layout.param_dtype)  # full params and full grads
     master = _bytes_per_element(rt, lambda layout: layout.dtype)  # shards and their .grad
-    formula = formula_bytes(rt.stage, rt.world_size, num_params, compute, compute, opt_bytes_per_elem,
+    formula = formula_bytes(rt.stage, rt.topology.world_size, num_params, compute, compute, opt_bytes_per_elem,
                             master_bytes=master, grad_shard_bytes=master)
     saved, offloaded, secondary = (sum(per_graph.get(graph_id, 0) for graph_id in step.graphs) for per_graph in (
         state.captured.saved_activation_bytes, state.captured.offloaded_activation_bytes,
         state.captured.secondary_partition_bytes))
-    return Stats(rt.stage, rt.world_size, num_params, dict(step.elements), dict(step.bytes), resident,
-                 formula, transient, saved, offloaded, fake_world=rt.fake_world,
+    return Stats(rt.stage, rt.topology.world_size, num_params, dict(step.elements), dict(step.bytes), resident,
+                 formula, transient, saved, offloaded, fake_world=rt.topology.fake_world,
                  comm_elements_per_dim={d: dict(c) for d, c in step.dim_elements.items()},
                  comm_bytes_per_dim={d: dict(c) for d, c in step.dim_bytes.items()},
-                 replicas=rt.replicate_size, secondary_partition_bytes=secondary,
+                 replicas=rt.topology.replicate_size, secondary_partition_bytes=secondary,
                  template_exits={f"{kind.name}: {reason}": count for kind in state.unit_kinds
                                  for reason, count in kind.exits.items()})

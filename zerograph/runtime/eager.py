@@ -1,14 +1,14 @@
 """The markers' eager fallback: gathers and reductions outside a graph, with the graphs' code.
 
 A frame Dynamo ran eagerly (a graph break), an island (``unit_islands.py``) and the gradients a
-``no_sync`` run held back (``grad_buffers.py``) run ``zerograph::unshard`` / ``reduce_grad``
-as the ops themselves, one parameter at a time. They call the very tensor functions the passes
-trace into the graphs (``collectives.gather_fn`` / ``reduce_fn``), so an eager frame moves what a
-graph would: the same copy-in and copy-out, the same quantization (qwZ, qgZ), the same
-all-reduce across replicas under hybrid sharding. Each call's collectives are counted into the
-step as a graph's are (``_CountCollectives``: kind, full buffer, group, as ``collective_volume``
-reads them off a graph), and a communication failure becomes a ``CollectiveError`` naming the
-parameter.
+``no_sync`` run held back (``grad_buffers.py``, which reduces through ``EagerCollectives``) run
+``zerograph::unshard`` / ``reduce_grad`` as the ops themselves, one parameter at a time. They
+call the very tensor functions the passes trace into the graphs (``collectives.gather_fn`` /
+``reduce_fn``), so an eager frame moves what a graph would: the same copy-in and copy-out, the
+same quantization (qwZ, qgZ), the same all-reduce across replicas under hybrid sharding. Each
+call's collectives are counted into the step as a graph's are (``_CountCollectives``: kind, full
+buffer, group, as ``collective_volume`` reads them off a graph), and a communication failure
+becomes a ``CollectiveError`` naming the parameter.
 
 Layer: execution.
 """
@@ -22,13 +22,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import CollectiveError
-from ..graph.vocab import COLLECTIVE_KINDS, GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC
+from ..graph.vocab import COLLECTIVE_KINDS
 from ..shard.sharding import ParamLayout
 from .accounting import StepAccounting
 from .collective_watch import watching
 from .collectives import funcol, gather_fn, reduce_fn
 from .comm_schedule import is_communication_failure
-from .grad_buffers import GradientBuffers
 from .topology import Topology
 
 
@@ -58,18 +57,19 @@ class EagerCollectives:
     Attributes:
         gather_quantization, reduce_quantization: ``Config``'s (set by compile), as the passes
             read them from ``PassContext``: a graph break's gathers quantize as the graphs' do.
+        watch_collectives: ``ZEROGRAPH_DEBUG_COLLECTIVES``: each call's buffers checked
+            (``collective_watch``).
     """
 
     def __init__(self, layouts: Mapping[int, ParamLayout], topology: Topology, accounting: StepAccounting,
-                 gradients: GradientBuffers, device: torch.device):
+                 device: torch.device, *, watch_collectives: bool = False):
         self.layouts = layouts  # every key a marker may carry (the runtime's marker_layouts)
         self.topology = topology
         self.accounting = accounting
-        self.gradients = gradients
         self.device = device
         self.gather_quantization: str | None = None
         self.reduce_quantization: str | None = None
-        self.watch_collectives = False  # ZEROGRAPH_DEBUG_COLLECTIVES (set by the runtime)
+        self.watch_collectives = watch_collectives
 
     def unshard(self, shard: torch.Tensor, key: int) -> torch.Tensor:
         """All-gather one parameter outside a graph. ``shard``: (local_rows, *rest) -> full shape,
@@ -81,20 +81,19 @@ class EagerCollectives:
         (full,) = self._run("all_gather", key, gather, shard)
         return full
 
-    def reduce_grad(self, grad: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> torch.Tensor:
+    def reduce_grad(self, grad: torch.Tensor, key: int, *, flush: bool = False) -> torch.Tensor:
         """Average one full gradient across ranks outside a graph: reduce-scatter to this rank's
         shard (stages 1-3) or all-reduce (stage 0), in ``reduce_dtype``. ``grad``: full shape ->
-        local shard shape in the parameter's dtype. ``grad_mode`` as ``ops.reduce_grad``'s (at world
-        size 1 nothing is worth keeping: every mode hands the gradient straight to the shard)."""
+        local shard shape in the parameter's dtype. ``flush``: first add what a ``no_sync`` run
+        held for ``key`` (``zerograph::take_unsynced``). World size 1: the gradient cast through
+        ``reduce_dtype``, as the reduction would round it."""
         layout, topology = self.layouts[key], self.topology
         self.accounting.backward_ran = True
         if topology.dp_size == 1:
             return grad.to(layout.reduce_dtype).to(layout.dtype, copy=True)
-        if grad_mode == GRAD_ACCUMULATE:
-            return self.gradients.accumulate(grad, key)
         rows = layout.rank_rows[topology.rank] if layout.sharded else 0
         reduce = reduce_fn([key], [layout], [rows], topology.world_size, topology.group_name, layout.sharded,
-                           flush=grad_mode == GRAD_FLUSH, replicate_group=topology.replicate_spec,
+                           flush=flush, replicate_group=topology.replicate_spec,
                            quantization=self.reduce_quantization)
         (local,) = self._run("reduce_scatter" if layout.sharded else "all_reduce", key, reduce, grad)
         return local

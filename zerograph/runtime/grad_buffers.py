@@ -17,7 +17,7 @@ dtype) and its post-backward final callback.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,9 +27,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import HeldGradientsError
 from ..graph.vocab import GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC
-from ..shard.flat import FlatShard
+from ..shard.flat import FlatShard, accumulate_grad
 from ..shard.sharding import ParamLayout
 from .accounting import StepAccounting
+from .eager import EagerCollectives
 from .topology import Topology
 
 
@@ -39,23 +40,18 @@ class GradientBuffers:
     Attributes:
         requires_gradient_sync: ``False``: backward keeps full gradients here (no_sync).
         unsynced: key -> full gradient summed while unsynced, in ``reduce_dtype``.
-        reduce_leftover: ``(full gradient, key) -> None``: reduce one held gradient into its
-            shard's ``.grad`` (set by the runtime, which knows the shards).
-        reduce_now: ``(full gradient, key) -> shard gradient``: reduce one gradient at once, as a
-            synced backward does (set by the runtime).
+        eager: the eager reductions (``eager.py``) that reduce a gradient at once, as a synced
+            backward does, and the held ones when sync comes back.
         shards, flat_shards: the runtime's parameter of each key and flat shard of each unit's
             key, read to find the parameters a key's gradient goes to.
     """
 
     def __init__(self, layouts: Mapping[int, ParamLayout], topology: Topology, accounting: StepAccounting,
-                 reduce_leftover: Callable[[torch.Tensor, int], None],
-                 reduce_now: Callable[[torch.Tensor, int], torch.Tensor],
-                 shards: Mapping[int, torch.Tensor], flat_shards: Mapping[int, FlatShard]):
+                 eager: EagerCollectives, shards: Mapping[int, torch.Tensor], flat_shards: Mapping[int, FlatShard]):
         self.layouts = layouts  # every key a marker may carry (the runtime's marker_layouts)
         self.topology = topology
         self.accounting = accounting
-        self.reduce_leftover = reduce_leftover
-        self.reduce_now = reduce_now
+        self.eager = eager
         self.shards = shards
         self.flat_shards = flat_shards
         # each key's parameters' AccumulateGrad nodes (found at a forward: the custom ops' bodies, where
@@ -104,9 +100,9 @@ class GradientBuffers:
         self.accounting.backward_ran = True
         runs = self._accumulates(key)
         if runs is None:
-            return self.reduce_now(grad, key)
+            return self.eager.reduce_grad(grad, key)
         if not self.holds_now():  # a forward traced unsynced, its backward run with sync back on
-            return self.reduce_now(self.take(grad, key), key)
+            return self.eager.reduce_grad(self.take(grad, key), key)
         if any(runs):
             # a contiguous copy of our own: the graph may reuse grad's storage
             kept = grad.to(layout.reduce_dtype, copy=True, memory_format=torch.contiguous_format)
@@ -223,7 +219,16 @@ class GradientBuffers:
         syncs, self._backward_holds, self._backward_syncs = self._backward_syncs, False, False
         if syncs and self.requires_gradient_sync:
             for key in sorted(self.unsynced):
-                self.reduce_leftover(self.unsynced.pop(key), key)
+                self._reduce_into_grad(self.unsynced.pop(key), key)
+
+    def _reduce_into_grad(self, grad: torch.Tensor, key: int) -> None:
+        """Reduce one held full gradient into its shard's ``.grad`` (its unit's flat gradient for
+        a flat shard's key)."""
+        local = self.eager.reduce_grad(grad, key)  # (local rows, *rest)
+        if key in self.flat_shards:
+            self.flat_shards[key].add_grad(local)
+            return
+        accumulate_grad(self.shards[key], local)
 
 
 def _unchanged(grad: torch.Tensor | None, noted: tuple[torch.Tensor | None, int] | None) -> bool:

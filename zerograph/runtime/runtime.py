@@ -1,20 +1,24 @@
 """Run-time state of one compiled model on this rank: a few parts with one job each.
 
-The runtime never rewrites graphs. It owns what the compiled graphs need at run time, in parts:
+The runtime never rewrites graphs. It owns what the compiled graphs need at run time, in parts,
+each reached by name (``runtime.topology.rank``, ``runtime.grad_buffers.unsynced``):
 
 - ``topology`` (``topology.py``): the process groups the graphs name, their sizes, this rank;
 - ``accounting`` (``accounting.py``): what each step communicated, per collective kind and mesh dim;
 - ``schedule_check`` (``comm_schedule.py``): before each graph call the ranks compare a digest of
   its communication schedule, and a communication failure inside a graph becomes a
   ``CollectiveError`` naming it, instead of a hang;
-- ``gradients`` (``grad_buffers.py``): the full gradients held while ``requires_gradient_sync`` is off;
 - ``eager`` (``eager.py``): the markers' eager fallback (graph breaks, islands), which runs the
   passes' own gather and reduce functions (``collectives.py``);
+- ``grad_buffers`` (``grad_buffers.py``): the full gradients held while ``requires_gradient_sync``
+  is off, reduced through ``eager`` when sync comes back;
 - ``buffer_pool`` (``buffer_pool.py``): the comm buffers ``buffer_reuse`` assigns graphs to;
 
 and, itself, the parameters' layouts (what the markers' fake implementations read), the units,
-the shards and the units' flat shards. The names many modules read (``world_size``, ``rank``,
-``mesh_rank``, ``requires_gradient_sync``...) stay readable on the runtime itself.
+the shards and the units' flat shards. The parts are built in that order, each from the ones
+before it: no part refers back to the runtime.
+
+Source: FSDP2's ``torch/distributed/fsdp/_fully_shard/`` (one object per file, held by name).
 """
 from __future__ import annotations
 
@@ -25,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ..graph import registry
-from ..graph.vocab import GRAD_SYNC
-from ..shard.flat import FlatShard, accumulate_grad
+from ..graph.vocab import GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC
+from ..shard.flat import FlatShard
 from ..shard.sharding import ParamLayout, Unit
 from . import collective_watch
 from .accounting import CommCounter, StepAccounting
@@ -40,17 +44,6 @@ from .topology import Topology
 __all__ = ["CommCounter", "CommSchedule", "Runtime", "ScheduleEntry", "is_communication_failure", "schedule_of"]
 
 
-def _part(part: str, name: str, settable: bool = False) -> property:
-    """A read-through (``settable``: and write-through) property for ``self.<part>.<name>``."""
-    def get(self: Runtime) -> Any:
-        return getattr(getattr(self, part), name)
-
-    def put(self: Runtime, value: Any) -> None:
-        setattr(getattr(self, part), name, value)
-
-    return property(get, put if settable else None, doc=f"``{part}.{name}``")
-
-
 class Runtime:
     """Per-compiled-model run-time state on this rank (module docstring: its parts).
 
@@ -59,6 +52,28 @@ class Runtime:
     ``secondary_group``: hybrid sharding's and hpZ's groups (``Topology``).
     """
 
+    # slots: a write to a name the runtime does not hold (one its parts hold, such as
+    # ``requires_gradient_sync``) raises instead of setting an attribute nothing reads
+    __slots__ = ("stage", "device", "units", "layouts", "marker_layouts", "flat_shards", "shards", "topology",
+                 "accounting", "schedule_check", "eager", "grad_buffers", "buffer_pool", "watch_collectives",
+                 "__weakref__")
+
+    stage: int  # the ZeRO stage, 0-3
+    device: torch.device
+    units: list[Unit]
+    layouts: dict[int, ParamLayout]  # parameter key -> its layout (the model's parameters)
+    # every key a marker may carry: the parameters' and the units' flat shards' (``add_flat_shards``)
+    marker_layouts: dict[int, ParamLayout]
+    flat_shards: dict[int, FlatShard]  # flat shard key -> the unit's FlatShard (flat.py)
+    shards: dict[int, torch.Tensor]  # parameter key -> the model's parameter (DTensor shard); set by compile
+    topology: Topology
+    accounting: StepAccounting
+    schedule_check: ScheduleCheck
+    eager: EagerCollectives
+    grad_buffers: GradientBuffers
+    buffer_pool: BufferPool
+    watch_collectives: bool  # ZEROGRAPH_DEBUG_COLLECTIVES: buffers checked from issue to wait (collective_watch.py)
+
     def __init__(self, group: dist.ProcessGroup, stage: int, layouts: list[ParamLayout], units: list[Unit], *,
                  timeout_s: float = 300.0, device: torch.device | str = "cpu",
                  replicate_group: dist.ProcessGroup | None = None, world_group: dist.ProcessGroup | None = None,
@@ -66,52 +81,21 @@ class Runtime:
         self.stage = stage
         self.device = torch.device(device)
         self.units = units
-        self.layouts = {layout.key: layout for layout in layouts}  # the model's parameters
-        # every key a marker may carry: the parameters' and the units' flat shards' (``add_flat_shards``)
-        self.marker_layouts: dict[int, ParamLayout] = dict(self.layouts)
-        self.flat_shards: dict[int, FlatShard] = {}  # flat shard key -> the unit's FlatShard (flat.py)
-        self.shards: dict[int, torch.Tensor] = {}  # key -> the model's parameter (DTensor shard); set by compile
+        self.layouts = {layout.key: layout for layout in layouts}
+        self.marker_layouts = dict(self.layouts)
+        self.flat_shards = {}
+        self.shards = {}
+        self.watch_collectives = collective_watch.enabled()
         self.topology = Topology(group, replicate_group=replicate_group, world_group=world_group,
                                  secondary_group=secondary_group)
         self.accounting = StepAccounting()
         self.schedule_check = ScheduleCheck(self.topology, units, timeout_s, self.device)
-        self.gradients = GradientBuffers(self.marker_layouts, self.topology, self.accounting, self._reduce_leftover,
-                                         lambda grad, key: self.eager.reduce_grad(grad, key, GRAD_SYNC),
-                                         self.shards, self.flat_shards)
-        self.eager = EagerCollectives(self.marker_layouts, self.topology, self.accounting, self.gradients,
-                                      self.device)
-        self.buffer_pool = BufferPool()  # the comm buffers ``buffer_reuse`` assigns graphs to
-        # ZEROGRAPH_DEBUG_COLLECTIVES: each collective's buffers checked from issue to wait (collective_watch.py)
-        self.watch_collectives = collective_watch.enabled()
-        self.eager.watch_collectives = self.watch_collectives
+        self.eager = EagerCollectives(self.marker_layouts, self.topology, self.accounting, self.device,
+                                      watch_collectives=self.watch_collectives)
+        self.grad_buffers = GradientBuffers(self.marker_layouts, self.topology, self.accounting, self.eager,
+                                            self.shards, self.flat_shards)
+        self.buffer_pool = BufferPool()
         registry.register(layouts, self)  # what the markers' implementations look their keys up in
-
-    # read through: many modules (dump, init, loading, checkpoint, stats, bench) and tests use these
-    group = _part("topology", "group")
-    group_name = _part("topology", "group_name")
-    world_size = _part("topology", "world_size")
-    rank = _part("topology", "rank")
-    dp_size = _part("topology", "dp_size")
-    world_group = _part("topology", "world_group")
-    mesh_rank = _part("topology", "mesh_rank")
-    replicate_group = _part("topology", "replicate_group")
-    replicate_group_name = _part("topology", "replicate_group_name")
-    replicate_size = _part("topology", "replicate_size")
-    secondary_group = _part("topology", "secondary_group")
-    secondary_group_name = _part("topology", "secondary_group_name")
-    secondary_size = _part("topology", "secondary_size")
-    fake_world = _part("topology", "fake_world")
-    comm_dim = _part("topology", "comm_dim")
-    check_group = _part("topology", "check_group")
-    graph_memory = _part("accounting", "graph_memory")
-    finished_step = _part("accounting", "finished_step")
-    schedule = _part("schedule_check", "schedule")
-    check_schedule = _part("schedule_check", "check_schedule")
-    requires_gradient_sync = _part("gradients", "requires_gradient_sync", settable=True)
-    grad_mode = _part("gradients", "grad_mode")
-    unsynced_bytes = _part("gradients", "unsynced_bytes")
-    flush_leftovers_after_backward = _part("gradients", "flush_leftovers_after_backward")
-    prepare_backward = _part("gradients", "prepare_backward")
 
     def start_forward(self) -> None:
         """A forward after a finished backward opens a new step (on a live process group)."""
@@ -127,6 +111,16 @@ class Runtime:
         finally:
             self.buffer_pool.release_all()
 
+    def reduce_grad(self, grad: torch.Tensor, key: int, grad_mode: str = GRAD_SYNC) -> torch.Tensor:
+        """The eager ``zerograph::reduce_grad`` (a graph break's, an island's): under
+        ``"accumulate"`` the gradient is held (``grad_buffers``), else reduced (``eager``; under
+        ``"flush"`` with the held one added). ``grad``: full shape -> local shard shape in the
+        parameter's dtype (zeros when held). At world size 1 nothing is worth holding: every mode
+        hands the gradient straight to the shard."""
+        if grad_mode == GRAD_ACCUMULATE and self.topology.dp_size > 1:
+            return self.grad_buffers.accumulate(grad, key)
+        return self.eager.reduce_grad(grad, key, flush=grad_mode == GRAD_FLUSH)
+
     def local_shape(self, key: int) -> tuple[int, ...]:
         """This rank's shape of the shard marker key ``key`` names."""
         return self.marker_layouts[key].local_shape(self.topology.rank)
@@ -137,11 +131,3 @@ class Runtime:
             self.marker_layouts[flat.layout.key] = flat.layout
             self.flat_shards[flat.layout.key] = flat
         registry.register([flat.layout for flat in flat_shards], self)
-
-    def _reduce_leftover(self, grad: torch.Tensor, key: int) -> None:
-        """Reduce one gradient held while unsynced into its shard's ``.grad`` (``GradientBuffers``)."""
-        local = self.eager.reduce_grad(grad, key, GRAD_SYNC)  # (local rows, *rest)
-        if key in self.flat_shards:
-            self.flat_shards[key].add_grad(local)
-            return
-        accumulate_grad(self.shards[key], local)

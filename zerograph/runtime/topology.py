@@ -77,6 +77,12 @@ class Topology:
         ``collectives.reduce_fn`` take it; ``None`` without one."""
         return None if self.replicate_group is None else (self.replicate_group_name, self.replicate_size)
 
+    @property
+    def secondary_spec(self) -> tuple[str, int] | None:
+        """``(name, size)`` of hpZ's node group, as ``PassContext.secondary_group`` takes it;
+        ``None`` without hpZ."""
+        return None if self.secondary_group is None else (self.secondary_group_name, self.secondary_size)
+
     def comm_dim(self, group_name: str | None) -> tuple[str, int]:
         """``(mesh dim, group size)`` of the group a collective names: the replicate dim for the
         replicate group, hpZ's secondary dim for the node group, else the shard dim (the model's

@@ -73,7 +73,7 @@ class _GatheredOnEntry(torch.autograd.Function):
             if grad is None:
                 layout = registry.layout_of(key)
                 grad = torch.zeros(layout.shape, dtype=layout.param_dtype, device=runtime.device)
-            out.append(runtime.eager.reduce_grad(grad.contiguous(), key, ctx.mode))
+            out.append(runtime.reduce_grad(grad.contiguous(), key, ctx.mode))
         return tuple(out)
 
 
