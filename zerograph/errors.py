@@ -84,7 +84,7 @@ class UnitPathError(ZeroGraphError, RuntimeError):
 
 class DynamicShapeTrace(TemplateUnavailable):
     """A unit template met a dynamic shape: the compiled forward traces the model again with every
-    templated unit inline, for this trace only (``templates.kinds.every_unit_inline``)."""
+    templated unit inline, for this trace only (``shard.trace_state.TraceState.inline_every_unit``)."""
 
 
 class ZeroGraphWarning(UserWarning):
