@@ -1,5 +1,6 @@
 """The code's shape for whoever carries it on: no import cycle among zerograph's modules, no
-module over 500 lines, no function over 80 lines of code, and no comment or docstring naming a
+module over 500 lines, no function over 80 lines of code, no module global rebound at run time
+(the trace's flags are fields of ``shard.trace_state.TRACE``), and no comment or docstring naming a
 tracker issue or a date (zerograph/, passes/, examples/).
 
 Read from the source with ``ast``, in this process; nothing is imported. The modules and their
@@ -63,6 +64,21 @@ def test_no_function_over_80_lines() -> None:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (n := code_lines(node)) > MAX_FUNCTION_LINES:
                 over.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
     assert not over, f"functions over {MAX_FUNCTION_LINES} lines (docstrings aside):\n  " + "\n  ".join(sorted(over))
+
+
+# module globals a function may rebind (``global``): latches that install a process-wide hook once
+GLOBAL_LATCHES = {"zerograph.api": {"_GUARD_INSTALLED"}, "zerograph.shard.parameter_watch": {"_HOOKS_INSTALLED"}}
+
+
+def test_no_module_global_is_rebound() -> None:
+    """A flag that says where a forward or trace is (gathering, tracing a unit, substituted
+    parameters, every unit inline, a gradient mode, init_weights' reads) is a field of
+    ``shard.trace_state.TRACE``, set for a scope with ``TRACE.scope``: one object that every module
+    reads, instead of globals of one module that others read and set through setters."""
+    rebound = sorted(f"{module}:{node.lineno} {name}" for module, path in module_files().items()
+                     for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Global)
+                     for name in node.names if name not in GLOBAL_LATCHES.get(module, set()))
+    assert not rebound, "module globals rebound at run time (make them TRACE's fields):\n  " + "\n  ".join(rebound)
 
 
 # what a comment or docstring must not name: a tracker issue ("issue 42", "issues 16 and 42",

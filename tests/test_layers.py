@@ -3,10 +3,12 @@
 ``LAYERS`` is the architecture in code (the layout in docs/design.md says the same in words): a
 module may import, at module level, only from its own layer or the layers before it; imports
 inside functions (kept for optional, heavy parts such as the dump) may point anywhere but must
-not close a cycle. ``test_every_module_imports_first`` imports each module as the first zerograph
-import of a fresh process with the package's ``__init__.py`` left unrun (tests/import_first.py),
-which is what fails with "partially initialized module" when a cycle hides behind the import
-order of ``zerograph/__init__.py``.
+not close a cycle. Inside one package, not even the imports kept for type annotations (under
+``if TYPE_CHECKING:``) may close one: two modules that name each other's types are one concern
+split in two, or lack a lower module both could import. ``test_every_module_imports_first``
+imports each module as the first zerograph import of a fresh process with the package's
+``__init__.py`` left unrun (tests/import_first.py), which is what fails with "partially
+initialized module" when a cycle hides behind the import order of ``zerograph/__init__.py``.
 """
 from __future__ import annotations
 
@@ -66,8 +68,9 @@ def layer_of(module: str) -> int:
                          f"(and to the layout in docs/design.md)")
 
 
-def imports_of(module: str, path: pathlib.Path, known: set[str]) -> list[tuple[str, bool]]:
-    """``(imported zerograph module, at module level?)`` for every import in ``path``."""
+def imports_of(module: str, path: pathlib.Path, known: set[str], typing: bool = False) -> list[tuple[str, bool]]:
+    """``(imported zerograph module, at module level?)`` for every import in ``path``; with
+    ``typing``, the imports under ``if TYPE_CHECKING:`` too (never at module level: they run no code)."""
     tree = ast.parse(path.read_text())
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     top_level = {id(node) for node in tree.body}
@@ -76,7 +79,7 @@ def imports_of(module: str, path: pathlib.Path, known: set[str]) -> list[tuple[s
                      for n in ast.walk(node)}
     found = []
     for node in ast.walk(tree):
-        if id(node) in type_checking:
+        if id(node) in type_checking and not typing:
             continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -98,14 +101,16 @@ def imports_of(module: str, path: pathlib.Path, known: set[str]) -> list[tuple[s
     return found
 
 
-def import_graph() -> tuple[nx.DiGraph, dict[str, pathlib.Path]]:
+def import_graph(typing: bool = False) -> tuple[nx.DiGraph, dict[str, pathlib.Path]]:
+    """Module -> each zerograph module it imports, the edge marked ``top`` where an import runs at
+    module level; with ``typing``, the imports kept for type annotations are edges too."""
     files = module_files()
     graph = nx.DiGraph()
     graph.add_nodes_from(files)
     for module, path in files.items():
         if module == "zerograph":
             continue  # the package's face imports everything by design
-        for target, top in imports_of(module, path, set(files)):
+        for target, top in imports_of(module, path, set(files), typing):
             if graph.has_edge(module, target):
                 top = top or graph.edges[module, target]["top"]
             graph.add_edge(module, target, top=top)
@@ -132,6 +137,14 @@ def test_no_import_cycles() -> None:
     graph.remove_edges_from([(a, b) for a, b in list(graph.edges) if b.startswith(a + ".")])
     cycles = list(nx.simple_cycles(graph))
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c + [c[0]]) for c in cycles[:5])
+
+
+def test_no_import_cycles_inside_a_package() -> None:
+    """The modules of one package import each other one way, type annotations included."""
+    graph, _ = import_graph(typing=True)
+    same_package = [(a, b) for a, b in graph.edges if a.rpartition(".")[0] == b.rpartition(".")[0]]
+    cycles = sorted(" -> ".join([*c, c[0]]) for c in nx.simple_cycles(graph.edge_subgraph(same_package)))
+    assert not cycles, "import cycles inside a package (TYPE_CHECKING imports included):\n  " + "\n  ".join(cycles)
 
 
 @pytest.mark.slow

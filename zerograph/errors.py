@@ -77,9 +77,15 @@ class TemplateFallbackError(ZeroGraphError):
     (``zerograph.explain``, ``zerograph.stats``)."""
 
 
+class UnitPathError(ZeroGraphError, RuntimeError):
+    """A unit kind was asked to move to a path its current one does not lead to
+    (``templates.unit_paths.TRANSITIONS``: from a template toward eager, never back). A bug in
+    zerograph, not in the model; the message names the kind, both paths and the reason given."""
+
+
 class DynamicShapeTrace(TemplateUnavailable):
     """A unit template met a dynamic shape: the compiled forward traces the model again with every
-    templated unit inline, for this trace only (``templates.kinds.every_unit_inline``)."""
+    templated unit inline, for this trace only (``shard.trace_state.TraceState.inline_every_unit``)."""
 
 
 class ZeroGraphWarning(UserWarning):

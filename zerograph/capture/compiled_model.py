@@ -25,8 +25,9 @@ from ..graph.vocab import GRAD_ACCUMULATE, GRAD_FLUSH, GRAD_SYNC
 from ..io import init, loading
 from ..policies import MixedPrecisionPolicy
 from ..runtime.state import STATE_ATTR, ZeroGraphState, state_of
-from ..shard.sharding import forget_shape_history, set_gathering, set_grad_mode, set_substituted
-from ..templates.kinds import every_unit_inline, refresh_unit_modes
+from ..shard.sharding import forget_shape_history
+from ..shard.trace_state import TRACE
+from ..templates.kinds import refresh_unit_modes
 
 log = logging.getLogger(__name__)
 
@@ -83,33 +84,29 @@ def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         kind.check_unchanged()
     refresh_unit_modes(state.unit_kinds)
     state.runtime.start_forward()
-    previous = set_gathering(True)
-    previous_substituted = set_substituted(substituted)
     mode = grad_mode_for(state, self)
-    previous_mode = set_grad_mode(mode)  # read (and guarded on) by the trace
     flats = tuple(state.runtime.flat_shards.values())
-    try:
-        for flat in flats:  # each unit's graph input, an autograd function of its shards
-            flat.open_forward()
-        state.runtime.grad_buffers.prepare_backward(mode)
-        args, kwargs = _cast_inputs(state.config.mixed_precision, args, kwargs)
-        out = _run_falling_back(state, self, args, kwargs)
-        state.runtime.grad_buffers.flush_leftovers_after_backward(out, mode)
-        return out
-    except (BackendCompilerFailed, TorchRuntimeError, InternalTorchDynamoError) as exc:
-        # zerograph's own errors raised while Dynamo compiled (a changed requires_grad, a broken
-        # pass, a unit template that cannot be traced) reach the user as themselves, not wrapped
-        # in Dynamo's compiler or fake-tensor error
-        cause = own_error(exc)
-        if cause is not None:
-            raise cause from None
-        raise
-    finally:
-        for flat in flats:
-            flat.close_forward()
-        set_gathering(previous)
-        set_substituted(previous_substituted)
-        set_grad_mode(previous_mode)
+    # the markers on, and the mode the trace reads (and guards on)
+    with TRACE.scope(gathering=True, substituted=substituted, grad_mode=mode):
+        try:
+            for flat in flats:  # each unit's graph input, an autograd function of its shards
+                flat.open_forward()
+            state.runtime.grad_buffers.prepare_backward(mode)
+            args, kwargs = _cast_inputs(state.config.mixed_precision, args, kwargs)
+            out = _run_falling_back(state, self, args, kwargs)
+            state.runtime.grad_buffers.flush_leftovers_after_backward(out, mode)
+            return out
+        except (BackendCompilerFailed, TorchRuntimeError, InternalTorchDynamoError) as exc:
+            # zerograph's own errors raised while Dynamo compiled (a changed requires_grad, a broken
+            # pass, a unit template that cannot be traced) reach the user as themselves, not wrapped
+            # in Dynamo's compiler or fake-tensor error
+            cause = own_error(exc)
+            if cause is not None:
+                raise cause from None
+            raise
+        finally:
+            for flat in flats:
+                flat.close_forward()
 
 
 def grad_mode_for(state: ZeroGraphState, model: nn.Module) -> str:
@@ -199,7 +196,7 @@ def _trace_once(state: ZeroGraphState, model: nn.Module, args: tuple, kwargs: di
     template asked). A template that cannot serve the trace raises ``TemplateUnavailable`` from
     inside Dynamo's trace, the one way out of it; here it becomes a ``FellBack``. Any other error
     propagates (``TemplateFallbackError`` under ``Config.strict_templates`` among them)."""
-    inline_trace = every_unit_inline() if all_inline else contextlib.nullcontext()
+    inline_trace = TRACE.scope(inline_every_unit=True) if all_inline else contextlib.nullcontext()
     try:
         with inline_trace, shape_policy(state, args, kwargs):
             return Traced(state.compiled_forward(model, *args, **kwargs))

@@ -13,8 +13,8 @@ from torch import nn
 
 from ..errors import ShardingError
 from ..runtime.state import state_of
-from ..shard import sharding
 from ..shard.sharding import ROOT_INDEX, ParamLayout
+from ..shard.trace_state import TRACE
 from ..shard.uninitialised import UninitialisedTracker, versions
 from .loading import local_rows
 
@@ -131,7 +131,7 @@ def init_whole_model(model: nn.Module, init: Callable[[], T]) -> T:
 
     Source: torchtitan's ``model.init_weights(buffer_device=...)`` after FSDP2's ``to_empty``.
     """
-    if sharding.init_reads_active():
+    if TRACE.init_read is not None:
         return init()
     result: list[T] = []
 
@@ -148,11 +148,10 @@ def _with_units_materialised(model: nn.Module, device: torch.device, run: Callab
     """``run(walk)`` with parameter attribute reads materialising their units (``_UnitWalk.read``);
     then every shard back in its module, and writes that missed the full tensors refused."""
     walk = _UnitWalk(model, state_of(model).runtime, device)
-    previous = sharding.set_init_read(walk.read)
     try:
-        run(walk)
+        with TRACE.scope(init_read=walk.read):
+            run(walk)
     finally:  # on an error in fn: put every shard back, write nothing more
-        sharding.set_init_read(previous)
         walk.put_back()
     walk.refuse_direct_writes()
 
@@ -205,7 +204,7 @@ class _UnitWalk:
                 self.materialise(unit)
 
     def read(self, mod: nn.Module, name: str) -> torch.Tensor:
-        """A parameter attribute read while ``fn`` runs (``sharding.set_init_read``): the full
+        """A parameter attribute read while ``fn`` runs (``TraceState.init_read``): the full
         tensor, its unit materialised first if closed (releasing the other units opened so, not
         those ``fn``'s module needs: one unit at a time beyond them)."""
         key = self.key_of.get(id(mod._parameters[name]))

@@ -27,8 +27,9 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
 from ..errors import ShardingError
 from ..graph.ops import unshard
-from ..graph.vocab import GENERATED_CLASS, GRAD_MODES, GRAD_SYNC
+from ..graph.vocab import GENERATED_CLASS, GRAD_SYNC
 from .parameter_watch import ParameterWatch  # noqa: F401  (re-exported: api imports it from here)
+from .trace_state import TRACE
 from .units import find_units  # noqa: F401  (re-exported: api, plan and the bench import it from here)
 
 _UNSHARD = unshard._opoverload  # the op itself: Dynamo inlines a CustomOpDef's __call__, one frame per call
@@ -138,54 +139,6 @@ class _ShardedParamAccess:
     """Mixin installed under each parameter-owning module's class (see module docstring)."""
 
 
-# True while a zerograph forward runs or is traced. Outside it a parameter attribute is the
-# DTensor shard itself (FSDP2's behaviour), so reads run no collective that only some ranks would
-# join, and writes (``nn.init``, ``weight.data``, ``requires_grad``) reach the real parameter.
-_gathering = False
-
-
-def set_gathering(active: bool) -> bool:
-    """Turn full-parameter access on or off; returns the previous setting."""
-    global _gathering
-    previous, _gathering = _gathering, active
-    return previous
-
-
-def gathering() -> bool:
-    """True while a zerograph forward runs or is traced (``set_gathering``)."""
-    return _gathering
-
-
-# Set by the compiled model's forward from its runtime (as _gathering is). The parameter
-# properties read it, so Dynamo guards on it: each mode traces, and caches, its own graphs.
-_grad_mode = GRAD_SYNC
-
-
-def set_grad_mode(mode: str) -> str:
-    """Set the gradient mode of the forwards that follow (one of ``GRAD_MODES``); returns the previous."""
-    global _grad_mode
-    assert mode in GRAD_MODES, mode
-    previous, _grad_mode = _grad_mode, mode
-    return previous
-
-
-# True while ``templates`` traces one unit's forward with full parameters of its own put in the
-# parameter slots (read only then, by this thread: the compiling thread waits for the trace).
-_tracing_unit = False
-
-
-def set_tracing_unit(active: bool) -> bool:
-    """Make parameter attributes return what their slot holds (a unit template's traced inputs); returns the previous."""
-    global _tracing_unit
-    previous, _tracing_unit = _tracing_unit, active
-    return previous
-
-
-def tracing_unit() -> bool:
-    """True while a unit template is traced (``set_tracing_unit``)."""
-    return _tracing_unit
-
-
 def original_class(mod: nn.Module) -> type[nn.Module]:
     """The class ``mod`` had before ``shard_module_`` gave it a subclass with parameter properties."""
     # the first class of its MRO that zerograph did not make for it (sharding's subclass with
@@ -198,58 +151,25 @@ def full_parameter(shard: torch.Tensor, key: int) -> torch.Tensor:
     tensor: a unit's flat shard), inside a zerograph forward: ``zerograph::unshard`` of the local
     shard, in the gradient mode of this forward."""
     # without autograd there is no backward to configure: one graph serves every mode
-    mode = _grad_mode if torch.is_grad_enabled() else GRAD_SYNC
+    mode = TRACE.grad_mode if torch.is_grad_enabled() else GRAD_SYNC
     return _UNSHARD(shard.to_local() if isinstance(shard, DTensor) else shard, key, mode)
 
 
 FLAT_READS_ATTR = "_zerograph_flat_reads"  # parameter name -> what reads it from its unit's flat shard (flat.py)
 # the names of a module's parameters whose slots hold another tensor than their shard in this forward
-# (flat.FlatShard.substituted sets it before each forward; read only when _substituted)
+# (flat.FlatShard.substituted sets it before each forward; read only when TRACE.substituted)
 SUBSTITUTED_ATTR = "_zerograph_substituted"
-
-# True for a forward in which some parameter of a flat shard's unit is not the shard ``compile`` made
-# (``torch.func.functional_call``, ``nn.utils.stateless``: another tensor in the module's slot).
-# Set by the compiled model's forward (``api``), read by the parameter properties and the templated
-# units, so Dynamo guards on it: such a forward traces graphs of its own, in which the substituted
-# parameters are read from their slots and their units run inline.
-_substituted = False
-
-
-def set_substituted(active: bool) -> bool:
-    """Say whether this forward reads substituted parameters (``_substituted``); returns the previous."""
-    global _substituted
-    previous, _substituted = _substituted, active
-    return previous
-
-
-# Set while ``init_weights`` runs (``init._UnitWalk``): called with the module and the parameter's
-# name at each parameter attribute read outside forward, it materialises the parameter's unit
-# (full plain tensors in the module slots) and returns what the slot then holds, so that an init
-# reaching the parameters of another unit through attributes writes full tensors, not shards.
-_init_read: Callable[[nn.Module, str], torch.Tensor] | None = None
-
-
-def set_init_read(read: Callable[[nn.Module, str], torch.Tensor] | None) -> Callable | None:
-    """Install (or, with ``None``, remove) ``init_weights``'s attribute read; returns the previous."""
-    global _init_read
-    previous, _init_read = _init_read, read
-    return previous
-
-
-def init_reads_active() -> bool:
-    """Whether ``init_weights`` reads parameter attributes now (``set_init_read``)."""
-    return _init_read is not None
 
 
 def _param_property(name: str, key: int) -> property:
     def get(self: nn.Module) -> torch.Tensor:
         shard = self._parameters[name]
-        if not _gathering or _tracing_unit:
-            return shard if _init_read is None else _init_read(self, name)
+        if not TRACE.gathering or TRACE.tracing_unit:
+            return shard if TRACE.init_read is None else TRACE.init_read(self, name)
         flat_read = getattr(self, FLAT_READS_ATTR, {}).get(name)
         # its unit's shards live in one flat buffer: read it through that, unless another tensor
         # stands in the slot for this forward (functional_call), which is then read itself
-        if flat_read is not None and (not _substituted or name not in getattr(self, SUBSTITUTED_ATTR)):
+        if flat_read is not None and (not TRACE.substituted or name not in getattr(self, SUBSTITUTED_ATTR)):
             return flat_read()
         return full_parameter(shard, key)
 
@@ -281,7 +201,7 @@ def _forward_inside_model_only(cls: type[nn.Module], fqn: str) -> Callable[..., 
 
     @functools.wraps(base)
     def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
-        if not _gathering:
+        if not TRACE.gathering:
             raise ShardingError(
                 f"submodule {fqn!r} ({cls.__name__}) was called on its own, outside the forward of the model "
                 "zerograph.compile sharded; there its parameters are this rank's DTensor shards. Call the "

@@ -10,10 +10,11 @@ partition: ``passes/expand_unit_calls``). Dynamo traces the unit's parameter rea
 collectives around a handful of nodes per unit, whatever the block's size.
 
 Invariants: a unit runs its template only where the template stands for its body; otherwise it
-runs inline, per call (keyword or object arguments, autocast), per training-flag mode
+runs inline, per call (parameters substituted by ``functional_call``), per training-flag mode
 (``UnitKind.inline_modes``) or for the whole kind (``run_inline``), and a kind with data-dependent
 control flow runs as eager islands (``run_island``); a kind that cannot tell which parameters its
-output reaches leaves its flat shards first (``UnitKind._unflatten``). A body that writes a
+output reaches leaves its flat shards first (``UnitKind._unflatten``). The kind's path is a
+``unit_paths.UnitPath``, moved toward eager by ``UnitKind.leave`` only. A body that writes a
 parameter in place is refused (``ShardingError``). The first failed trace raises
 ``TemplateUnavailable`` and the compiled forward traces the model again; a trace with dynamic
 shapes runs every unit inline, that trace only (``DynamicShapeTrace``). The why of each rule, and
@@ -22,46 +23,38 @@ what the templates take from autograd and give back: docs/design.md, "Unit templ
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import logging
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import torch
 from torch import nn
 
-from ..errors import DynamicShapeTrace, TemplateFallbackError, TemplateUnavailable
+from ..errors import DynamicShapeTrace, TemplateFallbackError, TemplateUnavailable, UnitPathError
 from ..graph import registry
 from ..graph.ops import UNIT_CALL as _unit_call
 from ..graph.ops import unit_forward
-from ..shard import sharding as _sharding
 from ..shard.flat import FlatShard
 from ..shard.sharding import full_parameter, own_code
+from ..shard.trace_state import TRACE
 from . import unit_watch
-from .template_cache import shared_template
+from .template_cache import TraceFailure, shared_template
 from .template_keys import unit_signature
 from .unit_calls import TENSOR, call_key, describe, rebuild, unsupported
 from .unit_islands import run_island
+from .unit_paths import INLINE_ATTR, INLINE_MODE_PREFIX, ISLAND_ATTR, TRANSITIONS, UnitPath
 from .unit_record import UnitRecord
 from .unit_trace import UNIT_ATTR, TensorMeta, UnitTemplate
 
-# True once the unit's kind met data-dependent control flow in its body: the unit runs as an eager
-# island (``run_island``), its parameters gathered once on entry, whatever its body does inside
-ISLAND_ATTR = "_zerograph_unit_island"
-INLINE_ATTR = "_zerograph_unit_inline"  # True once the unit's kind fell back to running inline in every mode
-# + str(mode): True once the kind fell back in that training-flag mode only (one attribute per mode,
-# so Dynamo's guard on one mode's flag is not broken when another mode falls back)
-INLINE_MODE_PREFIX = "_zerograph_unit_inline_mode_"
 MODE_ATTR = "_zerograph_unit_mode"  # the unit's submodules' training flags as bits (refresh_unit_modes)
 # the op as an OpOverload: Dynamo puts it in the graph directly (a CustomOpDef is a frame to inline)
 _unit_forward = unit_forward._opoverload
 
 
 log = logging.getLogger(__name__)
-
 
 
 class TemplateKey(NamedTuple):
@@ -90,6 +83,7 @@ class UnitKind:
         # why units of the kind left the fast path -> traces (or eager calls) that took that exit
         self.exits: collections.Counter[str] = collections.Counter()
         self.strict = False  # Config.strict_templates: an exit raises TemplateFallbackError
+        self.current_path = UnitPath.TEMPLATE  # moved by leave() only (unit_paths.TRANSITIONS)
         self.inline_reason: str | None = None  # set when the kind fell back to running inline (in some mode)
         self.inline_modes: dict[int, str] = {}  # training-flag mode -> why the kind runs inline in it
         self.holds_lstm = any(isinstance(m, nn.LSTM) for m in module.modules())  # runs inline: see template()
@@ -105,8 +99,9 @@ class UnitKind:
         if any(not isinstance(d, int) for p in primals for d in (*p.shape, *p.stride())):
             # this trace only: the graphs traced for static shapes keep their templates (no flag
             # for their guards to read, unlike fall_back's), the dynamic one runs every unit inline
-            self._runs_inline("an input has a dynamic shape (a template is traced for static shapes)")
-            self.note_exit("a trace with dynamic shapes runs every unit inline (a template is traced for static shapes)")
+            self.leave(self.current_path, "an input has a dynamic shape (a template is traced for static shapes)",
+                       counted_as="a trace with dynamic shapes runs every unit inline (a template is traced for "
+                       "static shapes)")
             raise DynamicShapeTrace(f"unit {self.name!r}: {self.inline_reason}")
         if self.holds_lstm:
             # its fused kernel's outputs differ between the trace and the run (the mkldnn layer's
@@ -118,6 +113,8 @@ class UnitKind:
         template = self.templates.get(key)
         if template is None:
             template = shared_template(self, metas, mode, arg_grads, call, primals[0].device)
+            if isinstance(template, TraceFailure):
+                self._trace_failed(template, mode)
             if self.flat_shards and any(template.grad_mask):  # one for no_grad() input has no say
                 self.note_reach(template.no_grad_params)
             known = self.output_structures.setdefault((call, mode), template.output_structure)
@@ -132,9 +129,8 @@ class UnitKind:
         (eager, gathered once on entry), ``"inline"`` (every mode), ``"template"`` (with the
         training-flag modes that run inline listed in ``inline_modes``), whether its units keep
         flat shards, the templates traced, and each exit from the fast path with its count."""
-        unit = self.modules[0]
-        path = "island" if getattr(unit, ISLAND_ATTR) else "inline" if getattr(unit, INLINE_ATTR) else "template"
-        return {"kind": self.name, "units": len(self.units), "path": path, "templates": len(self.templates),
+        return {"kind": self.name, "units": len(self.units), "path": self.current_path.reported,
+                "templates": len(self.templates),
                 "inline_modes": {f"{mode:#b}": reason for mode, reason in self.inline_modes.items()},
                 "flat_shards": self.flat_reason is None, "exits": dict(self.exits)}
 
@@ -165,21 +161,48 @@ class UnitKind:
         for flat in self.flat_shards:
             flat.no_grad = no_grad
 
-    def _runs_inline(self, reason: str) -> None:
-        """Record why some trace runs the kind inline. Inline, a unit that reads its flat shard
-        hands every parameter a part of the flat gradient, zeros where autograd never reached:
-        right only for the parameters ``no_grad`` leaves out, so without that knowledge the
-        units leave their flat shards first (``_unflatten``)."""
+    def leave(self, to: UnitPath, reason: str, mode: int | None = None, *, counted_as: str | None = None) -> None:
+        """Move the kind's units to path ``to`` because of ``reason`` (kept as ``inline_reason``),
+        in training-flag mode ``mode`` only where given (``inline_modes``), and count the exit
+        (``note_exit``, as ``counted_as`` where given). The one place a kind's path changes: it
+        sets the unit attributes Dynamo guards on (``unit_paths``), so the graphs that called the
+        template are traced again. Units on flat shards whose kind cannot tell which parameters
+        its output reaches leave them first (``_unflatten``), which runs them inline in every mode.
+
+        Raises:
+            UnitPathError: ``to`` is not a path the kind's current one leads to (``TRANSITIONS``),
+                or a move to ``MODES_INLINE`` names no mode.
+            TemplateFallbackError: under ``Config(strict_templates=True)``, after the move.
+        """
+        if to not in TRANSITIONS[self.current_path] or (
+                to is UnitPath.MODES_INLINE and mode is None and self.current_path is not to):
+            raise UnitPathError(f"unit {self.name!r}: no move from path {self.current_path.name} to {to.name} "
+                                f"(mode {mode}) for: {reason}")
         self.inline_reason = reason
         if self.flat_shards and self.no_grad is None:
+            # inline, a unit that reads its flat shard hands every parameter a part of the flat
+            # gradient, zeros where autograd never reached: right only for the parameters no_grad leaves out
             self._unflatten(reason)
+            to = to.inline(every_mode=True)
+        if mode is not None:
+            self.inline_modes[mode] = reason
+        attributes = [f"{INLINE_MODE_PREFIX}{mode}"] if mode is not None else []
+        attributes += [INLINE_ATTR] if to in (UnitPath.INLINE, UnitPath.ISLAND) else []
+        attributes += [ISLAND_ATTR] if to is UnitPath.ISLAND else []
+        for module in self.modules:
+            for attribute in attributes:
+                object.__setattr__(module, attribute, True)
+        self.current_path = to
+        if counted_as is None:
+            counted_as = reason if mode is None else f"{reason} (in training-flag mode {mode:#b})"
+        self.note_exit(counted_as)
 
     def _unflatten(self, reason: str) -> None:
         """Give every unit of the kind per-parameter shards again (each a storage of its own,
         with the same values; the ``DTensor`` parameters keep their identity, so optimizers and
-        their state stay valid) and make the units run inline in every mode: every graph traced
-        with the flat shards guarded on ``INLINE_ATTR`` and is traced again, reading the
-        parameters one marker each, whose gradients autograd hands to each parameter itself
+        their state stay valid), for ``leave``, which runs the units inline in every mode: every
+        graph traced with the flat shards guarded on ``INLINE_ATTR`` and is traced again, reading
+        the parameters one marker each, whose gradients autograd hands to each parameter itself
         (``None`` where it never reached, as in eager). A kind whose trace failed before autograd
         ran (data-dependent control flow) cannot say which parameters its output reaches."""
         for flat in self.flat_shards:
@@ -189,7 +212,17 @@ class UnitKind:
         self.flat_reason = f"its units run inline ({reason}): a flat gradient cannot tell unused parameters"
         for module in self.modules:
             object.__setattr__(module, UNIT_ATTR, dataclasses.replace(getattr(module, UNIT_ATTR), flat=None))
-            object.__setattr__(module, INLINE_ATTR, True)
+
+    def _trace_failed(self, failure: TraceFailure, mode: int) -> NoReturn:
+        """Leave the templates after a failed trace of the body in ``mode``: as islands where it met
+        data-dependent control flow, else inline in that mode, on the flat shards where autograd's
+        pass ran before the failure and told which parameters the output reaches. Raises
+        ``TemplateUnavailable``."""
+        if failure.data_dependent:
+            self.run_as_islands(failure.reason)
+        if self.flat_shards and failure.no_grad is not None:
+            self.note_reach(failure.no_grad)
+        self.fall_back(failure.reason, mode)
 
     def run_as_islands(self, reason: str) -> NoReturn:
         """Make every unit of the kind an eager island from now on (``run_island``): its body has
@@ -198,14 +231,14 @@ class UnitKind:
         each gathering the unit's parameters again; ranks would then run different collectives.
         An island gathers the unit once on entry and releases it on exit, as FSDP2 does, so every
         rank runs the same collectives whatever the body does. Raises ``TemplateUnavailable``."""
-        for module in self.modules:
-            object.__setattr__(module, ISLAND_ATTR, True)
-        self.fall_back(f"{reason}; its units run eagerly, gathered once on entry")
+        reason = f"{reason}; its units run eagerly, gathered once on entry"
+        self.leave(UnitPath.ISLAND, reason)
+        raise TemplateUnavailable(f"unit {self.name!r}: {reason}")
 
     def check_unchanged(self) -> None:
         """Before a forward: run the kind inline in every mode from now on (``run_inline``) if a
         unit changed since compile in what a template could read (``unit_watch.KindWatch``)."""
-        if not getattr(self.modules[0], INLINE_ATTR):
+        if self.current_path not in (UnitPath.INLINE, UnitPath.ISLAND):
             reason = self.watch.first_change(self.units, self.templates.values())
             if reason is not None:
                 self.run_inline(reason)
@@ -219,15 +252,8 @@ class UnitKind:
     def run_inline(self, reason: str, mode: int | None = None) -> None:
         """Make every unit of the kind run inline from now on, in training-flag mode ``mode`` only
         (a body that cannot be a template in training: dropout, a batch norm's statistics) or in
-        every mode (``None``); the graphs that called its template guard on the flag and are traced
-        again. Units with flat shards whose kind cannot tell which parameters its output reaches
-        leave them first (``_runs_inline``), in every mode."""
-        self._runs_inline(reason)
-        if mode is not None:
-            self.inline_modes[mode] = reason
-        for module in self.modules:
-            object.__setattr__(module, INLINE_ATTR if mode is None else f"{INLINE_MODE_PREFIX}{mode}", True)
-        self.note_exit(reason if mode is None else f"{reason} (in training-flag mode {mode:#b})")
+        every mode (``None``); an island stays one (``leave``, ``UnitPath.inline``)."""
+        self.leave(self.current_path.inline(every_mode=mode is None), reason, mode)
 
 
 def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[int, int], lowering: str,
@@ -281,7 +307,7 @@ def install_unit_templates(units: Sequence[tuple[str, nn.Module]], key_of: dict[
             kind.flat_shards.append(flat_shard)
         object.__setattr__(module, UNIT_ATTR,
                            UnitRecord(kind.kind, param_slots, buffer_slots, keys, tuple(module.modules()), flat_shard))
-        object.__setattr__(module, INLINE_ATTR, False)
+        object.__setattr__(module, INLINE_ATTR, False)  # UnitPath.TEMPLATE
         object.__setattr__(module, ISLAND_ATTR, False)
         object.__setattr__(module, "forward", types.MethodType(forward, module))
         kind.watch.add(module)
@@ -333,28 +359,13 @@ def _slots(module: nn.Module) -> tuple[tuple[tuple[nn.Module, str], ...], tuple[
     return tuple(params), tuple(buffers)
 
 
-# True while the compiled forward traces the model again after a template met a dynamic shape
-# (``DynamicShapeTrace``); read through ``inlining_every_unit``, a constant of the trace with no guard
-_inline_every_unit = False
-
-
 @torch._dynamo.assume_constant_result
 def inlining_every_unit() -> bool:
-    """Whether this trace runs every templated unit inline (one with dynamic shapes). Dynamo takes
-    the value as a constant and guards on nothing, so the graphs traced before, for static
-    shapes, stay valid and keep their templates; the dynamic graph is inline throughout."""
-    return _inline_every_unit
-
-
-@contextlib.contextmanager
-def every_unit_inline() -> Iterator[None]:
-    """Trace the model once more with every templated unit inline (``inlining_every_unit``)."""
-    global _inline_every_unit
-    previous, _inline_every_unit = _inline_every_unit, True
-    try:
-        yield
-    finally:
-        _inline_every_unit = previous
+    """Whether this trace runs every templated unit inline (``TraceState.inline_every_unit``: one
+    with dynamic shapes). Dynamo takes the value as a constant and guards on nothing, so the graphs
+    traced before, for static shapes, stay valid and keep their templates; the dynamic graph is
+    inline throughout."""
+    return TRACE.inline_every_unit
 
 
 def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -377,9 +388,9 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     body = type(self).forward
     mode = getattr(self, MODE_ATTR)  # one guard per unit; refresh_unit_modes keeps it current
     inline = (getattr(self, INLINE_ATTR) or getattr(self, f"{INLINE_MODE_PREFIX}{mode}", False)
-              or inlining_every_unit() or _sharding._tracing_unit or not _sharding._gathering)
+              or inlining_every_unit() or TRACE.tracing_unit or not TRACE.gathering)
     if inline:
-        if getattr(self, ISLAND_ATTR) and _sharding._gathering and not _sharding._tracing_unit:
+        if getattr(self, ISLAND_ATTR) and TRACE.gathering and not TRACE.tracing_unit:
             return run_island(self, args, kwargs)
         return body(self, *args, **kwargs)
     record = getattr(self, UNIT_ATTR)
@@ -391,7 +402,7 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     exit_reason = _call_exit(arguments) if len(tensors) > 0 else "a call with no tensor argument"
     if exit_reason is not None:  # the call site repeats every step: the kind leaves its templates
         _leave_templates(kind, exit_reason, mode)
-    if flat is not None and _sharding._substituted:  # this call only
+    if flat is not None and TRACE.substituted:  # this call only
         _note_exit(kind, "functional_call substitutes its parameters (the slots' tensors are read inline)")
         return body(self, *args, **kwargs)
     device_type = tensors[0].device.type
@@ -442,7 +453,7 @@ def _leave_templates(kind: int, reason: str, mode: int) -> bool:
     take (an object argument such as a Hugging Face KV cache, which an evaluation passes and
     training need not) comes again at every step in that mode, so the kind's units run inline in
     it from now on, off their flat shards when no trace has said which parameters their output
-    reaches (``_runs_inline``): the per-parameter build's path, not a slower one; other modes keep
+    reaches (``UnitKind.leave``): the per-parameter build's path, not a slower one; other modes keep
     their templates. Raises ``TemplateUnavailable`` (the compiled forward traces the model again)."""
     registry.unit_kind(kind).fall_back(reason, mode)
     return True
@@ -464,6 +475,6 @@ def _read_unreached(kind: int) -> bool:
     inline (``UnitKind.fall_back``), and the forward is traced again. Dynamo runs this while it
     traces (its result a constant of the graph); eager code calls it as it is."""
     unit_kind = registry.unit_kind(kind)
-    unit_kind.no_grad = None  # so _runs_inline takes the flat shards away
+    unit_kind.no_grad = None  # so leave() takes the flat shards away
     unit_kind.fall_back("a parameter its template leaves without a gradient is read where the template does not "
                         "see it (by the unit's parent, or in an inline body)")

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from ..graph import registry
 from ..graph.vocab import GRAD_ACCUMULATE, GRAD_SYNC
 from ..runtime.comm_schedule import CommSchedule, ScheduleEntry, schedule_from
-from ..shard import sharding as _sharding
+from ..shard.trace_state import TRACE
 from .unit_trace import UNIT_ATTR
 
 
@@ -88,18 +88,17 @@ def run_island(unit: nn.Module, args: tuple, kwargs: dict) -> Any:
     record = getattr(unit, UNIT_ATTR)
     param_slots, keys, flat = record.param_slots, record.keys, record.flat
     shards = [mod._parameters[name] for mod, name in param_slots]
-    mode = _sharding._grad_mode if torch.is_grad_enabled() else GRAD_SYNC
+    mode = TRACE.grad_mode if torch.is_grad_enabled() else GRAD_SYNC
     if flat is not None:
         fulls = flat.unflatten(_GatheredOnEntry.apply((flat.layout.key,), mode, flat.input)[0])
     else:
         locals_ = [shard.to_local() if isinstance(shard, DTensor) else shard for shard in shards]
         fulls = list(_GatheredOnEntry.apply(keys, mode, *locals_))
-    previous = _sharding.set_tracing_unit(True)  # the parameter attributes read their slots
-    try:
-        for (mod, name), full in zip(param_slots, fulls):
-            mod._parameters[name] = full
-        return type(unit).forward(unit, *args, **kwargs)
-    finally:
-        for (mod, name), shard in zip(param_slots, shards):
-            mod._parameters[name] = shard
-        _sharding.set_tracing_unit(previous)
+    with TRACE.scope(tracing_unit=True):  # the parameter attributes read their slots
+        try:
+            for (mod, name), full in zip(param_slots, fulls):
+                mod._parameters[name] = full
+            return type(unit).forward(unit, *args, **kwargs)
+        finally:
+            for (mod, name), shard in zip(param_slots, shards):
+                mod._parameters[name] = shard

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..graph import registry
 from ..passes._fx import sink_to_first_use
-from ..shard.sharding import set_tracing_unit
+from ..shard.trace_state import TRACE
 from .attribute_reads import instance_reads, recording_reads
 from .unit_calls import TENSOR, call_arguments, call_structure, flatten_output
 from .unit_flat_grad import write_flat_gradient_in_place
@@ -230,23 +230,22 @@ class _Body:
         values = [*params, *p[n_args + n_params:]]
         previous_values = [table[name] for table, name in slots]
         previous_flags = [m.training for m in self.modules]
-        previous = set_tracing_unit(True)
-        try:
-            for (table, name), value in zip(slots, values):
-                table[name] = value
-            for i, m in enumerate(self.modules):  # the calling unit's train / eval flags
-                m.training = bool(self.mode >> i & 1)
-            args, kwargs = call_arguments(self.call, list(p[:n_args]))
-            autocast = (torch.autocast(self.device_type, dtype=self.autocast) if self.autocast is not None
-                        else contextlib.nullcontext())
-            with recording_reads(self.modules, self.reads), autocast:
-                out = type(self.module).forward(self.module, *args, **kwargs)
-        finally:
-            for (table, name), value in zip(slots, previous_values):
-                table[name] = value
-            for m, flag in zip(self.modules, previous_flags):
-                m.training = flag
-            set_tracing_unit(previous)
+        with TRACE.scope(tracing_unit=True):
+            try:
+                for (table, name), value in zip(slots, values):
+                    table[name] = value
+                for i, m in enumerate(self.modules):  # the calling unit's train / eval flags
+                    m.training = bool(self.mode >> i & 1)
+                args, kwargs = call_arguments(self.call, list(p[:n_args]))
+                autocast = (torch.autocast(self.device_type, dtype=self.autocast) if self.autocast is not None
+                            else contextlib.nullcontext())
+                with recording_reads(self.modules, self.reads), autocast:
+                    out = type(self.module).forward(self.module, *args, **kwargs)
+            finally:
+                for (table, name), value in zip(slots, previous_values):
+                    table[name] = value
+                for m, flag in zip(self.modules, previous_flags):
+                    m.training = flag
         self.output_structure, tensors = flatten_output(out)
         return tensors
 
