@@ -1,5 +1,5 @@
 """Activation budget on one CUDA GPU: GPT-2 124M at stage 3 (world size 1, NCCL), trained 4 steps
-unconstrained, then with ``activation_budget_bytes`` = half the measured saved-activation bytes,
+unconstrained, then with ``ActivationPolicy.budget_bytes`` = half the measured saved-activation bytes,
 once recomputing (the default pricing picks recompute at this width) and once offloading (priced
 with a cost model whose compute is slow, so that offload wins: it exercises PyTorch's transfer
 stream). Prints per run: losses, ``torch.cuda.max_memory_allocated`` above the step's start (MiB),
@@ -35,9 +35,10 @@ def batch(step):
     x = torch.randint(0, cfg.vocab_size, (B, cfg.block_size), generator=g).cuda()
     return x, torch.roll(x, -1, 1)
 
-def run(label, **config):
+def run(label, **activations):
     torch.manual_seed(0)
-    model = zerograph.compile(GPT(cfg).cuda(), stage=3, config=zerograph.Config(**config))
+    config = zerograph.Config(activations=zerograph.ActivationPolicy(**activations))
+    model = zerograph.compile(GPT(cfg).cuda(), stage=3, config=config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     losses, peaks, times = [], [], []
     for step in range(STEPS):
@@ -65,9 +66,8 @@ def run(label, **config):
 for label, kw in [("unconstrained", {})]:
     free_losses, free_saved = run(label, **kw)
 half = free_saved // 2
-for label, kw in [("half budget, recompute", dict(activation_budget_bytes=half)),
-                  ("half budget, offload", dict(activation_budget_bytes=half, activation_offload=True,
-                                                activation_cost_model=SLOW))]:
+for label, kw in [("half budget, recompute", dict(budget_bytes=half)),
+                  ("half budget, offload", dict(budget_bytes=half, offload=True, cost_model=SLOW))]:
     try:
         losses, _ = run(label, **kw)
         print("   max |loss - unconstrained| =", max(abs(a - b) for a, b in zip(losses, free_losses)))

@@ -86,7 +86,8 @@ def measure(cfg: GPTConfig, stage: int, world_size: int, tokens: int, seed: int,
     tokens_meta = torch.zeros(shape, dtype=torch.long, device="meta")
     planned = zerograph.plan(model, stage, world_size, param_dtype=param_dtype,
                              example_inputs=(tokens_meta, tokens_meta))
-    config = zerograph.Config(param_dtype=param_dtype, reduce_dtype=param_dtype)
+    config = zerograph.Config(mixed_precision=zerograph.MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                                            reduce_dtype=param_dtype))
     gc.collect()
     probe = MemoryProbe(torch.device("cpu"))  # the resident set before the build is the baseline
     with zerograph.fake_world(world_size, rank=0):

@@ -1,4 +1,4 @@
-"""Fit the activations saved for backward into ``activation_budget_bytes``: per unit, keep,
+"""Fit the activations saved for backward into ``ActivationPolicy.budget_bytes``: per unit, keep,
 recompute, offload to host memory, or partition across the activation group (ZeRO-R P_a).
 
 Pre: a joint graph (before the min-cut partitioner) whose forward nodes carry Dynamo's

@@ -53,7 +53,7 @@ def test_resident_bytes_follow_the_stage_formula(one_rank, stage: int) -> None:
     psi, n = stats.num_params, stats.world_size
     padding = 4 * (padded_numel(result) - psi) if stage else 0
     root_bytes, block_bytes = 4 * units[0][1], 4 * max(size for _, size in units[1:])
-    inflight = zerograph.Config().prefetch_depth + 1
+    inflight = zerograph.Config().schedule.prefetch_depth + 1
     transient = {
         "params": {0: 0, 1: 2 * inflight * block_bytes, 2: 2 * inflight * block_bytes,
                    3: 2 * (root_bytes + inflight * block_bytes)}[stage],

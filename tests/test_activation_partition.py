@@ -148,10 +148,10 @@ def test_budget_none_changes_nothing() -> None:
 
 
 def test_config_validates_budget() -> None:
-    assert zerograph.Config(activation_budget_bytes=0).activation_budget_bytes == 0
+    assert zerograph.Config(activations=zerograph.ActivationPolicy(budget_bytes=0)).activations.budget_bytes == 0
     for bad in (-1, 1.5, True, "1"):
-        with pytest.raises(zerograph.ConfigError):
-            zerograph.Config(activation_budget_bytes=bad)
+        with pytest.raises(zerograph.ConfigError, match="ActivationPolicy.budget_bytes must be"):
+            zerograph.ActivationPolicy(budget_bytes=bad)
 
 
 @pytest.mark.distributed
@@ -215,13 +215,13 @@ def test_plan_prefers_the_cheapest_option_and_falls_back_to_one_that_frees_more(
 
 
 def test_config_validates_activation_options() -> None:
-    for field, bad in (("activation_offload", 1), ("activation_group", "world"), ("activation_cost_model", 3)):
-        with pytest.raises(zerograph.ConfigError, match=f"{field} must be"):
-            zerograph.Config(**{field: bad}, activation_budget_bytes=0)
-    for field, value in (("activation_offload", True), ("activation_cost_model", SLOW_COMPUTE)):
+    for field, bad in (("offload", 1), ("group", "world"), ("cost_model", 3)):
+        with pytest.raises(zerograph.ConfigError, match=rf"(ActivationPolicy|Config\.activations)\.{field} must be"):
+            zerograph.Config(activations=zerograph.ActivationPolicy(budget_bytes=0, **{field: bad}))
+    for field, value in (("offload", True), ("cost_model", SLOW_COMPUTE)):
         with pytest.raises(zerograph.ConfigError,
-                           match=f"{field} has no effect without Config.activation_budget_bytes"):
-            zerograph.Config(**{field: value})  # a forgotten budget is an error, not a silent no-op
+                           match=f"ActivationPolicy.{field} has no effect without ActivationPolicy.budget_bytes"):
+            zerograph.ActivationPolicy(**{field: value})  # a forgotten budget is an error, not a silent no-op
 
 
 def test_a_storage_a_recomputed_unit_reads_is_never_partitioned() -> None:

@@ -23,6 +23,7 @@ from zerograph.config import Config
 from zerograph.errors import ConfigError
 from zerograph.graph.costmodel import WAIT
 from zerograph.graph.ops import GATHER_ACTIVATION
+from zerograph.policies import MemoryPolicy
 
 SYSTEMS = ["zerograph-s0", "zerograph-s1", "zerograph-s2", "zerograph-s3", "ddp", "fsdp2"]
 VOCAB = 256  # the GPT example's byte vocabulary
@@ -183,7 +184,7 @@ def test_priming_runs_one_model_per_kind_and_leaves_no_bytes_held():
 
     defaults = Config()
     specs = bench.parse_systems("zerograph-s3,zerograph-s1-pool,zerograph-s3-noov",
-                                defaults.prefetch_depth, defaults.bucket_bytes)
+                                defaults.schedule.prefetch_depth, defaults.schedule.bucket_bytes)
     first_pool = next(buffer_pool._POOL_IDS)
     def runtimes() -> list:  # type(), not isinstance(): a dead weakref.proxy in gc's list raises on isinstance
         return [o for o in gc.get_objects() if type(o) is Runtime]
@@ -202,17 +203,17 @@ def test_priming_runs_one_model_per_kind_and_leaves_no_bytes_held():
 def test_system_names_parse():
     spec = bench.parse_system("zerograph-s3-noov-pf2-bb65536-inductor", prefetch_depth=1, bucket_bytes=0)
     config = spec.config
-    assert (spec.kind, spec.stage, config.prefetch_depth, config.bucket_bytes, config.lowering) == (
+    assert (spec.kind, spec.stage, config.schedule.prefetch_depth, config.schedule.bucket_bytes, config.lowering) == (
         "zerograph", 3, 2, 65536, "inductor")
-    assert config.disabled_passes == ("prefetch", "schedule_overlap") and not config.pool_comm_buffers
-    assert bench.parse_system("zerograph-s3-pool", 1, 0).config.pool_comm_buffers
+    assert config.disabled_passes == ("prefetch", "schedule_overlap") and not config.memory.pool_comm_buffers
+    assert bench.parse_system("zerograph-s3-pool", 1, 0).config.memory.pool_comm_buffers
     with pytest.raises(ConfigError, match="lowering='inductor' plans its own buffers"):
         bench.parse_system("zerograph-s3-pool-inductor", 1, 0)
     with pytest.raises(ConfigError, match="-nopool is gone"):
         bench.parse_system("zerograph-s3-nopool", 1, 0)
     default = bench.parse_system("zerograph-s1", prefetch_depth=3, bucket_bytes=1024).config
-    assert (default.prefetch_depth, default.bucket_bytes, default.disabled_passes, default.lowering) == (
-        3, 1024, (), "eager") and not default.pool_comm_buffers
+    assert (default.schedule.prefetch_depth, default.schedule.bucket_bytes, default.disabled_passes, default.lowering) == (
+        3, 1024, (), "eager") and not default.memory.pool_comm_buffers
     assert default.unit_templates == Config().unit_templates  # what no modifier sets is Config's default
     assert bench.parse_system("fsdp2-compile", 1, 0).compiled
     quantized = bench.parse_system("zerograph-s3-qw-qg", 1, 0).config
@@ -221,7 +222,7 @@ def test_system_names_parse():
     assert bench.parse_system("zerograph-s3-inductor-islands", 1, 0).config.inductor_islands
     assert not config.inductor_islands
     assert bench.parse_system("zerograph-s3-keeproot-notpl", 1, 0).config == Config(
-        lowering="eager", reshard_root_after_forward=False, unit_templates=False)
+        lowering="eager", memory=MemoryPolicy(reshard_root_after_forward=False), unit_templates=False)
     assert json.loads(json.dumps(spec.describe()))["config"]["disabled_passes"] == list(config.disabled_passes)
     assert [bench.parse_system(n, 1, 0).paper_volume for n in ("zerograph-s2", "zerograph-s3", "ddp", "fsdp2")] == [2, 3, 2, 3]
     for bad, match in (("zerograph-s4", "unknown system"), ("zerograph-s3-fast", "unknown system"),

@@ -21,8 +21,11 @@ MODEL = "gpt_mid"
 # the default build (a flat shard per unit) at depths 1 and 2 with the pool asked for, the default
 # Config (no pool: the allocator serves comm buffers), and the per-parameter build with the pool
 # (which pools each bucket's send buffers too)
-CONFIGS = (zerograph.Config(prefetch_depth=1, pool_comm_buffers=True), zerograph.Config(prefetch_depth=2, pool_comm_buffers=True),
-           zerograph.Config(), zerograph.Config(prefetch_depth=1, unit_templates=False, pool_comm_buffers=True))
+POOL = zerograph.MemoryPolicy(pool_comm_buffers=True)
+CONFIGS = (zerograph.Config(schedule=zerograph.SchedulePolicy(prefetch_depth=1), memory=POOL),
+           zerograph.Config(schedule=zerograph.SchedulePolicy(prefetch_depth=2), memory=POOL),
+           zerograph.Config(), zerograph.Config(schedule=zerograph.SchedulePolicy(prefetch_depth=1), unit_templates=False,
+                                                memory=POOL))
 POOLED = (0, 1, 3)  # the runs with the pass on
 
 

@@ -139,7 +139,7 @@ def test_functional_sparse_embedding_is_refused_at_capture():
 
 
 # -------------------------------------------------------------- 4: mixed precision inputs, buffers
-BF16 = zerograph.Config(param_dtype=torch.bfloat16)
+BF16 = zerograph.Config(mixed_precision=zerograph.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
 
 def _frozen_then_trainable() -> nn.Module:

@@ -250,8 +250,8 @@ def test_the_nominal_model_is_the_cluster_tables_entry_and_prices_config_by_defa
     nominal = nominal_cost_model()
     assert nominal == cluster_cost_model(entry) and nominal.host_bytes_per_s == entry["host_link_bytes_per_s"]
     assert zerograph.Config().activations.cost_model is None  # no budget: nothing to price
-    assert zerograph.Config(activation_budget_bytes=0).activations.cost_model == nominal
-    given = zerograph.Config(activation_budget_bytes=0, activation_offload=True, activation_cost_model=COST)
+    assert zerograph.Config(activations=zerograph.ActivationPolicy(budget_bytes=0)).activations.cost_model == nominal
+    given = zerograph.Config(activations=zerograph.ActivationPolicy(budget_bytes=0, offload=True, cost_model=COST))
     assert given.activations.cost_model == CostModel.from_dict(
         {**COST.to_dict(), "host_bytes_per_s": nominal.host_bytes_per_s})  # only the missing rate is filled in
 

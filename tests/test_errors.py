@@ -12,18 +12,18 @@ from .models import build
 from .workers import one_rank_quits, world_size_mismatch
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"prefetch_depth": "2"}, "prefetch_depth must be an int"),
-    ({"prefetch_depth": 1.5}, "prefetch_depth must be an int"),
-    ({"bucket_bytes": None}, "bucket_bytes must be an int"),
-    ({"bucket_bytes": -1}, "bucket_bytes must be >= 0"),
-    ({"max_inflight_bytes": 0}, "max_inflight_bytes must be >= 1"),
-    ({"disabled_passes": ("prefech",)}, r"unknown passes \['prefech'\]; passes: \[.*'prefetch'"),
-    ({"disabled_passes": "prefetch"}, "must be a tuple of pass names"),
+@pytest.mark.parametrize("cls, kwargs, message", [
+    (zerograph.SchedulePolicy, {"prefetch_depth": "2"}, "SchedulePolicy.prefetch_depth must be an int"),
+    (zerograph.SchedulePolicy, {"prefetch_depth": 1.5}, "SchedulePolicy.prefetch_depth must be an int"),
+    (zerograph.SchedulePolicy, {"bucket_bytes": None}, "SchedulePolicy.bucket_bytes must be an int"),
+    (zerograph.SchedulePolicy, {"bucket_bytes": -1}, "SchedulePolicy.bucket_bytes must be >= 0"),
+    (zerograph.SchedulePolicy, {"max_inflight_bytes": 0}, "SchedulePolicy.max_inflight_bytes must be >= 1"),
+    (zerograph.Config, {"disabled_passes": ("prefech",)}, r"unknown passes \['prefech'\]; passes: \[.*'prefetch'"),
+    (zerograph.Config, {"disabled_passes": "prefetch"}, "must be a tuple of pass names"),
 ])
-def test_config_fields_of_the_wrong_type_or_name(kwargs: dict, message: str) -> None:
+def test_config_fields_of_the_wrong_type_or_name(cls: type, kwargs: dict, message: str) -> None:
     with pytest.raises(zerograph.ConfigError, match=message):
-        zerograph.Config(**kwargs)
+        cls(**kwargs)
 
 
 def test_compile_takes_a_module_and_a_config_object() -> None:

@@ -99,7 +99,7 @@ def test_hpz_with_activation_checkpointing_saves_pieces_not_gathered_blocks(temp
     (dict(secondary_partition_size=2), 2, "stage 3"),
     (dict(secondary_partition_size=1), 3, "at least 2"),
     (dict(secondary_partition_size=2), 3, "divide the world size 1"),  # no launcher: a world of one
-    (dict(secondary_partition_size=2, activation_budget_bytes=0), 3, "not supported yet"),
+    (dict(secondary_partition_size=2, activations=zerograph.ActivationPolicy(budget_bytes=0)), 3, "not supported yet"),
 ])
 def test_hpz_refuses_what_it_cannot_do(kwargs, stage, match) -> None:
     with pytest.raises(zerograph.ConfigError, match=match):

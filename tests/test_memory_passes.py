@@ -23,7 +23,8 @@ def test_choose_kept_takes_smallest_first_within_budget() -> None:
     assert choose_kept([300, 100, 200], 99) == []
 
 
-CONFIGS = (zerograph.Config(unshard_budget_bytes=BLOCK_BYTES), zerograph.Config(reshard_root_after_forward=False))
+CONFIGS = (zerograph.Config(memory=zerograph.MemoryPolicy(unshard_budget_bytes=BLOCK_BYTES)),
+           zerograph.Config(memory=zerograph.MemoryPolicy(reshard_root_after_forward=False)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,5 +74,5 @@ def test_root_kept_from_forward_to_backward_as_fsdp2_does() -> None:
 
 
 def test_config_validates_root_policy() -> None:
-    with pytest.raises(zerograph.ConfigError, match="reshard_root_after_forward"):
-        zerograph.Config(reshard_root_after_forward=1)
+    with pytest.raises(zerograph.ConfigError, match="MemoryPolicy.reshard_root_after_forward must be a bool"):
+        zerograph.MemoryPolicy(reshard_root_after_forward=1)

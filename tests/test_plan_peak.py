@@ -197,10 +197,10 @@ def test_budget_refuses_a_peak_above_it_with_the_numbers():
     p = plan(meta_stack(), 3, 4, example_inputs=(torch.empty(2, 8, device="meta"),))
     check_memory_budget(p, None)
     check_memory_budget(p, p.step_peak_bytes)  # exactly at the budget fits
-    with pytest.raises(ConfigError, match="exceeds memory_budget_bytes") as err:
+    with pytest.raises(ConfigError, match="exceeds memory.budget_bytes") as err:
         check_memory_budget(p, p.step_peak_bytes - 1)
     assert "gathered params" in str(err.value) and "prefetch_depth=0" in str(err.value)
-    with pytest.raises(ConfigError, match="memory_budget_bytes must be an int"):
+    with pytest.raises(ConfigError, match="memory.budget_bytes must be an int"):
         check_memory_budget(p, 0)
 
 
@@ -208,7 +208,8 @@ def test_plan_for_config_reads_the_schedule_and_dtypes():
     import zerograph
     from zerograph.planning.budget import plan_for_config
 
-    p = plan_for_config(meta_stack(), 3, 4, zerograph.Config(prefetch_depth=2))
+    p = plan_for_config(meta_stack(), 3, 4, zerograph.Config(schedule=zerograph.SchedulePolicy(prefetch_depth=2)))
     assert p.prefetch_depth == 2 and p.param_dtype == p.master_dtype == torch.float32
-    q = plan_for_config(meta_stack(), 3, 4, zerograph.Config(param_dtype=torch.bfloat16))
+    q = plan_for_config(meta_stack(), 3, 4, zerograph.Config(
+        mixed_precision=zerograph.MixedPrecisionPolicy(param_dtype=torch.bfloat16)))
     assert q.param_dtype == torch.bfloat16 and q.master_dtype == torch.float32

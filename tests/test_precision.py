@@ -1,4 +1,4 @@
-"""Mixed precision (issue 7, pattern 9): ``Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
+"""Mixed precision (issue 7, pattern 9): ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
 keeps fp32 master shards, gathers and computes in bf16, reduces gradients in fp32, and leaves
 buffers' dtypes and values alone; stages 1 and 3 on 2 ranks (stage 2: ``STAGES``).
 
@@ -227,8 +227,8 @@ def test_world_size_1_casts_without_communicating(stage: int) -> None:
 
 @pytest.mark.parametrize("field, value", [("param_dtype", torch.int32), ("reduce_dtype", "bf16")])
 def test_config_rejects_non_float_dtypes(field: str, value: object) -> None:
-    with pytest.raises(ConfigError, match=field):
-        zerograph.Config(**{field: value})
+    with pytest.raises(ConfigError, match=f"MixedPrecisionPolicy.{field} must be a floating-point"):
+        zerograph.MixedPrecisionPolicy(**{field: value})
 
 
 def test_formula_bytes_with_mixed_precision() -> None:

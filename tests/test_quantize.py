@@ -165,8 +165,8 @@ def one_step_stats(rank: int, world: int, quantization: str | None, param_dtype:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 300), nn.Linear(300, 2))  # shards: 150 x 512 (quantized), 150 (raw), ...
     model = zerograph.compile(model, stage=3, config=zerograph.Config(
-        gather_quantization=quantization, reduce_quantization=reduce_quantization, param_dtype=param_dtype,
-        reduce_dtype=torch.float32))
+        gather_quantization=quantization, reduce_quantization=reduce_quantization,
+        mixed_precision=zerograph.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)))
     model(torch.randn(4, 512)).sum().backward()
     record = graphs_of(model)[0]
     gathers = [n for n in record["forward"].graph.nodes if COLLECTIVE_KINDS.get(n.target) == "all_gather"]

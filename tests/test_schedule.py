@@ -84,12 +84,12 @@ def one_step_facts(stage: int, config_kwargs: dict, rank: int, world_size: int, 
 
 SCHEDULES = {
     "default": {},
-    "depth2": {"prefetch_depth": 2},
-    "deep_unbounded": {"prefetch_depth": 8},
+    "depth2": {"schedule": zerograph.SchedulePolicy(prefetch_depth=2)},
+    "deep_unbounded": {"schedule": zerograph.SchedulePolicy(prefetch_depth=8)},
     "no_overlap": {"disabled_passes": zerograph.config.OVERLAP_PASSES},
     # per parameter: without bucketing, each parameter its own collective (a flat shard is one anyway)
     "no_bucketing": {"disabled_passes": ("bucketing",), "unit_templates": False},
-    "cap_all": {"bucket_bytes": 1 << 30},
+    "cap_all": {"schedule": zerograph.SchedulePolicy(bucket_bytes=1 << 30)},
 }
 # the in-process runs; the stage-3 runs under PARITY_SCHEDULES are read off the parity spawn's rank 0
 RUNS = [(3, "default"), (3, "no_overlap"), (3, "deep_unbounded"), (2, "deep_unbounded"), (1, "deep_unbounded"),

@@ -735,10 +735,11 @@ def test_templates_are_the_default_except_with_an_activation_budget() -> None:
     the budget was exceeded (measured): by default a budget turns templates off, and asking for
     both is refused before anything compiles."""
     assert zerograph.Config().unit_templates is True
-    assert zerograph.Config(activation_budget_bytes=1 << 20).unit_templates is False
+    budget = zerograph.ActivationPolicy(budget_bytes=1 << 20)
+    assert zerograph.Config(activations=budget).unit_templates is False
     assert zerograph.Config(unit_templates=False).unit_templates is False
-    with pytest.raises(zerograph.ConfigError, match="unit_templates with activation_budget_bytes"):
-        zerograph.Config(unit_templates=True, activation_budget_bytes=1 << 20)
+    with pytest.raises(zerograph.ConfigError, match="unit_templates with activations.budget_bytes"):
+        zerograph.Config(unit_templates=True, activations=budget)
 
 
 def test_config_refuses_a_non_bool() -> None:

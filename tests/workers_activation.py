@@ -14,11 +14,13 @@ from .training import train_steps
 
 
 def _train(rank: int, world_size: int, name: str, stage: int, steps: int, batch_size: int, lr: float,
-           budget: int | None, replicated: bool = False, **config) -> dict:
+           budget: int | None, replicated: bool = False, unit_templates: bool | None = None, **activations) -> dict:
     """``replicated``: every rank trains on the whole batch (activations are replicated across
-    ranks, as across a tensor-parallel group), else on its slice of it."""
+    ranks, as across a tensor-parallel group), else on its slice of it. ``activations``: the
+    ``ActivationPolicy`` fields beside ``budget_bytes``."""
+    policy = zerograph.ActivationPolicy(budget_bytes=budget, **activations)
     model = zerograph.compile(build(name), stage=stage,
-                              config=zerograph.Config(activation_budget_bytes=budget, **config))
+                              config=zerograph.Config(activations=policy, unit_templates=unit_templates))
     saved, offloaded = [], []
 
     def loss_of(step: int) -> torch.Tensor:
@@ -70,13 +72,13 @@ def moved_runs(rank: int, world_size: int, name: str, stage: int, steps: int, ba
     # each budget is a fraction of what that build saves (a template recomputes its cheap ops, saving less)
     free = _train(rank, world_size, name, stage, steps, batch_size, lr, None, replicated=True, unit_templates=False)
     unconstrained = max(free["saved_bytes"])
-    common = dict(replicated=True, activation_cost_model=SLOW_COMPUTE)
+    common = dict(replicated=True, cost_model=SLOW_COMPUTE)
     budgets = {"partition": unconstrained * 3 // 4, "offload": unconstrained // 2}  # P_a at M = 2 frees at most half
     return {"free": free, "budgets": budgets,
             "partition": _train(rank, world_size, name, stage, steps, batch_size, lr, budgets["partition"],
-                                activation_group=dist.group.WORLD, **common),
+                                group=dist.group.WORLD, **common),
             "offload": _train(rank, world_size, name, stage, steps, batch_size, lr, budgets["offload"],
-                              activation_offload=True, **common)}
+                              offload=True, **common)}
 
 
 def activation_runs(rank: int, world_size: int, name: str, steps: int, batch_size: int, lr: float) -> dict:

@@ -87,7 +87,8 @@ def _dtype_case(rank: int, world: int, stage: int) -> dict:
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=LR)
     # the pool asked for: its byte slots serve every dtype (what "pooled" checks)
-    compiled = zerograph.compile(model, stage=stage, config=zerograph.Config(pool_comm_buffers=True))
+    compiled = zerograph.compile(model, stage=stage, config=zerograph.Config(
+        memory=zerograph.MemoryPolicy(pool_comm_buffers=True)))
     opt = torch.optim.SGD([p for p in compiled.parameters() if p.requires_grad], lr=LR)
     mine = batch.chunk(world)[rank]
     for _ in range(STEPS):

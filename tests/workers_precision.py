@@ -8,7 +8,7 @@ Mixed precision references:
   tolerance (``test_precision`` says why);
 - the batch-norm model and the graph-break MLP against a single-process *emulation* of
   zerograph's mixed precision (``mixed_reference``), which casts the fp32 master weights to bf16
-  for each rank's forward (batch norms excepted, ``Config.full_precision_classes``), keeps each
+  for each rank's forward (batch norms excepted, ``MixedPrecisionPolicy.full_precision_classes``), keeps each
   rank's own batch-norm statistics (no SyncBatchNorm, DDP's semantics, as in
   ``workers_patterns2``), sums the ranks' gradients in fp32 and divides by the world size: the
   same arithmetic, so it can be compared tightly, buffers included.
@@ -34,7 +34,8 @@ from .models import build as build_named
 from .models import global_batch, rank_slice
 from .training import train_steps
 
-MIXED = zerograph.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+MIXED = zerograph.Config(mixed_precision=zerograph.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                       reduce_dtype=torch.float32))
 STEPS, LR, BATCH = 3, 1e-3, 4  # as the parity tests: 3 AdamW steps on a global batch of 4
 
 
@@ -134,8 +135,8 @@ def bn_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def full_precision_names(model: nn.Module) -> set[str]:
-    """Parameters ``Config.full_precision_classes`` (batch norms, by default) keep in fp32."""
-    classes = zerograph.Config().full_precision_classes
+    """Parameters ``MixedPrecisionPolicy.full_precision_classes`` (batch norms, by default) keep in fp32."""
+    classes = zerograph.Config().mixed_precision.full_precision_classes
     return {f"{m}.{n}" if m else n for m, mod in model.named_modules() if isinstance(mod, classes)
             for n, _ in mod.named_parameters(recurse=False)}
 

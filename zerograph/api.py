@@ -51,7 +51,8 @@ def compile(model: nn.Module, stage: int, *, process_group: dist.ProcessGroup | 
     ``torch.compile`` with zerograph's backend; backward reduces gradients into the shards,
     averaged over ranks (DDP's semantics). For gradient accumulation without communication the
     model gains ``set_requires_gradient_sync(bool)`` (FSDP2's) and ``no_sync()`` (DDP's); mixed
-    precision is ``Config(param_dtype=..., reduce_dtype=...)`` (FSDP2's ``MixedPrecisionPolicy``).
+    precision is ``Config(mixed_precision=MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...))``
+    (FSDP2's ``MixedPrecisionPolicy``).
 
     A model built on the meta device (``with torch.device("meta"): model = Model(cfg)``) is
     accepted too (FSDP2's meta-device recipe, DeepSpeed's ``zero.Init``): each rank then allocates

@@ -14,11 +14,11 @@ described in ``clusters.json`` (or ``local``: this machine, as a self-consistenc
 Systems (``--systems``, comma-separated):
     zerograph-s<0-3>[-noov][-pool][-keeproot][-pf<K>][-bb<BYTES>][-inductor][-islands][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>]
         ``zerograph.compile`` at that stage with a ``Config``: each modifier sets one ``Config``
-        keyword (``systems.MODIFIERS``) on the bench's base, and ``Config`` checks the result;
+        field or policy field (``systems.MODIFIERS``) on the bench's base, and ``Config`` checks the result;
         ``-noov`` disables ``config.OVERLAP_PASSES`` (every
-        wait right after its start); ``-pool`` sets ``Config.pool_comm_buffers=True`` (comm buffers
+        wait right after its start); ``-pool`` sets ``MemoryPolicy.pool_comm_buffers=True`` (comm buffers
         from a pool held across steps instead of the allocator's); ``-keeproot`` sets
-        ``Config.reshard_root_after_forward=False`` (the root unit stays gathered from forward
+        ``MemoryPolicy.reshard_root_after_forward=False`` (the root unit stays gathered from forward
         to backward, as FSDP2 keeps its root); ``-pf``/``-bb`` override ``--prefetch-depth`` /
         ``--bucket-bytes``; ``-inductor`` lowers with Inductor instead of running FX eagerly;
         ``-islands`` (with ``-inductor``) sets ``Config.inductor_islands`` (Inductor also lowers

@@ -53,10 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated, each {GRAMMAR}, ddp, fsdp2 or fsdp2-compile (docs/bench.md)")
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="write every raw figure here")
     parser.add_argument("--png", dest="png_path", metavar="PATH", help="write the step-time chart here")
-    parser.add_argument("--prefetch-depth", type=int, default=defaults.prefetch_depth,
-                        help="zerograph Config.prefetch_depth (units)")
-    parser.add_argument("--bucket-bytes", type=int, default=defaults.bucket_bytes,
-                        help="zerograph Config.bucket_bytes (bytes)")
+    parser.add_argument("--prefetch-depth", type=int, default=defaults.schedule.prefetch_depth,
+                        help="zerograph SchedulePolicy.prefetch_depth (units)")
+    parser.add_argument("--bucket-bytes", type=int, default=defaults.schedule.bucket_bytes,
+                        help="zerograph SchedulePolicy.bucket_bytes (bytes)")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch, sequences (split over ranks)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence; sets the GPT's block_size (default its size's)")
     parser.add_argument("--n-layer", type=int, help="blocks of the GPT example (default its size's)")

@@ -293,7 +293,7 @@ def predicted(spec: ModelSpec, world_size: int) -> dict:
     x, y = spec.inputs("meta")
     example = (x, y) if spec.real is None else (x,)  # a real model's forward takes the tokens; the loss is outside
     options = {"param_dtype": torch.float32, "master_dtype": torch.float32,
-               "prefetch_depth": zerograph.Config().prefetch_depth}
+               "prefetch_depth": zerograph.Config().schedule.prefetch_depth}
     notes = []
     try:
         p = zerograph.plan(spec.build(), 3, world_size, example_inputs=example, **options)

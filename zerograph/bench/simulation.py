@@ -229,7 +229,7 @@ def _planned_bytes(spec: SystemSpec, workload: Workload, cluster: Cluster) -> di
         mesh = {"secondary_partition_size": per_node or spec.config.secondary_partition_size}  # one node: plain stage 3
     try:
         plan = memory_plan(shapes_only(workload), spec.stage, world_size, param_dtype=torch.float32,
-                           master_dtype=torch.float32, prefetch_depth=spec.config.prefetch_depth, **mesh)
+                           master_dtype=torch.float32, prefetch_depth=spec.config.schedule.prefetch_depth, **mesh)
     except Exception as exc:  # a user model zerograph.plan cannot read: report without memory
         log.warning("no memory plan for %s: %s", workload.name, exc)
         return None

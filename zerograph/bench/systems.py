@@ -1,7 +1,7 @@
 """The systems the bench compares: ``--systems`` names parsed into ``SystemSpec``s, and each built.
 
 A zerograph system is a ``Config``: ``zerograph-s<0-3>`` then modifiers, each of which sets one
-``Config`` keyword (``MODIFIERS``; ``-pf2`` is ``prefetch_depth=2``) on the bench's base
+``Config`` field or policy field (``MODIFIERS``; ``-pf2`` is ``schedule.prefetch_depth=2``) on the bench's base
 (``--prefetch-depth``, ``--bucket-bytes``, and ``lowering="eager"``), and ``Config`` itself checks
 the result. ``-hsdp<S>`` is the one modifier that is not a ``Config`` keyword: it is
 ``zerograph.compile``'s mesh. The other systems are DDP, FSDP2 and FSDP2 under ``torch.compile``.
@@ -23,18 +23,18 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import compile as compile_model
-from ..config import OVERLAP_PASSES, Config, check_stage_options
+from ..config import OVERLAP_PASSES, POLICIES, Config, check_stage_options
 from ..errors import ConfigError
 from .workloads import Workload
 
-# modifier of a zerograph system's name -> (the Config keyword it sets, its value); ``int``: the
-# number written after the modifier (``-bb65536``). ``disabled_passes`` accumulates.
+# modifier of a zerograph system's name -> (the Config field it sets, "policy.field" for a policy's,
+# its value); ``int``: the number written after the modifier (``-bb65536``). ``disabled_passes`` accumulates.
 MODIFIERS: dict[str, tuple[str, Any]] = {
     "noov": ("disabled_passes", OVERLAP_PASSES),      # every wait right after its start
-    "pool": ("pool_comm_buffers", True),  # comm buffers from a pool held across steps (buffer_reuse)
-    "keeproot": ("reshard_root_after_forward", False),
-    "pf": ("prefetch_depth", int),
-    "bb": ("bucket_bytes", int),
+    "pool": ("memory.pool_comm_buffers", True),  # comm buffers from a pool held across steps (buffer_reuse)
+    "keeproot": ("memory.reshard_root_after_forward", False),
+    "pf": ("schedule.prefetch_depth", int),
+    "bb": ("schedule.bucket_bytes", int),
     "inductor": ("lowering", "inductor"),
     "islands": ("inductor_islands", True),
     "qw": ("gather_quantization", "int8"),
@@ -62,8 +62,9 @@ class SystemSpec:
         name: as written in ``--systems``.
         kind: ``"zerograph"``, ``"ddp"`` or ``"fsdp2"``.
         stage: zerograph's ZeRO stage; ``None`` for the others.
-        settings: the ``Config`` keywords of a zerograph system, as ``(keyword, value)`` pairs
-            (the bench's base, then the name's modifiers); ``config`` builds them.
+        settings: the ``Config`` fields of a zerograph system, as ``(field, value)`` pairs
+            (``"policy.field"`` for a policy's; the bench's base, then the name's modifiers);
+            ``config`` builds them (``config_of``).
         shard_size: ``-hsdp<S>``: S, the ranks of the shard dim of a 2-D mesh; ``None``: 1-D.
         compiled: ``fsdp2-compile``: FSDP2 under ``torch.compile``.
     """
@@ -80,7 +81,7 @@ class SystemSpec:
         """The zerograph system's ``Config`` (raises ``ConfigError`` for another kind)."""
         if self.kind != "zerograph":
             raise ConfigError(f"system {self.name!r} is {self.kind}, not zerograph: it has no Config")
-        return Config(**dict(self.settings))
+        return config_of(dict(self.settings))
 
     @property
     def paper_volume(self) -> int:
@@ -89,7 +90,7 @@ class SystemSpec:
         return 3 if self.stage == 3 or self.kind == "fsdp2" else 2
 
     def describe(self) -> dict[str, Any]:
-        """Plain data for the JSON: what the name set (Config keywords, tuples as lists)."""
+        """Plain data for the JSON: what the name set (Config fields, tuples as lists)."""
         return {"name": self.name, "kind": self.kind, "stage": self.stage, "shard_size": self.shard_size,
                 "compiled": self.compiled,
                 "config": {k: list(v) if isinstance(v, tuple) else v for k, v in self.settings}}
@@ -113,7 +114,8 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
     repeated = sorted({m for m, _ in mods if [k for k, _ in mods].count(m) > 1})
     if repeated:
         raise ConfigError(f"system {name!r} repeats the modifier(s) {', '.join('-' + k for k in repeated)}")
-    settings: dict[str, Any] = {**BASE_SETTINGS, "prefetch_depth": prefetch_depth, "bucket_bytes": bucket_bytes}
+    settings: dict[str, Any] = {**BASE_SETTINGS, "schedule.prefetch_depth": prefetch_depth,
+                                "schedule.bucket_bytes": bucket_bytes}
     set_by: dict[str, str] = {}
     shard_size = None
     for mod, number in mods:
@@ -127,10 +129,28 @@ def parse_system(name: str, prefetch_depth: int, bucket_bytes: int) -> SystemSpe
         value = int(number) if value is int else value
         settings[keyword] = settings.get(keyword, ()) + value if keyword == "disabled_passes" else value
     try:
-        check_stage_options(Config(**settings), stage, hybrid=shard_size is not None)
+        check_stage_options(config_of(settings), stage, hybrid=shard_size is not None)
     except ConfigError as exc:
         raise ConfigError(f"system {name!r}: {exc}") from None
     return SystemSpec(name, "zerograph", stage, tuple(settings.items()), shard_size)
+
+
+def config_of(settings: dict[str, Any]) -> Config:
+    """The ``Config`` of ``settings``: ``Config`` fields by name, and a policy's fields as
+    ``"policy.field"`` (``"schedule.prefetch_depth"``), gathered into that policy.
+
+    Raises:
+        ConfigError: a value ``Config`` or a policy refuses.
+    """
+    fields: dict[str, Any] = {}
+    policies: dict[str, dict[str, Any]] = {}
+    for name, value in settings.items():
+        policy, _, field = name.rpartition(".")
+        if policy:
+            policies.setdefault(policy, {})[field] = value
+        else:
+            fields[name] = value
+    return Config(**fields, **{policy: POLICIES[policy](**values) for policy, values in policies.items()})
 
 
 def check_world_size(spec: SystemSpec, world_size: int) -> None:

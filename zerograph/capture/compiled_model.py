@@ -287,7 +287,7 @@ def set_requires_gradient_sync(self: nn.Module, requires_gradient_sync: bool) ->
     parameter at a time, outside the graph; one run with sync on reduces in its graph whatever
     the setting at backward. ``no_sync()`` is decided by the forward instead. Off (gradient
     accumulation without communication): backward runs no reduce-scatter or all-reduce; each rank
-    adds its full, unreduced gradients, in ``Config.reduce_dtype``, to buffers the runtime holds,
+    adds its full, unreduced gradients, in ``MixedPrecisionPolicy.reduce_dtype``, to buffers the runtime holds,
     and the shards' ``.grad`` receive zeros (created if ``None``). Back on, while such buffers are
     held, the backward adds them to its own gradients in the reductions' copy-in and reduces the
     sum once, so a step of micro-batches costs one reduction. Run the last micro-batch of a step

@@ -27,7 +27,7 @@ class Stats:
             all-reduce counts twice its size (ZeRO paper section 7). Ideal: 2Ψ at stages 0-2, 3Ψ at 3.
         comm_bytes: the same collectives in bytes this rank sent (ring algorithms: (N-1)/N of the
             buffer per all-gather or reduce-scatter, twice that per all-reduce), in the dtype each
-            moves: ``Config.param_dtype`` for all-gathers, ``Config.reduce_dtype`` for reductions.
+            moves: ``MixedPrecisionPolicy.param_dtype`` for all-gathers, its ``reduce_dtype`` for reductions.
             With ``Config.gather_quantization`` an all-gather of quantized parameters moves a
             byte buffer (int8 values, fp32 scales, small shards raw), and with
             ``Config.reduce_quantization`` a reduce-scatter is an all-to-all of such buffers
@@ -51,10 +51,10 @@ class Stats:
             backward, measured when each ran (its last call): the tensors AOTAutograd's forward
             returns past the user outputs, each storage once, without graph inputs (parameters,
             shards, the batch) and gathered parameters. All of them are alive at once between
-            forward and backward, so this is their peak. What ``Config.activation_budget_bytes``
+            forward and backward, so this is their peak. What ``ActivationPolicy.budget_bytes``
             bounds (per graph). Offloaded activations are not counted here.
         offloaded_activation_bytes: bytes of saved activations the step's forward graphs handed
-            to backward in host memory instead (``Config.activation_offload``), measured alike.
+            to backward in host memory instead (``ActivationPolicy.offload``), measured alike.
         secondary_partition_bytes: bytes of hpZ's secondary partitions the step's forward graphs
             handed to backward (``Config.secondary_partition_size=M``: this rank's 1/M of every
             unit backward re-gathers, in ``param_dtype``), measured alike and not counted in
