@@ -212,8 +212,9 @@ def test_import_zerograph_loads_no_dump_and_inspect_into_a_closed_pipe_exits_qui
 def _runtime(rank: int = 0, world_size: int = 1):
     """What ``begin_dump`` reads of a runtime, without a process group (a 1-D world: the mesh
     rank is the rank)."""
-    return types.SimpleNamespace(rank=rank, world_size=world_size, mesh_rank=rank, dp_size=world_size,
-                                 fake_world=False)
+    topology = types.SimpleNamespace(rank=rank, world_size=world_size, mesh_rank=rank, dp_size=world_size,
+                                     fake_world=False)
+    return types.SimpleNamespace(topology=topology)
 
 
 def test_second_dump_clears_only_the_first_runs_files(dump_copy):
