@@ -23,6 +23,7 @@ from ..io import init, loading
 from ..policies import MixedPrecisionPolicy
 from ..runtime.state import STATE_ATTR, ZeroGraphState, state_of
 from ..shard.sharding import forget_shape_history, set_gathering, set_grad_mode, set_substituted
+from ..templates import parent_islands
 from ..templates.kinds import every_unit_inline, refresh_unit_modes
 
 
@@ -78,6 +79,7 @@ def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         kind.check_unchanged()
     refresh_unit_modes(state.unit_kinds)
     state.runtime.start_forward()
+    parent_islands.start_forward()
     previous = set_gathering(True)
     previous_substituted = set_substituted(substituted)
     mode = grad_mode_for(state, self)
@@ -151,8 +153,12 @@ def _run_falling_back(state: ZeroGraphState, model: nn.Module, args: tuple, kwar
     # their writes to buffers (a counter, running statistics) and their random numbers are undone
     # first, so the retried forward is the one eager runs once
     before = _ForwardSideEffects(model) if state.unit_kinds else None
-    # a kind falls back at most three times (in a training-flag mode, off its flat shards, to islands)
-    for _ in range(3 * len(state.unit_kinds) + 2):
+    # a kind falls back at most three times (in a training-flag mode, off its flat shards, to islands),
+    # and each module above units at most once, to a parent island (fewer of them than units)
+    for _ in range(3 * len(state.unit_kinds) + len(state.runtime.units) + 2):
+        island = getattr(model, parent_islands.PARENT_ISLAND_ATTR, None)
+        if island is not None:  # the routing loop is the root's: the whole forward runs eagerly
+            return parent_islands.run_parent_island(island, state.compiled_forward.__wrapped__, (model, *args), kwargs)
         try:
             with inline_trace, shape_policy(state, args, kwargs):
                 return state.compiled_forward(model, *args, **kwargs)

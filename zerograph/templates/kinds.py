@@ -41,6 +41,7 @@ from ..shard import sharding as _sharding
 from ..shard.flat import FlatShard
 from ..shard.sharding import full_parameter, own_code
 from . import unit_watch
+from .parent_islands import check_unit_caller
 from .template_cache import shared_template
 from .template_keys import unit_signature
 from .unit_calls import TENSOR, call_key, describe, rebuild, unsupported
@@ -375,6 +376,8 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     of through their accessors, and the ops called as ``OpOverload``s (a ``CustomOpDef``'s
     ``__call__`` is one more Python frame to inline; ``full_parameter`` calls its op that way too)."""
     body = type(self).forward
+    if torch.compiler.is_compiling():  # called from a routing loop Dynamo left to eager code: its parent an island
+        check_unit_caller(getattr(self, UNIT_ATTR).kind)
     mode = getattr(self, MODE_ATTR)  # one guard per unit; refresh_unit_modes keeps it current
     inline = (getattr(self, INLINE_ATTR) or getattr(self, f"{INLINE_MODE_PREFIX}{mode}", False)
               or inlining_every_unit() or _sharding._tracing_unit or not _sharding._gathering)
