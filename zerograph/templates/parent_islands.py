@@ -10,7 +10,7 @@ Such a module (the *parent*, the root included) runs as an island instead, as a 
 data-dependent control flow does (``unit_islands``): every rank gathers, on entry and in one
 order, every parameter below the parent (the units it may call and its own), runs the parent's
 forward eagerly on them, and in backward reduces each of them in that order, zeros for those no
-local token reached, ``None`` where no rank reached one (``unit_islands._GatheredOnEntry``).
+local token reached, ``None`` where no rank reached one (``unit_islands.GatheredOnEntry``).
 
 Detection: a unit's forward traced by Dynamo as its own frame (``tracing_unit_frame``), called
 from a frame Dynamo left to eager Python, while this forward met a data-dependent graph break
@@ -39,7 +39,7 @@ from ..errors import TemplateUnavailable
 from ..graph.vocab import GRAD_SYNC
 from ..runtime.state import STATE_ATTR, state_of
 from ..shard import sharding as _sharding
-from .unit_islands import _GatheredOnEntry
+from .unit_islands import GatheredOnEntry
 from .unit_trace import UNIT_ATTR
 
 PARENT_ISLAND_ATTR = "_zerograph_parent_island"  # the ParentIsland of a module that runs as one
@@ -177,7 +177,7 @@ def run_parent_island(island: ParentIsland, forward: Any, args: tuple, kwargs: d
             shards.append(shard.to_local() if isinstance(shard, DTensor) else shard)
         slots.append(entry_slots)
     mode = _sharding._grad_mode if torch.is_grad_enabled() else GRAD_SYNC
-    fulls = _GatheredOnEntry.apply(tuple(keys), mode, *shards)
+    fulls = GatheredOnEntry.apply(tuple(keys), mode, *shards)
     saved = [(module, pname, module._parameters[pname]) for entry in slots for module, pname in entry]
     previous = _sharding.set_tracing_unit(True)  # parameter attributes read their slots; units run their bodies
     try:
