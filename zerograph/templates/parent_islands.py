@@ -12,7 +12,7 @@ order, every parameter below the parent (the units it may call and its own), run
 forward eagerly on them, and in backward reduces each of them in that order, zeros for those no
 local token reached, ``None`` where no rank reached one (``unit_islands.GatheredOnEntry``).
 
-Detection: a unit's forward traced by Dynamo as its own frame (``tracing_unit_frame``), called
+Detection (``check_unit_caller``): a unit's forward traced by Dynamo as its own frame, called
 from a frame Dynamo left to eager Python, while this forward met a data-dependent graph break
 (``.tolist()``, ``.item()``, ``nonzero``: Dynamo's counters). The parent is the innermost module
 on the Python stack above that eager frame that holds the unit and is no unit; every rank meets the
@@ -44,8 +44,8 @@ from .unit_trace import UNIT_ATTR
 
 PARENT_ISLAND_ATTR = "_zerograph_parent_island"  # the ParentIsland of a module that runs as one
 # Dynamo's graph-break reasons (their first words) for a value or a shape read from tensor data
-_DATA_DEPENDENT = ("Data dependent operator", "Dynamic shape operator", "Unsupported Tensor.item()",
-                   "Tensor.tolist", "Tensor.item")
+_DATA_DEPENDENT = ("Data dependent operator", "Dynamic shape operator", "Data-dependent branching",
+                   "Unsupported Tensor.item()", "Tensor.tolist()", "Attempted to use `torch.nn.functional.one_hot`")
 _INTERNAL = (torch.__file__.rsplit("/", 1)[0], __file__.rsplit("/", 2)[0])  # torch's and zerograph's files
 _breaks_at_forward_start = 0
 
