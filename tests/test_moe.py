@@ -1,5 +1,6 @@
 """Mixtures of experts whose ranks route to different experts train as eager, or are refused by
-name, never abort: two gloo ranks, each on its half of the global batch, against single-process
+name, never abort (the routing loop inside a unit, or in a module above the experts made units):
+two gloo ranks, each on its half of the global batch, against single-process
 eager on the whole batch (losses, every gradient, ``None`` where eager leaves ``None``, and the
 parameters after each AdamW step, to 1e-5). The cases are in ``tests.workers_moe``."""
 from __future__ import annotations
@@ -12,13 +13,13 @@ from .workers_moe import CASES, moe_runs, routed_experts
 
 pytestmark = pytest.mark.distributed
 
-MIXTRAL, SET_LOOP, ROOT_LOOP, SKIPPING = CASES
-# (case, stage): transformers' Mixtral at every stage; the other cases at the ends of the sharded builds
-RUNS = (*((MIXTRAL, stage) for stage in range(4)), (SET_LOOP, 1), (SET_LOOP, 3), (ROOT_LOOP, 1), (ROOT_LOOP, 3), (SKIPPING, 3))
+MIXTRAL, SET_LOOP, ROOT_LOOP, SKIPPING, PLAIN_LOOP = CASES
+# (case, stage): transformers' Mixtral and the loop in the root at every stage; the other cases at
+# the ends of the sharded builds
+RUNS = (*((case, stage) for case in (MIXTRAL, ROOT_LOOP) for stage in range(4)), (SET_LOOP, 1), (SET_LOOP, 3),
+        (PLAIN_LOOP, 1), (PLAIN_LOOP, 3), (SKIPPING, 3))
 # what a (case, stage) may answer instead of eager's numbers: the error class and words of it
-REFUSALS = {(ROOT_LOOP, 1): ("ScheduleMismatchError", "unit_classes"),
-            (ROOT_LOOP, 3): ("ScheduleMismatchError", "unit_classes"),
-            (SKIPPING, 3): ("ScheduleMismatchError", "the island forward of unit")}
+REFUSALS = {(SKIPPING, 3): ("ScheduleMismatchError", "the island forward of unit")}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def runs() -> dict:
     return spawn(moe_runs, 2, RUNS, timeout_s=900)[0]
 
 
-@pytest.mark.parametrize("case", [MIXTRAL, SET_LOOP, ROOT_LOOP])
+@pytest.mark.parametrize("case", [MIXTRAL, SET_LOOP, ROOT_LOOP, PLAIN_LOOP])
 def test_the_ranks_route_to_different_experts(case: str) -> None:
     """In process: the batch makes the ranks' halves reach different sets of experts in a layer."""
     routed = routed_experts(case)

@@ -65,7 +65,8 @@ def _route(router: nn.Module, experts: nn.ModuleList, x: torch.Tensor) -> torch.
 
 
 class MoEBlock(nn.Module):
-    """The routing loop inside a unit (a block of a stack)."""
+    """A router and its experts: a unit in a stack of them (``BlocksNet``), a plain module alone
+    (``NestedExpertsNet``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -119,6 +120,22 @@ class ExpertsNet(nn.Module):
         return F.cross_entropy(self.out(h), tokens.flatten())
 
 
+class NestedExpertsNet(nn.Module):
+    """The experts are the units (the model's one stack), below a plain module that loops over
+    them (one ``MoEBlock``, no unit), as ``Config(unit_classes=(Expert,))`` makes them in a model
+    of MoE layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.moe = MoEBlock()
+        self.out = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.moe(self.emb(tokens).flatten(0, 1))
+        return F.cross_entropy(self.out(h), tokens.flatten())
+
+
 def _hf_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss
 
@@ -128,6 +145,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module, torch.Tenso
     "routing loop in a unit, a set of experts": (BlocksNet, lambda model, tokens: model(tokens)),
     "experts as units, routing loop in the root": (ExpertsNet, lambda model, tokens: model(tokens)),
     "islands of different units on the ranks": (SkippingNet, lambda model, tokens: model(tokens)),
+    "experts as units, routing loop in a plain module": (NestedExpertsNet, lambda model, tokens: model(tokens)),
 }
 
 

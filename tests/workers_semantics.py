@@ -390,20 +390,34 @@ def _flip_step(model, x, opt, i, compiled, record):
     return loss
 
 
-class TwoHeads(Net):
-    """``Net`` with two heads: forward returns both losses, a tuple, and stores the blocks' output
-    on the model (``self.last_hidden``), as models keep hidden states for a loss of their own."""
+class PairBlock(Block):
+    """A block that returns a tuple: its output and a side output through a layer of its own
+    (``side``), which reaches nothing else."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.side = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().forward(x), self.side(x)
+
+
+class TwoHeads(Net):
+    """``Net`` of ``PairBlock``s with two heads: forward returns both losses, a tuple, and stores
+    the blocks' output on the model (``self.last_hidden``), as models keep hidden states for a loss
+    of their own. The first block's side output is never read (its ``side`` keeps ``.grad``
+    ``None`` in eager); the last block's feeds the second head only."""
+
+    def __init__(self) -> None:
+        super().__init__(PairBlock)
         self.other = nn.Linear(WIDTH, 1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.inp(x)
         for block in self.blocks:
-            h = block(h)
+            h, side = block(h)
         self.last_hidden = h
-        return self.out(h).pow(2).mean(), self.other(h).pow(2).mean()
+        return self.out(h).pow(2).mean(), self.other(side).pow(2).mean()
 
 
 def _partly_read_step(model, x, opt, i, compiled, record):

@@ -33,6 +33,7 @@ from ..graph import registry
 from ..graph.ops import UNIT_BACKWARD
 from ..runtime.runtime import Runtime
 from ..shard.parameter_writes import check_no_parameter_writes
+from ..templates.unit_reach import read_in_part
 from .lowering import decompositions, lower
 from .unreached import none_for_unreached, output_reach
 
@@ -99,6 +100,12 @@ class ZeroGraphBackend:
         check_no_parameter_writes(gm.graph, self.runtime.marker_layouts, {
             flat.layout.fqn: {offset: layout.fqn for offset, layout in zip(flat.offsets, flat.layouts)}
             for flat in self.runtime.flat_shards.values()})
+        in_part = read_in_part(gm)
+        if in_part is not None:  # a unit's outputs read in part: autograd must decide per parameter
+            kind, why = in_part
+            registry.unit_kind(kind).leave_flat_shards(
+                f"{why} (eager leaves .grad None for a parameter only an unread output reaches; a template's "
+                "backward would give zeros)")
         graph = _GraphCompile(self, next(self._graph_ids), gm, example_inputs)
         reach = output_reach(gm)
         compiled = aot_module_simplified(

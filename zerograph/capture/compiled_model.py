@@ -27,6 +27,7 @@ from ..policies import MixedPrecisionPolicy
 from ..runtime.state import STATE_ATTR, ZeroGraphState, state_of
 from ..shard.sharding import forget_shape_history
 from ..shard.trace_state import TRACE
+from ..templates import parent_islands
 from ..templates.kinds import refresh_unit_modes
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     mode = grad_mode_for(state, self)
     flats = tuple(state.runtime.flat_shards.values())
     # the markers on, and the mode the trace reads (and guards on)
-    with TRACE.scope(gathering=True, substituted=substituted, grad_mode=mode):
+    with TRACE.scope(gathering=True, substituted=substituted, grad_mode=mode,
+                     breaks_at_forward_start=parent_islands.data_dependent_breaks()):
         try:
             for flat in flats:  # each unit's graph input, an autograd function of its shards
                 flat.open_forward()
@@ -178,8 +180,12 @@ def _run_falling_back(state: ZeroGraphState, model: nn.Module, args: tuple, kwar
     # first, so the retried forward is the one eager runs once
     before = _ForwardSideEffects(model) if state.unit_kinds else None
     inline = False
-    # a kind falls back at most three times (in a training-flag mode, off its flat shards, to islands)
-    for _ in range(3 * len(state.unit_kinds) + 2):
+    # a kind falls back at most three times (in a training-flag mode, off its flat shards, to islands),
+    # and each module above units at most once, to a parent island (fewer of them than units)
+    for _ in range(3 * len(state.unit_kinds) + len(state.runtime.units) + 2):
+        island = getattr(model, parent_islands.PARENT_ISLAND_ATTR, None)
+        if island is not None:  # the routing loop is the root's: the whole forward runs eagerly
+            return parent_islands.run_parent_island(island, state.compiled_forward.__wrapped__, (model, *args), kwargs)
         outcome = _trace_once(state, model, args, kwargs, all_inline=inline)
         if isinstance(outcome, Traced):
             return outcome.output

@@ -304,6 +304,9 @@ def _unit_call_backward_formula(ctx, grads: list[torch.Tensor | None]):
     grads = grads[:len(ctx.output_metas)]
     if all(g is None for g in grads):  # no gradient reached the unit's outputs
         return None, None, None, [None] * len(ctx.grad_mask), None
+    if any(g is None for g in grads):  # some output unread in the graph: the kind may have to run inline
+        template = registry.template_of(ctx.template)
+        registry.unit_kind(template.kind).check_read_in_part(template, [g is not None for g in grads])
     *primals, token = ctx.saved_tensors
     grad_iter = iter(unit_call_backward(ctx.template, primals, token, _tangents(grads, ctx.output_metas)))
     return None, None, None, [next(grad_iter) if differentiable else None for differentiable in ctx.grad_mask], None

@@ -181,10 +181,10 @@ class ScheduleCheck:
                 "lengths, may differ between ranks. Look for rank- or data-dependent control flow that "
                 "skips or repeats a layer on some ranks, or that Dynamo splits into graphs at data-dependent "
                 "points inside a unit (a loop over the experts that got tokens): with Config(unit_templates=True), "
-                "the default, such a unit runs eagerly, gathered once on entry, and the ranks stay in step. "
-                "A loop over data outside every unit that calls units (experts made units under a router "
-                "that loops over the experts that got tokens) is not caught: make the module holding the "
-                "loop the unit, e.g. Config(unit_classes=(ItsClass,)), so that its body runs as one"
+                "the default, such a unit runs eagerly, gathered once on entry, and the ranks stay in step, "
+                "as does a module above units whose loop over the data calls them (experts made units under "
+                "a router that loops over the experts that got tokens): it runs eagerly, every parameter below "
+                "it gathered once on entry. Config(unit_templates=False) does neither: leave it at the default"
                 f"{self._early_end_hint(a, other, b)}")
 
     @staticmethod

@@ -51,6 +51,9 @@ class TraceState:
             parameter's name at each parameter attribute read outside forward, it materialises the
             parameter's unit and returns what the slot then holds, so that an init reaching
             another unit's parameters through attributes writes full tensors, not shards.
+        breaks_at_forward_start: Dynamo's count of data-dependent graph breaks in this process
+            when the running compiled forward started (``templates.parent_islands``: a unit called
+            after one more, from eager code, sits in a routing loop).
     """
 
     gathering: bool = False
@@ -59,6 +62,7 @@ class TraceState:
     substituted: bool = False
     inline_every_unit: bool = False
     init_read: Callable[[nn.Module, str], torch.Tensor] | None = None
+    breaks_at_forward_start: int = 0
 
     @contextlib.contextmanager
     def scope(self, **flags: Any) -> Iterator[None]:

@@ -218,4 +218,6 @@ def warn_large_units(model: nn.Module, units: list[tuple[str, nn.Module]], stage
             f"zerograph.compile: {what} holds {size / total:.0%} of the model's parameters at stage 3, so "
             f"it is gathered whole while in use; it holds {count} {cls.__name__} blocks that could be units "
             f"of their own: pass config=zerograph.Config(unit_classes=({cls.__name__},)) to zerograph.compile "
-            "(with the other block classes of the model, if any)", UnitSizeWarning, stacklevel=3)
+            "(with the other block classes of the model, if any; a module that calls them from a loop over the "
+            "data, such as a router over experts, then runs eagerly with all of them gathered while it runs)",
+            UnitSizeWarning, stacklevel=3)

@@ -41,11 +41,13 @@ from ..shard.flat import FlatShard
 from ..shard.sharding import full_parameter, own_code
 from ..shard.trace_state import TRACE
 from . import unit_watch
+from .parent_islands import check_unit_caller
 from .template_cache import TraceFailure, shared_template
 from .template_keys import unit_signature
 from .unit_calls import TENSOR, call_key, describe, rebuild, unsupported
 from .unit_islands import run_island
 from .unit_paths import INLINE_ATTR, INLINE_MODE_PREFIX, ISLAND_ATTR, TRANSITIONS, UnitPath
+from .unit_reach import lost_to_unread
 from .unit_record import UnitRecord
 from .unit_trace import UNIT_ATTR, TensorMeta, UnitTemplate
 
@@ -235,6 +237,22 @@ class UnitKind:
         self.leave(UnitPath.ISLAND, reason)
         raise TemplateUnavailable(f"unit {self.name!r}: {reason}")
 
+    def check_read_in_part(self, template: UnitTemplate, read: Sequence[bool]) -> None:
+        """At the joint trace of a call of ``template`` whose outputs ``read`` marks got a gradient
+        (the others go unread in the graph): when only the unread ones reach some gradient, which
+        eager leaves ``None`` and the template's backward would fill with zeros, run the kind
+        inline off its flat shards (``leave_flat_shards``; raises ``TemplateUnavailable``)."""
+        if lost_to_unread(template, read):
+            self.leave_flat_shards("a call leaves unread an output that alone reaches some gradient (eager leaves "
+                                   "that parameter's .grad None; a template's backward would give zeros)")
+
+    def leave_flat_shards(self, reason: str) -> NoReturn:
+        """Run every unit of the kind inline, on per-parameter shards (``_unflatten``: autograd
+        then decides each parameter's ``.grad``, ``None`` where it never reached), and raise
+        ``TemplateUnavailable`` (the compiled forward traces the model again)."""
+        self.no_grad = None  # so that _runs_inline takes the flat shards away
+        self.fall_back(reason)
+
     def check_unchanged(self) -> None:
         """Before a forward: run the kind inline in every mode from now on (``run_inline``) if a
         unit changed since compile in what a template could read (``unit_watch.KindWatch``)."""
@@ -386,6 +404,8 @@ def _templated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     of through their accessors, and the ops called as ``OpOverload``s (a ``CustomOpDef``'s
     ``__call__`` is one more Python frame to inline; ``full_parameter`` calls its op that way too)."""
     body = type(self).forward
+    if torch.compiler.is_compiling():  # called from a routing loop Dynamo left to eager code: its parent an island
+        check_unit_caller(getattr(self, UNIT_ATTR).kind)
     mode = getattr(self, MODE_ATTR)  # one guard per unit; refresh_unit_modes keeps it current
     inline = (getattr(self, INLINE_ATTR) or getattr(self, f"{INLINE_MODE_PREFIX}{mode}", False)
               or inlining_every_unit() or TRACE.tracing_unit or not TRACE.gathering)
@@ -474,7 +494,5 @@ def _read_unreached(kind: int) -> bool:
     Without knowing whether autograd reaches it, the kind's units leave their flat shards and run
     inline (``UnitKind.fall_back``), and the forward is traced again. Dynamo runs this while it
     traces (its result a constant of the graph); eager code calls it as it is."""
-    unit_kind = registry.unit_kind(kind)
-    unit_kind.no_grad = None  # so leave() takes the flat shards away
-    unit_kind.fall_back("a parameter its template leaves without a gradient is read where the template does not "
-                        "see it (by the unit's parent, or in an inline body)")
+    registry.unit_kind(kind).leave_flat_shards("a parameter its template leaves without a gradient is read where "
+                                               "the template does not see it (by the unit's parent, or in an inline body)")

@@ -45,7 +45,7 @@ def island_schedule(keys: tuple[int, ...], direction: str, mode: str = GRAD_SYNC
     return schedule_from(entries, f"island {direction}", f"the island {direction} of unit #{unit}")
 
 
-class _GatheredOnEntry(torch.autograd.Function):
+class GatheredOnEntry(torch.autograd.Function):
     """An island's parameters (``run_island``): each all-gathered in forward; in backward every
     one reduced, in slot order, on every rank alike, whichever of them this rank's data reached
     (zeros for the others), unless no rank reached it (``None``, as eager leaves it): the
@@ -90,10 +90,10 @@ def run_island(unit: nn.Module, args: tuple, kwargs: dict) -> Any:
     shards = [mod._parameters[name] for mod, name in param_slots]
     mode = TRACE.grad_mode if torch.is_grad_enabled() else GRAD_SYNC
     if flat is not None:
-        fulls = flat.unflatten(_GatheredOnEntry.apply((flat.layout.key,), mode, flat.input)[0])
+        fulls = flat.unflatten(GatheredOnEntry.apply((flat.layout.key,), mode, flat.input)[0])
     else:
         locals_ = [shard.to_local() if isinstance(shard, DTensor) else shard for shard in shards]
-        fulls = list(_GatheredOnEntry.apply(keys, mode, *locals_))
+        fulls = list(GatheredOnEntry.apply(keys, mode, *locals_))
     with TRACE.scope(tracing_unit=True):  # the parameter attributes read their slots
         try:
             for (mod, name), full in zip(param_slots, fulls):

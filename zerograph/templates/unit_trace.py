@@ -33,6 +33,7 @@ from ..shard.trace_state import TRACE
 from .attribute_reads import instance_reads, recording_reads
 from .unit_calls import TENSOR, call_arguments, call_structure, flatten_output
 from .unit_flat_grad import write_flat_gradient_in_place
+from .unit_reach import per_output_reach
 from .unit_record import UNIT_ATTR, UnitRecord
 from .unit_saved import rebase_saved_views, recompute_norms
 from .unit_writes import check_no_writes, functional_joint, save_random_values
@@ -116,6 +117,9 @@ class UnitTemplate:
     output_structure: Any = TENSOR
     draws_random: bool = False  # its forward draws random numbers (dropout): run once, never recomputed
     saved_outputs: list[int] = dataclasses.field(default_factory=list)  # unit_forward outputs backward reads
+    # per unit output, the gradients it reaches (positions among the differentiable primals, then
+    # a flat shard's cut parameters): unit_reach.lost_to_unread
+    output_reach: tuple[frozenset[int], ...] = ()
 
     def forward(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(self.run_forward(*primals))
@@ -157,7 +161,7 @@ def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_g
         primals = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
                    for (shape, stride, dtype), grad in zip(metas, wants_grad)]
         tangents = [torch.empty_like(o, memory_format=torch.contiguous_format) for o in body(*primals)]
-    joint_graph, grad_mask, no_grad_params = _joint(body, primals, tangents, wants_grad, fake_mode)
+    joint_graph, grad_mask, no_grad_params, output_reach = _joint(body, primals, tangents, wants_grad, fake_mode)
     if reach is not None and body.flat is not None and any(grad_mask):
         reach["no_grad"] = no_grad_params
     check_no_writes(kind.name, joint_graph, len(metas), body.parameter_names(), body.cut_out)
@@ -167,7 +171,7 @@ def trace_unit(kind: TracedKind, metas: tuple[TensorMeta, ...], mode: int, arg_g
     if body.flat is not None and kind.lowering != "inductor":  # the flat gradient held once, not twice
         write_flat_gradient_in_place(bwd, body.n_args)
     template = _template(kind, metas, fwd, bwd, fake_mode, primals, tangents, grad_mask, no_grad_params)
-    template.output_structure = body.output_structure
+    template.output_structure, template.output_reach = body.output_structure, output_reach
     template.draws_random = draws_random
     template.read_attrs = instance_reads(body.modules, body.reads)
     template.trace_seconds = time.perf_counter() - start
@@ -251,11 +255,12 @@ class _Body:
 
 
 def _joint(body: _Body, primals: list[torch.Tensor], tangents: list[torch.Tensor], wants_grad: list[bool],
-           fake_mode: FakeTensorMode) -> tuple[fx.GraphModule, list[bool], frozenset[int]]:
+           fake_mode: FakeTensorMode) -> tuple[fx.GraphModule, list[bool], frozenset[int], tuple[frozenset[int], ...]]:
     """The joint forward + backward graph of ``body`` (``make_fx``), the primals whose gradient it
     returns (``grad_mask``: wanted and reached by autograd; eager leaves the others' ``.grad``
-    ``None``, AdamW then skips them, so must we), and the parameters cut out of a flat shard that
-    the output never reaches (one flat gradient cannot say so itself)."""
+    ``None``, AdamW then skips them, so must we), the parameters cut out of a flat shard that
+    the output never reaches (one flat gradient cannot say so itself), and the gradients each
+    output reaches (``UnitTemplate.output_reach``)."""
     reached: dict[str, list[bool]] = {}
 
     def joint(primals: list[torch.Tensor], tangents: list[torch.Tensor]) -> tuple[list, list]:
@@ -269,6 +274,7 @@ def _joint(body: _Body, primals: list[torch.Tensor], tangents: list[torch.Tensor
                                              [t for _, t in reached_outs], allow_unused=True))
         reached["primals"] = [g is not None for g in grads]
         reached["cut_out"] = [_reaches(outs, t) for t in body.cut_params]
+        reached["outputs"] = per_output_reach(outs, [p for p in primals if p.requires_grad] + body.cut_params)
         grads_iter = iter(grads)
         return outs, [next(grads_iter) if p.requires_grad else None for p in primals]
 
@@ -276,7 +282,8 @@ def _joint(body: _Body, primals: list[torch.Tensor], tangents: list[torch.Tensor
         joint_graph = make_fx(joint)(primals, tangents)
     used = iter(reached["primals"])
     grad_mask = [wanted and next(used) for wanted in wants_grad]
-    return joint_graph, grad_mask, frozenset(i for i, hit in enumerate(reached["cut_out"]) if not hit)
+    no_grad_params = frozenset(i for i, hit in enumerate(reached["cut_out"]) if not hit)
+    return joint_graph, grad_mask, no_grad_params, reached["outputs"]
 
 
 def template_min_cut(joint_graph: fx.GraphModule, primals: list[torch.Tensor],
