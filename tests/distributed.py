@@ -39,6 +39,7 @@ from tests import forkserver, guard_probe  # noqa: F401  (guard_probe: Dynamo's 
 # the running rank's store (set by _worker): ranks compare notes through it, outside gloo
 _store: dist.Store | None = None
 _cases_run = 0  # cases this rank has run through `run_case_in_step`
+_outdir = ""  # the running rank's spawn folder: names its spawn in the stress lane's log
 
 # CPU seconds of the ranks forked from the forkserver: they are its children, not this process's,
 # so tests/cpu_durations.py adds this to the children's CPU it reads from getrusage
@@ -61,8 +62,8 @@ def _worker(rank: int, world_size: int, outdir: str, fn: Callable, args: tuple, 
     faulthandler.enable(crash_log, all_threads=True)
     try:
         store = _rendezvous(rank, world_size, outdir, timeout)
-        global _store
-        _store = store
+        global _store, _outdir
+        _store, _outdir = store, outdir
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         if init_group:
@@ -121,6 +122,15 @@ class RanksOutOfStep(RuntimeError):
     does not check (it aborts, or reads and writes buffers of another collective: heap corruption)."""
 
 
+def _log_training(what: str, outdir: str) -> None:
+    """Under the stress lane (``SPAWN_LOG`` set), append ``what`` (``spawn``: a run of ranks;
+    ``case``: one training of a run of many, ``run_case_in_step``) and the run's folder to its log:
+    ``tests/stress.py`` counts the trainings, a run's cases or else the run itself."""
+    if os.environ.get(SPAWN_LOG):
+        with open(os.environ[SPAWN_LOG], "a") as log:
+            log.write(f"{what} {os.path.basename(outdir)}\n")
+
+
 def timed(fn: Callable[..., dict], *args: Any) -> dict:
     """``fn(*args)``'s result dict with the wall seconds it took added as ``"seconds"``."""
     start = time.perf_counter()
@@ -138,6 +148,8 @@ def run_case_in_step(key: object, fn: Callable[..., Any], *args: Any) -> Any:
     rank's case, outcome and count otherwise, so the run stops here with the cause instead of the next
     collective pairing with another one of the peer's."""
     global _cases_run
+    if dist.is_initialized() and dist.get_rank() == 0:
+        _log_training("case", _outdir)
     try:
         result, outcome = fn(*args), "returned"
     except Exception as exc:  # noqa: BLE001 - the case's own test reports it
@@ -223,10 +235,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_
         raise SpawnNotMarked(f"spawn({fn.__name__}) in a test not marked `distributed`: add "
                              "@pytest.mark.distributed (or pytestmark) so `make test-fast` leaves it out")
     ctx = (forkserver.context() if start_method == "forkserver" else None) or mp.get_context(start_method)
-    if os.environ.get(SPAWN_LOG):  # the stress lane counts spawned runs
-        with open(os.environ[SPAWN_LOG], "a") as log:
-            log.write(f"{fn.__module__}.{fn.__name__} x{world_size}\n")
     with tempfile.TemporaryDirectory() as outdir:
+        _log_training("spawn", outdir)
         procs = [ctx.Process(target=_worker,
                              args=(r, world_size, outdir, fn, args, pg_timeout_s, teardown_barrier, init_group))
                  for r in range(world_size)]

@@ -27,8 +27,8 @@ gloo abort message, a *failure* when it failed otherwise; the log of each is kep
                            [--env NAME=VALUE ...] [--beside-in-process]
 
 Without ``--tests`` every test file with a test marked ``distributed`` is a target. Prints a
-summary by target: runs, spawned runs of ranks (``tests.distributed.spawn`` calls), aborts and
-failures, and which tests the aborted runs failed in. ``--beside-in-process`` loads the cores as
+summary by target: runs, trainings (each case of a spawn that runs many, or the spawn), aborts
+and failures, and which tests the aborted runs failed in. ``--beside-in-process`` loads the cores as
 ``make test`` does: its other lane, the in-process tests, runs in a loop beside the runs.
 Under the checking allocator, tests that read the ranks' resident memory may fail without a
 fault (``test_bench``'s peak over baseline reads 0): a failure is not an abort.
@@ -109,7 +109,7 @@ def classify(returncode: int, output: str) -> str:
 def run_once(target: str, keyword: str | None, env: dict[str, str],
              timeout_s: float) -> tuple[int, str, float, int]:
     """One pytest process over ``target``: its exit code (negative: a signal; 124: timed out),
-    output, seconds, and the ranks' runs it spawned (``tests.distributed.spawn`` calls)."""
+    output, seconds, and the trainings its spawned ranks ran (``trainings``)."""
     command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-m", "distributed", "-rfE",
                target]
     if keyword:
@@ -124,7 +124,17 @@ def run_once(target: str, keyword: str | None, env: dict[str, str],
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
             returncode, output = 124, out + f"\n[stress] timed out after {timeout_s:g} s\n"
-        return returncode, output, time.monotonic() - start, len(spawns.read().splitlines())
+        return returncode, output, time.monotonic() - start, trainings(spawns.read())
+
+
+def trainings(log: str) -> int:
+    """The trainings of a run's spawn log (``tests.distributed._log_training``): each spawn's
+    cases, or the spawn itself where it ran its function once."""
+    cases: collections.Counter = collections.Counter()
+    for line in log.splitlines():
+        what, _, spawn = line.partition(" ")
+        cases[spawn] += what == "case"
+    return sum(max(n, 1) for n in cases.values())
 
 
 @contextlib.contextmanager
@@ -180,11 +190,11 @@ def main(argv: list[str] | None = None) -> int:
             allocator = args.malloc if args.malloc != "alternate" else ("check", "plain")[iteration % 2]
             env = {**checked_environment(args.perturb, allocator == "check"), **extra}
             for target in targets:
-                returncode, output, seconds, spawns = run_once(target, args.keyword, env, args.timeout)
+                returncode, output, seconds, trained = run_once(target, args.keyword, env, args.timeout)
                 outcome = classify(returncode, output)
-                counts[target].update({"runs": 1, outcome: 1, "spawns": spawns})
+                counts[target].update({"runs": 1, outcome: 1, "trainings": trained})
                 line = f"[stress] {iteration + 1}/{args.iterations} ({allocator}) {target}: {outcome} " \
-                       f"(exit {returncode}, {spawns} spawns, {seconds:.0f} s)"
+                       f"(exit {returncode}, {trained} trainings, {seconds:.0f} s)"
                 if outcome != "ok":
                     line += keep_log(log_dir / f"{outcome}-{iteration + 1:03d}-{slug(target)}.log", output,
                                      aborted_in if outcome == "abort" else None, target)
@@ -205,11 +215,11 @@ def keep_log(path: pathlib.Path, output: str, aborted_in: collections.Counter | 
 
 def summary(counts: dict[str, collections.Counter], aborted_in: collections.Counter) -> str:
     width = max(len(t) for t in counts)
-    lines = ["", f"{'target':<{width}}  runs  spawns  aborts  failures"]
+    lines = ["", f"{'target':<{width}}  runs  trainings  aborts  failures"]
     for target, c in counts.items():
-        lines.append(f"{target:<{width}}  {c['runs']:>4}  {c['spawns']:>6}  {c['abort']:>6}  {c['failure']:>8}")
+        lines.append(f"{target:<{width}}  {c['runs']:>4}  {c['trainings']:>9}  {c['abort']:>6}  {c['failure']:>8}")
     total = sum(counts.values(), collections.Counter())
-    lines.append(f"{'total':<{width}}  {total['runs']:>4}  {total['spawns']:>6}  {total['abort']:>6}  "
+    lines.append(f"{'total':<{width}}  {total['runs']:>4}  {total['trainings']:>9}  {total['abort']:>6}  "
                  f"{total['failure']:>8}")
     if aborted_in:
         lines.append("aborted runs failed in: " + ", ".join(f"{t} x{n}" for t, n in aborted_in.most_common()))

@@ -74,19 +74,20 @@ def test_each_allocator_catches_what_the_other_misses() -> None:
 
 
 def test_the_summary_counts_by_target() -> None:
-    counts = {"tests/a.py": Counter(runs=3, abort=1, ok=2, spawns=12),
-              "tests/b.py": Counter(runs=3, failure=1, ok=2, spawns=9)}
+    counts = {"tests/a.py": Counter(runs=3, abort=1, ok=2, trainings=12),
+              "tests/b.py": Counter(runs=3, failure=1, ok=2, trainings=9)}
     text = stress.summary(counts, Counter({"tests/a.py::test_x": 1}))
-    assert "tests/a.py     3      12       1         0" in text and "total          6      21       1         1" in text
+    assert "tests/a.py     3         12       1         0" in text and "total          6         21       1         1" in text
     assert "aborted runs failed in: tests/a.py::test_x x1" in text
 
 
-def test_a_run_counts_the_ranks_runs_it_spawned(tmp_path) -> None:
-    """``run_once`` counts the ``tests.distributed.spawn`` calls of its pytest process (the lane's
-    figure is spawned runs, not pytest processes)."""
-    test = tmp_path / "test_two_spawns.py"
+def test_a_run_counts_the_trainings_its_ranks_ran(tmp_path) -> None:
+    """``run_once`` counts the trainings of its pytest process from the spawn log: a spawn that ran
+    its function once is one, a spawn of many cases (``run_case_in_step``) is its cases."""
+    test = tmp_path / "test_spawns.py"
     marker = "@pytest.mark." + "distributed"  # not spelled whole: this file spawns no ranks
+    lines = ["spawn a", "spawn b", "case b", "case b", "case b"]
     test.write_text(f"import os\nimport pytest\n\n{marker}\ndef test_x():\n"
-                    "    for _ in range(2):\n        open(os.environ['ZEROGRAPH_SPAWN_LOG'], 'a').write('spawn\\n')\n")
-    returncode, _, _, spawns = stress.run_once(str(test), None, dict(os.environ), 120)
-    assert (returncode, spawns) == (0, 2)
+                    f"    open(os.environ['ZEROGRAPH_SPAWN_LOG'], 'a').write({chr(10).join(lines)!r} + '\\n')\n")
+    returncode, _, _, trained = stress.run_once(str(test), None, dict(os.environ), 120)
+    assert (returncode, trained) == (0, 4)
