@@ -19,6 +19,7 @@ import concurrent.futures
 import fnmatch
 import multiprocessing
 import pathlib
+import re
 from typing import NamedTuple
 
 import networkx as nx
@@ -176,6 +177,52 @@ def test_no_import_cycles_inside_a_package() -> None:
     same_package = [(a, b) for a, b in graph.edges if a.rpartition(".")[0] == b.rpartition(".")[0]]
     cycles = sorted(" -> ".join([*c, c[0]]) for c in nx.simple_cycles(graph.edge_subgraph(same_package)))
     assert not cycles, "import cycles inside a package (TYPE_CHECKING imports included):\n  " + "\n  ".join(cycles)
+
+
+def design_layout() -> dict[str, str]:
+    """What the layout block of docs/design.md (the first fenced block under "## Layout") names:
+    dotted module or package name, or a data file's path under ``zerograph/``, -> its row's layer.
+
+    A row starts at the left margin with its layer's name; indented lines continue it. Segments
+    split by ``;`` are ``pkg/: a, b`` (modules of ``zerograph.pkg``; ``pkg/`` names the package) or
+    ``a, b`` (modules of ``zerograph``). Parentheses are remarks, except ``(+ a, b)``, which names
+    more modules of the same segment; a name with a dot is a data file of the segment's package."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = re.search(r"^## Layout\n.*?^```\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    assert block, "docs/design.md: no fenced block under '## Layout'"
+    rows: list[list[str]] = []
+    for line in block.group(1).splitlines():
+        if line.strip():
+            rows.append(line.split(None, 1)) if not line[0].isspace() else rows[-1].append(line.strip())
+    named = {}
+    for layer, *text_parts in rows:
+        text = re.sub(r"\(\+\s*([^()]*)\)", r", \1", " ".join(text_parts))
+        while (stripped := re.sub(r"\([^()]*\)", "", text)) != text:
+            text = stripped
+        for segment in text.split(";"):
+            header = re.match(r"\s*([\w/]+)/\s*:?", segment)
+            package = "zerograph." + header.group(1).replace("/", ".") if header else "zerograph"
+            if header:
+                named[package], segment = layer, segment[header.end():]
+            for name in filter(None, (n.strip() for n in segment.split(","))):
+                key = f"{package.replace('.', '/')}/{name}" if "." in name else f"{package}.{name}"
+                named[key] = layer
+    return named
+
+
+def test_design_layout_names_every_module_in_its_layer() -> None:
+    """docs/design.md's layout block names every package and module of the tree (``passes/`` as
+    ``zerograph.passes``), in the row of the layer ``LAYERS`` puts it in, and names nothing that is
+    not there."""
+    named, modules = design_layout(), set(module_files()) - {"zerograph"}
+    files = {k for k in named if "/" in k}
+    unnamed = sorted(modules - set(named))
+    stale = sorted(set(named) - modules - files) + sorted(f for f in files if not (ROOT / f).exists())
+    misplaced = sorted(f"{m} in row {named[m]!r}, in layer {LAYERS[layer_of(m)][0]!r}"
+                       for m in modules & set(named) if named[m] != LAYERS[layer_of(m)][0])
+    assert not (unnamed or stale or misplaced), (
+        "docs/design.md's layout block and the tree differ:\n  not named: " + ", ".join(unnamed)
+        + "\n  named, not in the tree: " + ", ".join(stale) + "\n  in another layer's row: " + "; ".join(misplaced))
 
 
 @pytest.mark.slow
