@@ -5,55 +5,23 @@ Pre: a joint graph (before the min-cut partitioner) whose forward nodes carry Dy
 ``nn_module_stack``; the gather chains of ``insert_allgather`` and the kept gathers of
 ``selective_unshard`` already carry their own ``recompute`` tags (left as they are).
 Post: with ``ctx.activations.budget_bytes`` None, nothing changes. Otherwise every non-root unit is
-planned (``plan_activations``) and the plan is carried out:
+planned (``plan_activations``: most bytes freed per second first, priced by
+``ctx.activations.cost_model``) and the plan is carried out:
 
-- ``recompute``: the unit's forward nodes are tagged ``meta["recompute"] = MUST_RECOMPUTE`` and
-  ``meta["ac_graph_id"]`` = the unit's rank in forward order, which is what
-  ``torch.utils.checkpoint`` puts on the nodes of a checkpointed region when Dynamo traces it.
-  The partitioner then saves what the unit reads from outside (its input; the output of the unit
-  before it when both are recomputed, since ``cleanup_recompute_tags`` saves values at the
-  boundary of two regions) and runs the unit's forward again in backward.
-- ``offload`` (``ctx.activations.offload``): each saved storage offload can move (``offloadable``) is marked
-  ``should_offload`` and ``MUST_SAVE``; PyTorch's partitioner-level offloading (switched on by
-  ``zerograph.capture.capture`` for that partition) copies it to host memory after its last forward use
-  and back before its first backward use, on a transfer stream on CUDA. Backward's reads through
-  forward views are first replayed on the storage itself (PyTorch offloads no view).
-- ``partition`` (``ctx.activation_group``, M ranks): each saved storage P_a can partition
-  (``shardable``; not one a recomputed unit reads, nor an offloaded one: ``moved_roots``) gets a
-  ``zerograph::shard_activation`` right after it (this rank's 1/M, the only thing saved:
-  ``MUST_SAVE``) and a ``zerograph::gather_activation`` (an all-gather over the group) before its
-  first backward use; backward reads the gathered copy (views replayed on it) instead. Every
-  rank of the group must hold bitwise the same activations (same batch, same dropout RNG state):
-  the all-gather stitches the pieces of different ranks together.
+- ``recompute``: the unit's forward nodes get ``meta["recompute"] = MUST_RECOMPUTE`` and
+  ``meta["ac_graph_id"]`` (its rank in forward order), as ``torch.utils.checkpoint`` marks a
+  checkpointed region; the partitioner saves what the unit reads from outside and runs it again.
+- ``offload`` (``ctx.activations.offload``): each storage offload can move (``offloadable``) is
+  marked ``should_offload`` and ``MUST_SAVE`` for PyTorch's partitioner-level offloading.
+- ``partition`` (``ctx.activation_group``, M ranks): each storage P_a can partition (``shardable``)
+  gets ``zerograph::shard_activation`` after it (1/M saved) and ``zerograph::gather_activation``
+  before its first backward use. Every rank of the group must hold bitwise the same activations.
 
-The first forward node of every planned unit carries ``meta[ACTIVATION]["note"]`` (the decision
-and the price of every option), which the dump prints.
-
-What is never recomputed, and why:
-- the root unit (embedding, final norm, LM head and loss sit at both ends of the graph);
-- ops tagged ``torch.Tag.nondeterministic_seeded`` and their ``getitem``s (dropout, and every
-  fused attention kernel, even at ``dropout_p=0``): their outputs stay saved. Recomputing one
-  makes the partitioner functionalize the RNG (``functionalize_rng_ops``), which in torch 2.13
-  appends the saved RNG states after the saved opaque objects: the ``DeviceMesh`` every DTensor
-  parameter's gradient carries is always saved, so it lands among the saved tensors and
-  AOTAutograd's ``save_from_forward`` asserts. Plain ``torch.utils.checkpoint`` around a block
-  fails the same way under zerograph. Saving the seeded outputs is also exact without RNG replay.
-- nodes that already carry ``recompute`` (zerograph's gathers, a user's own checkpointing).
-
-The choice. Estimates come from the graph's fake values (bytes of each storage, views counted
-once; graph inputs and gathered parameters are not activations). Per unit: ``saved_bytes``, the
-unit's activations backward reads when kept; ``input_bytes``, what recomputing saves instead
-(values it reads from outside, plus its seeded outputs); ``offload_bytes`` and
-``partition_bytes``, what offload and P_a can move. Each option has a price in seconds under the
-cost model ``ctx.activations.cost_model`` (``Config`` fills in clusters.json's nominal cluster when
-none is given: every rank must decide alike, so the pipeline measures nothing): recompute, the
-roofline of the unit's forward ops (``CostModel.node_time``); offload, the host round trip at
-``CostModel.host_bytes_per_s``; P_a, the all-gather over M ranks (``CostModel.resized``). Options
-are taken in decreasing order of bytes freed per second, each unit's cheapest first, a dearer one
-replacing it only if it frees more, until the estimate of device-resident saved bytes fits the
-budget. Per-unit prices miss what adjacent units free together, so if that mixed plan misses the
-budget, the plan using one kind of option alone that fits is taken instead. If none fits, a
-warning says by how much the estimate exceeds the budget.
+Never recomputed: the root unit, ops tagged ``torch.Tag.nondeterministic_seeded`` (dropout, fused
+attention) and their ``getitem``s, nodes that already carry ``recompute``. The first forward node
+of every planned unit carries ``meta[ACTIVATION]["note"]`` (the decision and every option's price),
+which the dump prints. docs/design.md, "The activation plan", has how the plan is chosen and why
+seeded ops stay saved.
 
 Units: bytes (per rank); seconds.
 Source: ZeRO (arXiv 1910.02054) section 6.1 (activation checkpointing, P_a, CPU offload); Chen et

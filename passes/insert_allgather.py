@@ -34,8 +34,8 @@ unaffected: the markers' backward (``reduce_grad``) reduces the full-precision g
 the dequantized weights. Other buckets (integer, bool, complex, fp64, or all shards below a
 block) gather as without quantization.
 
-The spliced tensor functions live in ``zerograph/runtime/collectives.py`` (``gather_fn``), which the
-runtime's eager fallback calls too: one copy of the gather, traced here, run there.
+The spliced tensor function is ``zerograph.runtime.collectives.gather_fn``, which the runtime's
+eager fallback calls too ([Note: one collective function, traced and run] in ``collectives.py``).
 
 Source: ZeRO (arXiv 1910.02054) section 5.3 (P_p); FSDP2's copy-in / all-gather / copy-out;
 SimpleFSDP (arXiv 2411.00284) for recompute-tagged gathers; FSDP2's ``MixedPrecisionPolicy``

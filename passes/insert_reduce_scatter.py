@@ -38,8 +38,8 @@ gradients with a shard of at least one block is reduced by ``zerograph.runtime.c
 ``all_to_all_single`` (counted as the bucket's reduce-scatter), ``zerograph::dequantize_sum`` (the
 N chunks of this rank's shard summed in fp32), then ÷N and the copy-out as above.
 
-The spliced tensor functions live in ``zerograph/runtime/collectives.py`` (``reduce_fn`` and its
-helpers), which the runtime's eager fallback calls too: one copy of the reduction.
+The spliced tensor functions are ``zerograph.runtime.collectives.reduce_fn`` and its helpers, which
+the runtime's eager fallback calls too ([Note: one collective function, traced and run] in ``collectives.py``).
 
 Source: ZeRO (arXiv 1910.02054) sections 5.1-5.3 and 7 (volume Ψ per reduce-scatter);
 PyTorch DDP's gradient buckets and ``no_sync``; FSDP2's reduce-scatter copy-in,

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 # torch and zerograph (through tests.distributed) are imported inside the hooks and fixtures: under
 # pytest-xdist the controller loads this file before it starts the workers and runs none of them,
-# so importing torch here would hold every worker's start back by its import (about 3 s)
+# so importing torch here would hold every worker's start back by torch's import
 
 pytest_plugins = ["tests.cpu_durations"]  # --cpu-durations=N: CPU seconds per test, whatever the load
 

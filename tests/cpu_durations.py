@@ -1,8 +1,8 @@
 """pytest plugin: ``--cpu-durations=N`` lists the N tests that cost the most CPU, and the suite's total.
 
-Wall-clock durations (``--durations``) say little on a machine other jobs share: the same suite took
-7-10 minutes on the idle 2 cores and about 26 minutes while they were shared. CPU seconds do not
-depend on the load. Per test (setup, call and teardown, so the module fixtures that spawn ranks are
+Wall-clock durations (``--durations``) say little on a machine other jobs share: the same suite's
+wall time swings with their load (docs/benchmarks.md, "The test suite"). CPU seconds do not depend
+on the load. Per test (setup, call and teardown, so the module fixtures that spawn ranks are
 charged to the test that first needs them): CPU seconds of this process, and of its child
 processes that ended meanwhile (subprocess checks; the ranks that tests/distributed.py forks from
 its forkserver, as they report); and an estimate of its wall time

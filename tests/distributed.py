@@ -7,11 +7,11 @@ that hangs is killed too (see ``spawn`` for how a hang is told from a slow run o
 machine), so it fails the test instead of stalling the suite.
 
 Ranks are forked from a forkserver that has imported torch and zerograph and compiled once
-(``tests.forkserver``): a rank started with the ``spawn`` method paid about 5 CPU seconds of
-imports before its first line, and one forked from a server with torch alone about 1 s more than
-now. Each rank is still a new process (no state carries from one test
-to the next); ``start_method="spawn"`` is for a run that needs a fresh interpreter (one that reads
-environment variables at process start, such as glibc's malloc tunables).
+(``tests.forkserver``), so a rank pays neither the imports a spawned interpreter runs before its
+first line nor the first compile's warm-up (docs/benchmarks.md, "The test suite"). Each rank is
+still a new process (no state carries from one test to the next); ``start_method="spawn"`` is
+for a run that needs a fresh interpreter (one that reads environment variables at process start,
+such as glibc's malloc tunables).
 """
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 240, pg_
 
     - a rank used more than ``timeout_s`` CPU seconds (with its child processes). CPU time, not
       wall time: on a loaded machine a rank gets a fraction of a core, and a wall-clock limit
-      failed healthy runs when other jobs shared the 2 cores (issue 17);
+      failed healthy runs when other jobs shared the cores;
     - no rank used any CPU for ``pg_timeout_s + STALL_MARGIN_S`` seconds: every rank blocked
       longer than any collective may wait (gloo blocks without spinning);
     - a backstop of ``WALL_FACTOR * timeout_s`` wall seconds.

@@ -5,8 +5,8 @@ A process has one forkserver, and what it preloads is fixed when it starts. Two 
 
 - *warm* (``context()``, what ``tests.distributed.spawn`` asks for): ``PRELOAD`` and then
   ``tests.warm_rank``, which imports zerograph and compiles, runs and frees one tiny model. A rank
-  forked from it pays about 1 CPU s less than one forked from a cold server (measured: a tiny GPT's
-  first compile and step 0.6-0.7 s against 1.2-1.4 s, and no zerograph import).
+  forked from it skips zerograph's imports and the first compile's warm-up that a rank forked from
+  a cold server pays (docs/benchmarks.md, "The test suite").
 - *cold* (``context(zerograph_free=True)``): ``PRELOAD`` only, torch but no zerograph module, for
   tests/test_layers.py's children, which must import each zerograph module first (they unpickle
   their task from a module that imports this one, so this module imports nothing of zerograph),

@@ -16,7 +16,7 @@ def import_first(module: str) -> str | None:
     The package ``zerograph`` itself runs its ``__init__.py``. For any other module the package is
     registered without running it (as if that file were empty), so ``module`` loads only what it
     imports itself: an import cycle that ``zerograph/__init__.py``'s order would otherwise hide
-    fails here with "partially initialized module" (issue 14's check).
+    fails here with "partially initialized module".
     """
     assert not any(m == "zerograph" or m.startswith("zerograph.") for m in sys.modules), "not a fresh process"
     try:

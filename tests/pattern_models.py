@@ -1,4 +1,5 @@
-"""Model patterns of issue 7 and the functions that train them (on spawned ranks, or as the reference).
+"""Model patterns (shared, frozen and unused parameters, several forwards per backward...) and the
+functions that train them (on spawned ranks, or as the reference).
 
 Each pattern is a model plus how one training step computes its loss from a global batch. The
 reference (``reference``) trains the model single-process and eagerly on the global batch; the

@@ -8,10 +8,9 @@ them in turn, each in a child forked from it. A check that fails is reported and
 still runs.
 
 The process is a child of the zerograph-free forkserver (tests/forkserver.py: torch and Triton
-imported, Triton interpreted, no zerograph module): about 0.3 s from its start to its exit with
-no check named, against about 4 CPU s for a new interpreter (torch, Triton and the test module's
-imports). Where this
-process's forkserver is the warm one (the spawn lane), a new interpreter (``python -m <module>
+imported, Triton interpreted, no zerograph module), so it skips the imports of torch and Triton
+that a new interpreter pays (docs/benchmarks.md, "The test suite"). Where this process's
+forkserver is the warm one (the spawn lane), a new interpreter (``python -m <module>
 <names...>``) is started instead.
 """
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Gradient accumulation (issue 7, pattern 7): 4 micro-batches per optimizer step, stages 1-3 on 2
+"""Gradient accumulation: 4 micro-batches per optimizer step, stages 1-3 on 2
 ranks, with gradient sync on every micro-batch and with sync off on the first 3
 (``set_requires_gradient_sync(False)``, FSDP2's switch, or DDP's ``no_sync()`` context). Both must
 equal single-process training on the full batch (loss = mean of the micro-batch losses, gradients
 accumulated the same way) to 1e-5, gradients after each step's accumulation and parameters after
 each optimizer step, for 2 steps.
 
-One spawn runs every case (``tests.workers_precision.accumulation_runs``, about 15 s on 2 cores):
+One spawn runs every case (``tests.workers_precision.accumulation_runs``):
 a model with a tied weight and a 0-d scale per stage and mode, and a model with a graph break
 (eager frames accumulate through the runtime's fallback) at stage 3 without sync.
 """

@@ -1,4 +1,4 @@
-"""activation_partition (issue 4): recompute whole units so saved activations fit a budget."""
+"""activation_partition: recompute whole units so saved activations fit a budget."""
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,4 @@
-"""buffer_reuse (issue 4): comm buffers come from a fixed pool, allocated in the first step only."""
+"""buffer_reuse: comm buffers come from a fixed pool, allocated in the first step only."""
 from __future__ import annotations
 
 import functools

@@ -188,7 +188,7 @@ def _error(step) -> Exception:
 
 
 def test_save_refuses_a_folder_that_is_not_a_checkpoint(tmp_path) -> None:
-    """Issue 22 item 1: a folder with a user's files is refused before any byte is written; so are
+    """A folder with a user's files is refused before any byte is written; so are
     foreign ``.incomplete`` / ``.replaced`` siblings; an empty folder and a checkpoint are replaced."""
     from zerograph import checkpoint
 
@@ -219,7 +219,7 @@ def test_save_refuses_a_folder_that_is_not_a_checkpoint(tmp_path) -> None:
 
 
 def test_strict_load_names_the_unexpected_key(tmp_path) -> None:
-    """Issue 22 item 3: two layers saved, one loaded: refused by default with the first unexpected
+    """Two layers saved, one loaded: refused by default with the first unexpected
     key on the first line; ``strict=False`` loads the shared layer; shapes are checked either way."""
     from zerograph import checkpoint
 
@@ -250,7 +250,7 @@ def test_strict_load_names_the_unexpected_key(tmp_path) -> None:
 
 
 def test_corrupt_files_and_markers_are_named(tmp_path) -> None:
-    """Issue 22 item 4: a flipped bit, a truncated file and a malformed marker each raise a
+    """A flipped bit, a truncated file and a malformed marker each raise a
     ``CheckpointError`` that says "corrupt" and names the file; the intact checkpoint loads."""
     import json
 

@@ -1,7 +1,7 @@
 """The code's shape for whoever carries it on: no import cycle among zerograph's modules, no
 module over 500 lines, no function over 80 lines of code, no module global rebound at run time
 (the trace's flags are fields of ``shard.trace_state.TRACE``), and no comment or docstring naming a
-tracker issue or a date (zerograph/, passes/, examples/).
+tracker issue, a date or a measured figure (zerograph/, passes/, tests/, examples/).
 
 Read from the source with ``ast``, in this process; nothing is imported. The modules and their
 imports are tests/test_layers.py's (``module_files``: ``passes/`` is ``zerograph.passes``;
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import io
-import pathlib
 import re
 import tokenize
 from collections.abc import Iterator
@@ -81,9 +80,19 @@ def test_no_module_global_is_rebound() -> None:
     assert not rebound, "module globals rebound at run time (make them TRACE's fields):\n  " + "\n  ".join(rebound)
 
 
-# what a comment or docstring must not name: a tracker issue ("issue 42", "issues 16 and 42",
-# "issue #7") or a date; history belongs in the commits, the reason in the comment
+# what a comment or docstring must not name: a tracker issue (the word issue or issues, then a
+# number, with or without "#") or an ISO date; history belongs in the commits, the reason in the
+# comment
 HISTORY = re.compile(r"\bissues?\s+#?\d+|\b20\d\d-[01]\d-[0-3]\d\b", re.IGNORECASE)
+
+# a measured figure, by a heuristic that catches the clear spellings only: the word "measured" with
+# a number right after it (a colon or "at most", "about" and the like between), or two quantities
+# with a unit of time, bytes or percent set against each other ("against", "vs", "versus"). A
+# setting ("a timeout of N s") or a unit in an API docstring is not caught; figures belong in
+# docs/benchmarks.md with their command, commit and machine
+_QUANTITY = r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s*(?:s|ms|us|µs|min|minutes|seconds|[KMG]i?B|%)"
+MEASURED = re.compile(rf"\bmeasured\b:?\s+(?:(?:at most|at least|about|around|up to|~)\s*)?\d"
+                      rf"|{_QUANTITY}\s+(?:against|vs\.?|versus)\s+\d", re.IGNORECASE)
 
 
 def comments_and_docstrings(source: str) -> Iterator[tuple[int, str]]:
@@ -97,10 +106,16 @@ def comments_and_docstrings(source: str) -> Iterator[tuple[int, str]]:
             yield node.lineno, node.value.value
 
 
-def history_in(path: pathlib.Path) -> list[str]:
-    """``path:line: match`` for each tracker issue or date a comment or docstring of ``path`` names."""
-    return [f"{path.relative_to(ROOT)}:{line + text.count(chr(10), 0, match.start())}: {match.group(0)!r}"
-            for line, text in comments_and_docstrings(path.read_text()) for match in HISTORY.finditer(text)]
+def matches(source: str, pattern: re.Pattern[str]) -> list[tuple[int, str]]:
+    """``(line, matched text)`` for each match of ``pattern`` in a comment or docstring of ``source``."""
+    return [(line + text.count("\n", 0, match.start()), match.group(0))
+            for line, text in comments_and_docstrings(source) for match in pattern.finditer(text)]
+
+
+def matches_in_tree(pattern: re.Pattern[str]) -> list[str]:
+    """``path:line: 'match'`` over the package (``passes/`` included), the tests and the examples."""
+    paths = [*module_files().values(), *sorted((ROOT / "tests").rglob("*.py")), *sorted((ROOT / "examples").rglob("*.py"))]
+    return [f"{path.relative_to(ROOT)}:{line}: {text!r}" for path in paths for line, text in matches(path.read_text(), pattern)]
 
 
 def test_history_detector() -> None:
@@ -109,13 +124,31 @@ def test_history_detector() -> None:
               'x = "issue 7 in a message is code"  # the rule before Issue #16\n'
               'def f():\n'
               '    """Since 2026-05-01; 16 bytes per parameter, issues in general."""\n')
-    assert [(line, HISTORY.findall(text)) for line, text in comments_and_docstrings(source)
-            if HISTORY.search(text)] == [(2, ["Issue #16"]), (1, ["issue 42"]), (4, ["2026-05-01"])]
+    assert matches(source, HISTORY) == [(2, "Issue #16"), (1, "issue 42"), (4, "2026-05-01")]
 
 
 def test_no_issue_or_date_in_comments() -> None:
     """Comments and docstrings state intent and reasons; which issue asked for a change and when it
-    was made are the history's (git log), and read as noise once the tracker moves on."""
-    paths = [*module_files().values(), *sorted((ROOT / "examples").rglob("*.py"))]
-    found = [hit for path in paths for hit in history_in(path)]
+    was made are the history's (git log), and read as noise once the tracker moves on. A test says
+    what it checks and why, not which issue asked for it."""
+    found = matches_in_tree(HISTORY)
     assert not found, "comments or docstrings naming a tracker issue or a date:\n  " + "\n  ".join(found)
+
+
+def test_measured_figure_detector() -> None:
+    """The heuristic sees a figure after "measured" and two timings or sizes set against each
+    other, in comments and docstrings; settings, units and the word alone pass."""
+    source = ('"""Takes 2.5 s against 3 s on two cores."""\n'
+              'x = "measured: 4 s in a message is code"  # measured: at most 0.3%\n'
+              'TIMEOUT_S = 3  # a timeout of 3 s; 16 bytes per parameter; what is measured: the bytes\n'
+              'def f():\n'
+              '    """The measured profile, in seconds; 1.2 ms vs 3.4 ms when profiled."""\n')
+    assert matches(source, MEASURED) == [(2, "measured: at most 0"), (1, "2.5 s against 3"), (5, "1.2 ms vs 3")]
+
+
+def test_no_measured_figure_in_comments() -> None:
+    """A figure in a comment goes stale the day the code or the machine changes, and nothing
+    re-measures it; the comment says why, docs/benchmarks.md keeps the figure with its command,
+    commit and machine. A heuristic (``MEASURED``): it catches the clear spellings only."""
+    found = matches_in_tree(MEASURED)
+    assert not found, "comments or docstrings quoting a measured figure:\n  " + "\n  ".join(found)

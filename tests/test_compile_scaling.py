@@ -1,4 +1,4 @@
-"""Compile work that must not grow with depth faster than the graph does (issue 16): the passes'
+"""Compile work that must not grow with depth faster than the graph does: the passes'
 order bookkeeping, the splice templates shared by identical blocks, and the per-pass times the
 dump's summary shows. In process, one rank of a fake world; structure only, never wall-clock."""
 from __future__ import annotations

@@ -126,7 +126,7 @@ def test_every_field_is_documented_where_it_is_declared(cls: type) -> None:
 
 def test_config_does_not_import_the_pass_manager_at_module_level() -> None:
     files = module_files()
-    top_level = [target for target, top in imports_of("zerograph.config", files["zerograph.config"], set(files)) if top]
+    top_level = [i.target for i in imports_of("zerograph.config", files["zerograph.config"], set(files)) if i.top]
     assert top_level and not [t for t in top_level if t.startswith("zerograph.passes")], top_level
 
 

@@ -1,4 +1,4 @@
-"""Correctness classes of issue 17, each against single-process eager PyTorch:
+"""Correctness classes a parity test on plain models misses, each against single-process eager PyTorch:
 
 1. in-place writes to a parameter inside forward (``nn.Embedding(max_norm=...)``, ``weight.data.clamp_``,
    item assignment): refused at capture with ``ShardingError`` naming the parameter and the op,

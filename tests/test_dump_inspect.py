@@ -1,4 +1,4 @@
-"""The dump's manifests and ``zerograph inspect`` on damaged dumps (issue 22 item 7), in one process.
+"""The dump's manifests and ``zerograph inspect`` on damaged dumps, in one process.
 
 One tiny dump (the MLP at stage 3, world size 1) is written once for the module; each test damages
 a copy of it and checks that ``inspect`` names the damage in one line, never with a traceback.

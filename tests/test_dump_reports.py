@@ -1,5 +1,5 @@
 """zerograph's passes in PyTorch's structured trace (read by ``tlparse``) and the dump's web page
-(``zerograph inspect DIR --html``), issue 20 items 1-2.
+(``zerograph inspect DIR --html``).
 
 One step of the tiny GPT at stage 3 (world size 1, in this process) runs with the structured trace
 on (a ``LazyTraceHandler`` on ``torch._logging``'s trace log, what ``TORCH_TRACE=dir`` installs)
@@ -160,7 +160,7 @@ def test_html_page_of_a_damaged_dump_lists_its_problems(traced_step, tmp_path, c
 
 
 # ---------------------------------------------------------------------------------------------
-# the page in a real browser (issue 20 item 3)
+# the page in a real browser: its script runs and draws what the data says
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 

@@ -1,4 +1,4 @@
-"""``zerograph.fake_world``: one rank of a large world in this process (issue 18.1)."""
+"""``zerograph.fake_world``: one rank of a large world in this process."""
 from __future__ import annotations
 
 import math

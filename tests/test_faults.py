@@ -1,4 +1,4 @@
-"""Bad input and faults (issue 7): diverged ranks, dead or silent peers, unsupported uses.
+"""Bad input and faults: diverged ranks, dead or silent peers, unsupported uses.
 
 Each case must end in a zerograph error on every rank that can still raise one, naming what went
 wrong and what to do, and never in a hang. Spawned runs are shared between tests through
@@ -252,7 +252,7 @@ def test_model_changes_are_caught_without_a_per_step_parameter_loop() -> None:
     assert watch.changes == ["parameter '1.bias' was replaced"]
 
 
-# -- issue 22: replicas that start different, checkpoints across ranks ------------------------------
+# -- replicas that start different, checkpoints across ranks ----------------------------------------
 
 @pytest.fixture(scope="module")
 def replica_run(tmp_path_factory) -> tuple[list[dict], dict]:
@@ -266,7 +266,7 @@ def replica_run(tmp_path_factory) -> tuple[list[dict], dict]:
 
 @pytest.mark.distributed
 def test_replicas_seeded_differently_start_from_rank_0(replica_run) -> None:
-    """Issue 22 item 5: each rank seeded ``torch.manual_seed(rank)``; at every stage every rank's
+    """Each rank seeded ``torch.manual_seed(rank)``; at every stage every rank's
     full parameters and buffer are those rank 0 built (DDP's and FSDP1's broadcast at construction)."""
     from .workers_faults import Stack
 
@@ -295,7 +295,7 @@ def test_different_models_are_refused_at_compile() -> None:
 
 @pytest.mark.distributed
 def test_save_refuses_ranks_that_disagree_on_the_path_or_share_no_file_system(replica_run) -> None:
-    """Issue 22 item 2: different paths, then the same relative path in different directories (no
+    """Different paths, then the same relative path in different directories (no
     shared file system), with and without a staging directory on rank 1's disk: every rank raises
     ``CheckpointError`` and nothing is marked complete."""
     results, _ = replica_run

@@ -1,4 +1,4 @@
-"""Gathered parameters alive at once (issue 42, item 2), counted in bytes, not timed.
+"""Gathered parameters alive at once, counted in bytes, not timed.
 
 Rank 0 of a fake world of ``WORLD`` in this process; one stage-3 step; the peak of the gathered
 parameters alive at once is read from the liveness of the graphs that ran

@@ -1,11 +1,13 @@
 """The package's import structure: one-way layers, no cycles, every module importable first.
 
 ``LAYERS`` is the architecture in code (the layout in docs/design.md says the same in words): a
-module may import, at module level, only from its own layer or the layers before it; imports
-inside functions (kept for optional, heavy parts such as the dump) may point anywhere but must
-not close a cycle. Inside one package, not even the imports kept for type annotations (under
-``if TYPE_CHECKING:``) may close one: two modules that name each other's types are one concern
-split in two, or lack a lower module both could import. ``test_every_module_imports_first``
+module may import, at module level, only from its own layer or the layers before it, and so may
+the imports kept for type annotations (under ``if TYPE_CHECKING:``): a lower package that names a
+higher one's type depends on it all the same, and no two packages import each other, types
+included. Imports inside functions (kept for optional, heavy parts such as the dump) may point
+anywhere but must not close a cycle of modules. Inside one package, not even the type imports may
+close one: two modules that name each other's types are one concern split in two, or lack a lower
+module both could import. ``test_every_module_imports_first``
 imports each module as the first zerograph import of a fresh process with the package's
 ``__init__.py`` left unrun (tests/import_first.py), which is what fails with "partially
 initialized module" when a cycle hides behind the import order of ``zerograph/__init__.py``.
@@ -17,6 +19,8 @@ import concurrent.futures
 import fnmatch
 import multiprocessing
 import pathlib
+import re
+from typing import NamedTuple
 
 import networkx as nx
 import pytest
@@ -68,9 +72,18 @@ def layer_of(module: str) -> int:
                          f"(and to the layout in docs/design.md)")
 
 
-def imports_of(module: str, path: pathlib.Path, known: set[str], typing: bool = False) -> list[tuple[str, bool]]:
-    """``(imported zerograph module, at module level?)`` for every import in ``path``; with
-    ``typing``, the imports under ``if TYPE_CHECKING:`` too (never at module level: they run no code)."""
+class Import(NamedTuple):
+    """One import of a zerograph module: ``top`` where it runs at module level, ``typing`` where it
+    sits under ``if TYPE_CHECKING:`` (runs no code, never ``top``)."""
+
+    target: str
+    top: bool
+    typing: bool
+
+
+def imports_of(module: str, path: pathlib.Path, known: set[str], typing: bool = False) -> list[Import]:
+    """Every import of a zerograph module in ``path``; with ``typing``, the imports under
+    ``if TYPE_CHECKING:`` too."""
     tree = ast.parse(path.read_text())
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     top_level = {id(node) for node in tree.body}
@@ -97,23 +110,25 @@ def imports_of(module: str, path: pathlib.Path, known: set[str], typing: bool = 
             while target and target not in known:
                 target = target.rpartition(".")[0]
             if target and target != module and target != "zerograph":
-                found.append((target, id(node) in top_level))
+                found.append(Import(target, id(node) in top_level, id(node) in type_checking))
     return found
 
 
 def import_graph(typing: bool = False) -> tuple[nx.DiGraph, dict[str, pathlib.Path]]:
     """Module -> each zerograph module it imports, the edge marked ``top`` where an import runs at
-    module level; with ``typing``, the imports kept for type annotations are edges too."""
+    module level; with ``typing``, the imports kept for type annotations are edges too, marked
+    ``typing``."""
     files = module_files()
     graph = nx.DiGraph()
     graph.add_nodes_from(files)
     for module, path in files.items():
         if module == "zerograph":
             continue  # the package's face imports everything by design
-        for target, top in imports_of(module, path, set(files), typing):
+        for target, top, for_types in imports_of(module, path, set(files), typing):
             if graph.has_edge(module, target):
                 top = top or graph.edges[module, target]["top"]
-            graph.add_edge(module, target, top=top)
+                for_types = for_types or graph.edges[module, target]["typing"]
+            graph.add_edge(module, target, top=top, typing=for_types)
     return graph, files
 
 
@@ -124,14 +139,31 @@ def test_every_module_is_in_a_layer() -> None:
 
 
 def test_module_level_imports_point_down_or_sideways() -> None:
-    graph, _ = import_graph()
+    """Type-annotation imports included."""
+    graph, _ = import_graph(typing=True)
     upward = [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
-              for a, b, top in graph.edges(data="top") if top and layer_of(b) > layer_of(a)]
+              + (" for types" if not edge["top"] else "")
+              for a, b, edge in graph.edges(data=True) if (edge["top"] or edge["typing"]) and layer_of(b) > layer_of(a)]
     assert not upward, "imports against the layers:\n" + "\n".join(upward)
 
 
+def package_of(module: str) -> str:
+    """``zerograph.runtime.state`` -> ``zerograph.runtime``; a module of the top level is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_import_cycles_between_packages() -> None:
+    """Packages import each other one way, counting module-level and type-annotation imports (an
+    import inside a function, such as one of the dump, is a module cycle's concern only)."""
+    graph, _ = import_graph(typing=True)
+    packages = nx.DiGraph((package_of(a), package_of(b)) for a, b, edge in graph.edges(data=True)
+                          if (edge["top"] or edge["typing"]) and package_of(a) != package_of(b))
+    cycles = sorted(" -> ".join([*c, c[0]]) for c in nx.simple_cycles(packages))
+    assert not cycles, "import cycles between packages (TYPE_CHECKING imports included):\n  " + "\n  ".join(cycles)
+
+
 def test_no_import_cycles() -> None:
-    graph, _ = import_graph()
+    graph, _ = import_graph(typing=True)
     # a subpackage's modules import their own package's __init__ and vice versa (re-exports);
     # that is not a layering cycle, so package -> own submodule edges are left out
     graph.remove_edges_from([(a, b) for a, b in list(graph.edges) if b.startswith(a + ".")])
@@ -145,6 +177,52 @@ def test_no_import_cycles_inside_a_package() -> None:
     same_package = [(a, b) for a, b in graph.edges if a.rpartition(".")[0] == b.rpartition(".")[0]]
     cycles = sorted(" -> ".join([*c, c[0]]) for c in nx.simple_cycles(graph.edge_subgraph(same_package)))
     assert not cycles, "import cycles inside a package (TYPE_CHECKING imports included):\n  " + "\n  ".join(cycles)
+
+
+def design_layout() -> dict[str, str]:
+    """What the layout block of docs/design.md (the first fenced block under "## Layout") names:
+    dotted module or package name, or a data file's path under ``zerograph/``, -> its row's layer.
+
+    A row starts at the left margin with its layer's name; indented lines continue it. Segments
+    split by ``;`` are ``pkg/: a, b`` (modules of ``zerograph.pkg``; ``pkg/`` names the package) or
+    ``a, b`` (modules of ``zerograph``). Parentheses are remarks, except ``(+ a, b)``, which names
+    more modules of the same segment; a name with a dot is a data file of the segment's package."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = re.search(r"^## Layout\n.*?^```\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    assert block, "docs/design.md: no fenced block under '## Layout'"
+    rows: list[list[str]] = []
+    for line in block.group(1).splitlines():
+        if line.strip():
+            rows.append(line.split(None, 1)) if not line[0].isspace() else rows[-1].append(line.strip())
+    named = {}
+    for layer, *text_parts in rows:
+        text = re.sub(r"\(\+\s*([^()]*)\)", r", \1", " ".join(text_parts))
+        while (stripped := re.sub(r"\([^()]*\)", "", text)) != text:
+            text = stripped
+        for segment in text.split(";"):
+            header = re.match(r"\s*([\w/]+)/\s*:?", segment)
+            package = "zerograph." + header.group(1).replace("/", ".") if header else "zerograph"
+            if header:
+                named[package], segment = layer, segment[header.end():]
+            for name in filter(None, (n.strip() for n in segment.split(","))):
+                key = f"{package.replace('.', '/')}/{name}" if "." in name else f"{package}.{name}"
+                named[key] = layer
+    return named
+
+
+def test_design_layout_names_every_module_in_its_layer() -> None:
+    """docs/design.md's layout block names every package and module of the tree (``passes/`` as
+    ``zerograph.passes``), in the row of the layer ``LAYERS`` puts it in, and names nothing that is
+    not there."""
+    named, modules = design_layout(), set(module_files()) - {"zerograph"}
+    files = {k for k in named if "/" in k}
+    unnamed = sorted(modules - set(named))
+    stale = sorted(set(named) - modules - files) + sorted(f for f in files if not (ROOT / f).exists())
+    misplaced = sorted(f"{m} in row {named[m]!r}, in layer {LAYERS[layer_of(m)][0]!r}"
+                       for m in modules & set(named) if named[m] != LAYERS[layer_of(m)][0])
+    assert not (unnamed or stale or misplaced), (
+        "docs/design.md's layout block and the tree differ:\n  not named: " + ", ".join(unnamed)
+        + "\n  named, not in the tree: " + ", ".join(stale) + "\n  in another layer's row: " + "; ".join(misplaced))
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""``MemoryPolicy(budget_bytes=...)`` (issue 42): ``compile`` keeps the largest ``prefetch_depth``
+"""``MemoryPolicy(budget_bytes=...)``: ``compile`` keeps the largest ``prefetch_depth``
 whose planned step peak fits, and refuses with the plan's numbers when none does. In process,
 rank 0 of a fake world of 8: only the plan and the chosen schedule are read."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The memory passes (issue 4): selective_unshard keeps the smallest units gathered for backward."""
+"""The memory passes: selective_unshard keeps the smallest units gathered for backward."""
 from __future__ import annotations
 
 import functools

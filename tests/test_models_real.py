@@ -1,4 +1,4 @@
-"""Issue 7 on whole models: evaluation between training steps, BatchNorm CNNs (torchvision's
+"""Training patterns on whole models: evaluation between training steps, BatchNorm CNNs (torchvision's
 ResNet-18 when torchvision imports, a small ResNet of our own always) at stage 3, and sequence
 lengths that differ per rank and per step. World size 2; the reference is single-process eager.
 

@@ -1,7 +1,7 @@
-"""Model patterns of issue 7 (shared, frozen and unused parameters, several forwards per backward,
+"""Model patterns (shared, frozen and unused parameters, several forwards per backward,
 gradient clipping) at stages 1 and 3 on 2 ranks match single-process eager AdamW on the global batch.
 
-The spawn is the expensive part (about 1 min on 2 cores), so the module runs ONE spawn for every
+The spawn is the expensive part, so the module runs ONE spawn for every
 pattern the selected tests need; in it each rank compiles and trains a fresh model per pattern and
 stage, one after the other (``tests.pattern_models.train_patterns``). A pattern that fails at one
 stage fails only the tests of that pattern and stage (the worker returns its traceback).

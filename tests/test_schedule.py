@@ -1,4 +1,4 @@
-"""The scheduling passes (issue 3): bucketing, prefetch and schedule_overlap, read off real graphs.
+"""The scheduling passes: bucketing, prefetch and schedule_overlap, read off real graphs.
 
 Each check compiles the tiny GPT (2 blocks + the root unit) as rank 0 of a fake world of 2 in this
 process (``zerograph.fake_world``), trains one step and looks at where the passes put every

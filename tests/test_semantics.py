@@ -1,4 +1,4 @@
-"""The semantics matrix (issue 40): every parameter-level PyTorch feature a training script relies
+"""The semantics matrix: every parameter-level PyTorch feature a training script relies
 on, with unit templates on (flat shards, islands) and off, at stages 0-3, world size 2, exact
 against single-process eager training on the same global batch (1e-5), or refused by name.
 

@@ -1,5 +1,4 @@
-"""Numbers read off a profiler trace file with Perfetto's trace processor (``zerograph.report.traces``),
-issue 20 item 4.
+"""Numbers read off a profiler trace file with Perfetto's trace processor (``zerograph.report.traces``).
 
 The classification and arithmetic are checked on hand-made slices with known answers (no tool
 needed); the trace processor itself reads a CPU trace that ``torch.profiler`` writes of one

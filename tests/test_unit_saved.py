@@ -1,4 +1,4 @@
-"""unit_saved (issue 42): a template's forward hands each saved storage over once, so a templated
+"""unit_saved: a template's forward hands each saved storage over once, so a templated
 unit saves no more activation bytes than eager autograd.
 
 A GPT block in rank 0 of a fake world, by bytes against ``zerograph.planning.plan.saved_activation_bytes``
@@ -32,11 +32,11 @@ aten = torch.ops.aten
 def test_a_templated_gpt_block_saves_no_more_bytes_than_eager() -> None:
     """The block's template, run on real tensors: the storages of the activations its forward
     returns for backward (each once) plus its input when the backward reads it, against the
-    storages eager autograd saves in the same block (parameters left out of both). Before
-    issue 42 the template saved q as a view of the whole qkv projection, k and v as clones, and
-    the attention output twice (18 widths of (B, T, C) against eager's 16); now the qkv
-    projection and the attention output once each, gelu's input without its output, and the two
-    layer norms' inputs without their outputs (10)."""
+    storages eager autograd saves in the same block (parameters left out of both). A template
+    that saves q as a view of the whole qkv projection, k and v as clones, or the attention
+    output twice saves more than eager; the template saves the qkv projection and the attention
+    output once each, gelu's input without its output, and the two layer norms' inputs without
+    their outputs."""
     cfg = GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32)
     idx = torch.randint(0, cfg.vocab_size, (2, 32))
     with fake_rank(2):

@@ -1,4 +1,4 @@
-"""``Config(unit_templates=True)`` (issue 16): each kind of unit is traced, partitioned and lowered
+"""``Config(unit_templates=True)``: each kind of unit is traced, partitioned and lowered
 once and every unit calls it, with the same collectives placed around it and the same numbers.
 
 Parity against single-process eager training (fp32, 1e-5) on two gloo ranks; structure in one

@@ -1,4 +1,4 @@
-"""Templated units that run inline instead (issue 16's bad input): a kind whose body a template
+"""Templated units that run inline instead (bad input for a template): a kind whose body a template
 cannot stand for (shapes that change, autocast, data-dependent control flow, dropout, batch norm's
 running statistics in training, a write to its own parameter) runs its body in the graph, keeps
 eager's numbers and says why (``UnitKind.inline_reason``), and the graphs traced before the

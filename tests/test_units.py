@@ -1,4 +1,4 @@
-"""Default unit discovery (issue 42 item 1, ``zerograph/shard/units.py``): the blocks of every stack of
+"""Default unit discovery (``zerograph/shard/units.py``): the blocks of every stack of
 repeated blocks are units (``ModuleDict`` layers, an encoder-decoder's two stacks, a two-tower
 model's towers), the project's models keep their units, and ``compile`` warns at stage 3 when a
 unit holding more than a quarter of the parameters holds repeated blocks. In process: discovery
@@ -158,7 +158,7 @@ def test_two_towers_each_with_its_own_stack_are_units() -> None:
 
 
 def test_the_project_models_keep_their_units() -> None:
-    """What the rule before issue 42 chose (the children of the largest ModuleList / Sequential)."""
+    """The units the earlier rule chose (the children of the largest ModuleList / Sequential) still hold."""
     assert names(GPT(TINY_GPT)) == ["blocks.0", "blocks.1"]
     assert names(GPT(DEEP_GPT)) == [f"blocks.{i}" for i in range(DEEP_GPT.n_layer)]
     assert names(UnevenMLP()) == ["layers.0", "layers.1", "layers.2"]  # Tanh too: a unit with no parameters

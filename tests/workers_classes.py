@@ -1,4 +1,4 @@
-"""Rank worker for the correctness classes of issue 17 (``tests/test_correctness_classes.py``).
+"""Rank worker for the correctness classes (``tests/test_correctness_classes.py``).
 
 One spawned phase runs every multi-rank case, one after the other (``torch._dynamo.reset()``
 between them); a case that raises returns its traceback instead, so it fails only its own test.

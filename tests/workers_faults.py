@@ -178,8 +178,9 @@ def dies_between_forward_and_backward(rank: int, world_size: int, report: str) -
 
 
 def replica_and_checkpoint_faults(rank: int, world_size: int, root: str) -> None:
-    """Issue 22 on two ranks, in one spawn; each rank saves its results to ``root/result{rank}.pt``
-    before the last case, in which rank 1 dies inside ``checkpoint.save`` (so ``spawn`` raises).
+    """Replica and checkpoint faults on two ranks, in one spawn; each rank saves its results to
+    ``root/result{rank}.pt`` before the last case, in which rank 1 dies inside ``checkpoint.save``
+    (so ``spawn`` raises).
 
     - ``replicas``: every rank seeds ``torch.manual_seed(rank)``; after compile at each stage its
       full parameters and its buffer are returned (they must be rank 0's);

@@ -258,7 +258,7 @@ def fix_mmap_threshold(nbytes: int = 128 * 1024) -> bool:
     """Fix glibc malloc's mmap threshold (what ``MALLOC_MMAP_THRESHOLD_`` sets at process start).
 
     glibc raises its threshold to the size of the last block it unmapped, so freed blocks of that
-    size stay in the heap: 20-40 MiB of retained, reusable memory in the peak RSS. A fixed
+    size stay in the heap: tens of MiB of retained, reusable memory in the peak RSS. A fixed
     threshold (which also turns the raising off) makes the RSS count what is live, which is what
     the memory test bounds. Set here, in the rank, because a rank forked from the test's
     forkserver does not read the environment variable. False where it could not be set."""
@@ -277,7 +277,7 @@ def _memory_kib(field: str) -> int:
 
 
 def big_meta_memory(rank: int, world_size: int, measure_ordinary: bool = False) -> dict:
-    """Issue 15 item 4: the 8-block GPT built on meta, compiled at stage 3 and initialised.
+    """The 8-block GPT built on meta, compiled at stage 3 and initialised.
     Returns this rank's peak RSS growth (KiB) during compile + init (and after compile and each
     init pass), whether rank 0's gathered model equals the ordinary build bitwise, and with
     ``measure_ordinary`` the growth of an ordinary build + compile on every rank."""

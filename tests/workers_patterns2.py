@@ -1,5 +1,5 @@
 """Models, rank workers and single-process references for checkpoints, evaluation, BatchNorm
-CNNs and dynamic shapes (issue 7). Workers run on ranks spawned by ``tests.distributed.spawn``
+CNNs and dynamic shapes. Workers run on ranks spawned by ``tests.distributed.spawn``
 and return plain data; references run single-process and eagerly.
 
 Without SyncBatchNorm each rank normalises its own micro-batch and keeps its own running

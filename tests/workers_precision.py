@@ -1,7 +1,7 @@
-"""Rank workers and single-process references for mixed precision and gradient accumulation
-(issue 7, patterns 9 and 7). Workers run on ranks spawned by ``tests.distributed.spawn``, train a
-fresh model per case one after the other (``torch._dynamo.reset()`` between them) and return plain
-data; a case that raises returns its traceback instead, so it fails only its own tests.
+"""Rank workers and single-process references for mixed precision and gradient accumulation.
+Workers run on ranks spawned by ``tests.distributed.spawn``, train a fresh model per case one
+after the other (``torch._dynamo.reset()`` between them) and return plain data; a case that
+raises returns its traceback instead, so it fails only its own tests.
 
 Mixed precision references:
 - the GPT against single-process fp32 training (``tests.models.reference_training``), within bf16

@@ -1,4 +1,4 @@
-"""Rank workers and a single-process emulation for the quantized all-gather (qwZ, issue 21 part 3).
+"""Rank workers and a single-process emulation for the quantized all-gather (qwZ).
 
 The emulation (``emulated_training``) is qwZ's arithmetic written independently of the passes:
 each step, every parameter is cut into the ranks' ``torch.chunk`` shards, each shard of at least

@@ -1,4 +1,4 @@
-"""Rank worker of the semantics matrix (``tests/test_semantics.py``, issue 40).
+"""Rank worker of the semantics matrix (``tests/test_semantics.py``).
 
 Every parameter-level PyTorch feature a training script relies on, one *case* each, trained by a
 model compiled by zerograph on this rank's slice of a global batch and by an eager copy on the whole

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .capture.capture import CapturedGraphs, ZeroGraphBackend
+from .capture.capture import ZeroGraphBackend
 from .capture.compile_setup import Placement, check_arguments, place
 from .capture.compiled_model import compiled_class
 from .config import Config, check_stage
@@ -28,7 +28,7 @@ from .errors import UnshardedParameterError
 from .graph.registry import next_key
 from .planning.budget import fit_memory_budget
 from .runtime.runtime import Runtime
-from .runtime.state import STATE_ATTR, ZeroGraphState
+from .runtime.state import STATE_ATTR, CapturedGraphs, ZeroGraphState
 from .shard.flat import FlatShard, flatten_unit_, flattenable
 from .shard.replicas import sync_replicas
 from .shard.sharding import ParameterWatch, ParamLayout, Unit, find_units, shard_module_, traceable_forward

@@ -2,44 +2,20 @@
 
 Saving and loading are ``torch.distributed.checkpoint`` (DCP) over the state dicts of
 ``torch.distributed.checkpoint.state_dict``: each rank writes only its own ``DTensor`` shards, and
-the checkpoint's metadata records every shard's global offsets, so a job with another world size
-loads by reading the byte ranges that its new ``Shard(0)`` layout covers (DCP's resharding; nothing
-here re-cuts tensors). Parameters with ``requires_grad=False`` (frozen weights) are saved and
-loaded like the others; optimizer state is keyed by parameter name, not by position.
+a job of another world size loads the byte ranges its new ``Shard(0)`` layout covers (DCP's
+resharding; nothing here re-cuts tensors). Optimizer state is keyed by parameter name.
 
-Guarantees (each check runs on every rank and every rank raises the same ``CheckpointError`` when
-one rank finds a problem, so no rank waits for a peer that gave up):
+Guarantees (docs/checkpoints.md tells them in full; every check runs on every rank, and every
+rank raises the same ``CheckpointError`` when one finds a problem, so no rank waits for a peer
+that gave up):
 
-- **What is replaced.** Only a previous zerograph checkpoint (a directory holding the completion
-  marker), an empty directory, and zerograph's own leftovers of an interrupted save
-  (``<path>.incomplete`` tagged as staging, ``<path>.replaced`` holding a marker).
-- **What is refused**, before any byte is written: anything else at ``path``, ``<path>.incomplete``
-  or ``<path>.replaced`` (a folder with a user's files, a plain file); ranks that passed different
-  paths; ranks that cannot see each other's files (no shared file system): each rank writes a
-  token file into the staging directory, and the marker is written only once every rank has seen
-  every token.
-- **Atomicity.** The checkpoint is written into ``<path>.incomplete``; once every rank's shards
-  and tokens are visible, group rank 0 writes the completion marker into it and renames it to
-  ``path`` (``os.replace``, atomic on POSIX within one file system). A crash at any point leaves at
-  ``path`` the previous complete checkpoint, the new complete one, or nothing (then the previous
-  one waits in ``<path>.replaced``); ``load`` refuses a directory without the marker.
-- **What is verified** at load: the marker (JSON of this format), then every file it lists, by
-  size and xxHash ``XXH3-128`` digest (each rank hashes a share of the files, balanced by bytes),
-  then the fit: strict by default both ways (keys missing from the checkpoint, keys the model
-  does not have, global shapes, the optimizer class), as ``nn.Module.load_state_dict``.
-  ``XXH3-128`` (the ``xxhash`` package) detects corruption, not tampering; it is chosen over
-  ``hashlib``'s cryptographic hashes for speed, since every byte is hashed at save and at load,
-  each rank hashing about 1/N of the checkpoint.
-- **What runs** at load: nothing from the checkpoint. Its pickles (DCP's ``.metadata`` and the
-  non-tensor values) are read with allow-lists (``checkpoint_unpickle``); another type is a
-  ``CheckpointError`` naming it, raised before any tensor is overwritten.
-
-Buffers (e.g. BatchNorm running statistics) are plain tensors, one copy per rank; DCP saves one
-rank's copy and every rank loads it (as with FSDP2 and DDP checkpoints).
-
-An optimizer that has taken no step is saved without state: ``get_state_dict`` would otherwise
-initialise it with a zero-learning-rate step, and AdamW's step count would start at 1 in both the
-running job and every job resumed from the checkpoint.
+- complete or absent: written into ``<path>.incomplete``, marked complete last, renamed over
+  ``path``; only a previous zerograph checkpoint, an empty directory or zerograph's own leftovers
+  are ever replaced, anything else is refused before any byte is written;
+- verified at load: the marker, every file's size and ``XXH3-128`` digest, then a strict fit both
+  ways, as ``nn.Module.load_state_dict``;
+- no code from the checkpoint runs at load: its pickles are read with allow-lists
+  (``io.checkpoint_unpickle``).
 
 Source: ``torch.distributed.checkpoint.save`` / ``load`` and ``state_dict.get_state_dict`` /
 ``set_state_dict`` (the route FSDP2 documents); the write-then-rename commit of a directory is the

@@ -2,7 +2,7 @@
 for zerograph) and exposed communication read off a profiled step.
 
 Volumes follow the ZeRO paper's convention (arXiv 1910.02054, section 7): elements of the full
-tensors, an all-reduce counted twice. Exposed communication is defined in the package docstring.
+tensors, an all-reduce counted twice. Exposed communication is defined in docs/bench.md (``report.DEFINITIONS``).
 
 Source: ``torch.utils._python_dispatch.TorchDispatchMode`` (the counter); ``c10d`` and
 ``_c10d_functional`` op schemas (the sizes); ``zerograph.report.timeline`` (interval arithmetic).

@@ -1,6 +1,6 @@
 """Memory per system on one rank: peak RSS or CUDA peak over the timed steps (``MemoryProbe``),
 bytes of training state held between steps (``held_bytes``) and the allocator's in-step peak with
-what made it (``profile_allocations``, ``peak_allocations``). Definitions in the package docstring.
+what made it (``profile_allocations``, ``peak_allocations``). Definitions in docs/bench.md.
 
 Source: Linux ``/proc/self/status`` (``VmRSS``, ``VmHWM``) and ``/proc/self/clear_refs``;
 ``torch.cuda.max_memory_allocated``; ``torch.profiler(profile_memory=True)`` and its event tree,

@@ -3,7 +3,7 @@ profile and count its steps, and gather the ranks' figures into one record (rank
 whole result). Every system starts from the same seed and sees the same batches.
 
 Source: ``torch.distributed`` (``init_process_group``, ``all_gather_object``); the step time
-definition in the package docstring.
+definition in docs/bench.md (``report.DEFINITIONS``).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What the bench trains: the package's GPT at a named size on random tokens, or a user's
-``module:factory`` (see the package docstring for the factory's contract), and the parameter
+``module:factory`` (docs/bench.md has the factory's contract), and the parameter
 counts (Ψ, padded Ψ) the communication volumes are divided by.
 
 Source: ``zerograph.models.gpt``; ``torch.distributed.tensor``'s ``Shard(0)`` padding for padded Ψ.

@@ -32,29 +32,13 @@ from ..config import Config
 from ..graph import registry
 from ..graph.ops import UNIT_BACKWARD
 from ..runtime.runtime import Runtime
+from ..runtime.state import CapturedGraphs
 from ..shard.parameter_writes import check_no_parameter_writes
 from ..templates.unit_reach import read_in_part
 from .lowering import decompositions, lower
 from .unreached import none_for_unreached, output_reach
 
 log = logging.getLogger(__name__)
-
-
-class CapturedGraphs:
-    """What one compile produced, kept for tests and inspection (plain FX graph modules)."""
-
-    def __init__(self) -> None:
-        self.graphs: list[dict[str, fx.GraphModule]] = []
-        self.input_params: list[list[str | None]] = []
-        # graph id -> bytes of activations its forward handed to backward on its last call (measured)
-        self.saved_activation_bytes: dict[int, int] = {}
-        self.offloaded_activation_bytes: dict[int, int] = {}  # handed over in host memory instead (offload)
-        self.secondary_partition_bytes: dict[int, int] = {}  # hpZ's pieces of gathered parameters
-        # (graph id, kind) -> (islands, distinct islands compiled) under the Inductor lowering (islands.py)
-        self.islands: dict[tuple[int, str], tuple[int, int]] = {}
-        self.templates: list = []  # unit_trace.UnitTemplate, one per unit kind and input signature traced
-        # the path each templated unit kind takes (templates.UnitKind.path), read at report time
-        self.unit_paths: Callable[[], list[dict]] = list
 
 
 class ZeroGraphBackend:

@@ -1,13 +1,5 @@
-"""The tensor functions of zerograph's gathers and reductions: one copy, traced or run.
-
-Each builder here returns an ordinary tensor function over the parameters of one bucket. The
-passes trace it into the graphs (``passes/insert_allgather.py`` and
-``passes/insert_reduce_scatter.py`` splice it in place of the markers, so its docstrings there say
-where and why); the runtime's eager fallback (``zerograph/runtime/eager.py``: graph breaks, islands, the
-gradients a ``no_sync`` run held back) calls the very same function on real tensors, one
-parameter at a time. So a graph and an eager frame move the same bytes in the same layout, with
-the same quantization (ZeRO++'s qwZ / qgZ) and the same hybrid-sharding all-reduce across
-replicas.
+"""The tensor functions of zerograph's gathers and reductions: one copy, traced or run
+([Note: one collective function, traced and run], below).
 
 Functional collectives (``torch.ops._c10d_functional``) run eagerly as they run in a graph: each
 returns at once and ``wait_tensor`` waits. Groups are named by their registered name, so nothing
@@ -37,6 +29,16 @@ from ..kernels.quantize import (
     wire_layout,
 )
 from ..shard.sharding import ParamLayout
+
+# [Note: one collective function, traced and run]
+# Each builder here returns an ordinary tensor function over the parameters of one bucket. The
+# passes trace it into the graphs (``insert_allgather`` and ``insert_reduce_scatter`` splice it in
+# place of the markers; their docstrings say where and why); the runtime's eager fallback
+# (``eager.py``: graph breaks, islands, the gradients a ``no_sync`` run held back) calls the very
+# same function on real tensors, one parameter at a time. So a graph and an eager frame move the
+# same bytes in the same layout, with the same copy-in and copy-out, the same quantization
+# (ZeRO++'s qwZ / qgZ) and the same hybrid-sharding all-reduce across replicas: a change to a
+# gather or a reduction is made once.
 
 funcol = torch.ops._c10d_functional
 

@@ -2,10 +2,9 @@
 
 A frame Dynamo ran eagerly (a graph break), an island (``unit_islands.py``) and the gradients a
 ``no_sync`` run held back (``grad_buffers.py``, which reduces through ``EagerCollectives``) run
-``zerograph::unshard`` / ``reduce_grad`` as the ops themselves, one parameter at a time. They
-call the very tensor functions the passes trace into the graphs (``collectives.gather_fn`` /
-``reduce_fn``), so an eager frame moves what a graph would: the same copy-in and copy-out, the
-same quantization (qwZ, qgZ), the same all-reduce across replicas under hybrid sharding. Each
+``zerograph::unshard`` / ``reduce_grad`` as the ops themselves, one parameter at a time, through
+the tensor functions the passes trace into the graphs (``collectives.gather_fn`` / ``reduce_fn``;
+[Note: one collective function, traced and run] in ``collectives.py``). Each
 call's collectives are counted into the step as a graph's are (``_CountCollectives``: kind, full
 buffer, group, as ``collective_volume`` reads them off a graph), and a communication failure
 becomes a ``CollectiveError`` naming the parameter.

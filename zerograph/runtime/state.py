@@ -6,23 +6,52 @@ attribute's layout can change without touching them.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
 from ..errors import ShardingError
 
-if TYPE_CHECKING:  # types only: the state module sits below the layers that build what it holds
+if TYPE_CHECKING:  # types only
     import torch.fx as fx
 
-    from ..capture.capture import CapturedGraphs
-    from ..config import Config
+    from ..policies import MixedPrecisionPolicy, SchedulePolicy
     from ..shard.parameter_watch import ParameterWatch
     from ..shard.sharding import Unit
     from ..shard.uninitialised import UninitialisedTracker
     from .runtime import Runtime
 
 STATE_ATTR = "_zerograph"  # the attribute of a compiled model that holds its ZeroGraphState
+
+
+class CompiledWith(Protocol):
+    """What a compiled model's readers ask of the ``zerograph.config.Config`` it was compiled with.
+    ``Config`` sits above the runtime (it builds what the runtime runs), so the state names it by
+    this protocol instead of importing it."""
+
+    schedule: SchedulePolicy
+    mixed_precision: MixedPrecisionPolicy | None
+
+    def resolved_dump_dir(self) -> str | None: ...
+
+
+class CapturedGraphs:
+    """What one compile produced, kept for tests and inspection (plain FX graph modules); filled
+    by ``capture.capture.ZeroGraphBackend`` as each graph compiles."""
+
+    def __init__(self) -> None:
+        self.graphs: list[dict[str, fx.GraphModule]] = []
+        self.input_params: list[list[str | None]] = []
+        # graph id -> bytes of activations its forward handed to backward on its last call (measured)
+        self.saved_activation_bytes: dict[int, int] = {}
+        self.offloaded_activation_bytes: dict[int, int] = {}  # handed over in host memory instead (offload)
+        self.secondary_partition_bytes: dict[int, int] = {}  # hpZ's pieces of gathered parameters
+        # (graph id, kind) -> (islands, distinct islands compiled) under the Inductor lowering (islands.py)
+        self.islands: dict[tuple[int, str], tuple[int, int]] = {}
+        self.templates: list = []  # unit_trace.UnitTemplate, one per unit kind and input signature traced
+        # the path each templated unit kind takes (templates.UnitKind.path), read at report time
+        self.unit_paths: Callable[[], list[dict]] = list
 
 
 class ZeroGraphState:
@@ -40,7 +69,7 @@ class ZeroGraphState:
             (kept here: the op registry holds them weakly); empty otherwise.
     """
 
-    def __init__(self, runtime: Runtime, config: Config, captured: CapturedGraphs, compiled_forward: Any,
+    def __init__(self, runtime: Runtime, config: CompiledWith, captured: CapturedGraphs, compiled_forward: Any,
                  watch: ParameterWatch, uninitialised: UninitialisedTracker | None = None,
                  unit_kinds: list | None = None):
         self.runtime = runtime
@@ -76,7 +105,7 @@ def runtime_of_model(model: nn.Module) -> Runtime:
     return state_of(model).runtime
 
 
-def config_of(model: nn.Module) -> Config:
+def config_of(model: nn.Module) -> CompiledWith:
     """The ``Config`` the model was compiled with."""
     return state_of(model).config
 
