@@ -7,25 +7,17 @@ dtype, device)`` instead of a fresh allocation:
 - an all-gather's output: ``all_gather_into_tensor`` becomes ``all_gather_into_tensor_out(...,
   out=pool_buffer(...))``; it lives from the start to the last use of the gathered parameters (or
   of the copy-out that reads it);
-- a packed send buffer (``zerograph::pack_shards``, the copy-in of a multi-parameter bucket or a
-  reduce-scatter): ``buf = pool_buffer(...)``, then ``pack_shards_out(..., out=buf)`` writes it
-  and the collective reads ``buf``; it lives to the wait of that collective (the process group
-  reads it until then).
-A buffer is pooled only if it dies inside the graph (never one saved for backward or returned:
-stage 1-2's gathered parameters, ``selective_unshard``'s kept units), and only if it belongs to
-no collective of the root unit: the root's collectives run once per graph, at its ends, with the
-largest buffers of a language model (the embedding and LM head), so a slot for them would be
-held, idle, through the rest of the step, its peak included; the allocator serves them. Two buffers share a slot only if
-they hold the same kind of data (gathered parameters, or send buffers, so the pool can say how
-much of each it holds) and their lifetimes (graph positions, inclusive) do not intersect: per
-role an interval graph, whose greedy colouring in order of start is optimal, so the slots number
-exactly the most buffers alive at once. Each slot's size is the largest buffer it serves (constant-size buffers, allocated once
-by the runtime's ``BufferPool``). The graph's order and every value computed stay the same. Does
-nothing without ``ctx.buffer_pool`` or without communication.
-
-Consequence checked by the tests: with ``prefetch_depth = d`` at stage 3, a graph's all-gather
-slots number at most ``d + 1`` (the unit in use and the ``d`` in flight), and after the first
-step no comm buffer is allocated.
+- a packed send buffer (``zerograph::pack_shards``): ``buf = pool_buffer(...)``, then
+  ``pack_shards_out(..., out=buf)`` writes it and the collective reads ``buf``; it lives to the
+  wait of that collective.
+A buffer is pooled only if it dies inside the graph (never one saved for backward or returned)
+and belongs to no collective of the root unit. Two buffers share a slot only if they have the same
+role (gathered parameters, or send buffers) and their lifetimes (graph positions, inclusive) do not
+intersect; greedy colouring in order of start makes the slots number exactly the most buffers of a
+role alive at once, each slot the size of the largest buffer it serves (allocated once by the
+runtime's ``BufferPool``). The graph's order and every value computed stay the same. Does nothing
+without ``ctx.buffer_pool`` or without communication. Why the root is left out, and what the tests
+check: docs/design.md, section "Scheduling and buffers"; docs/memory.md, "The comm buffer pool".
 
 Source: ZeRO-R (arXiv 1910.02054) sections 6.2 (constant-size buffers, C_B) and 6.3 (memory
 defragmentation, M_D); register allocation by interval-graph colouring (the left-edge algorithm).

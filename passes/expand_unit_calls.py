@@ -1,14 +1,9 @@
 """Put each templated unit's ops back into the partitioned forward and backward.
 
-Until the partition a templated unit is one node in the model's graphs, with its output and a token:
-``zerograph::unit_call`` in the forward, ``zerograph::unit_call_backward`` in the joint's backward
-(``ops.py``). Dynamo, AOTAutograd and the min-cut partitioner each pay per graph value, and the
-template's own op, ``unit_forward``, returns the unit's output and every activation its backward
-reads (16 values for a GPT block, each a ``getitem`` node in every trace). So the unit stays
-one node with one output through those traces, and its values are put back only here, once.
-
-``expand_unit_calls`` runs on the partitioned pair (the manager's "partitioned" pipeline, inside
-AOTAutograd's ``partition_fn``).
+Until the partition a templated unit is one node with its output and a token, ``unit_call`` in the
+forward and ``unit_call_backward`` in the backward ([Note: a unit is one node until the partition]
+in ``zerograph/graph/ops.py``); its values are put back only here, once. Runs on the partitioned
+pair (the manager's "partitioned" pipeline, inside AOTAutograd's ``partition_fn``).
 
 Pre: ``fwd`` / ``bwd`` as the min-cut partitioner returns them: ``fwd``'s outputs are its
 ``num_fwd_outputs`` own, then the saved tensors, then saved opaque objects and symbolic ints;
@@ -18,16 +13,12 @@ Post: no ``unit_call`` / ``unit_call_backward`` is left. Each ``unit_call`` is `
 with the same arguments (its output: ``getitem`` 0); each ``unit_call_backward`` is
 ``unit_backward`` of the template, reading the primals the template saves
 (``UnitTemplate.saved_primals``), the activations its ``unit_forward`` saved, and the tangent,
-with the same outputs; which ``unit_call`` a backward belongs to is read off the token it was
-given (``unit_call``'s second output, saved or recomputed like any value). Where that
-``unit_forward`` is in the forward, its activations are new saved tensors, first among them on
-both sides; a saved tensor no backward node reads any longer (a primal, or a token, only
-``unit_call_backward`` read) is dropped from both sides. AOTAutograd reads the saved-tensor counts
-off the returned graphs, so the pair stays consistent. A unit under an activation checkpoint
-(``mark_recomputed_unit_calls``) hands nothing over: the backward runs its ``unit_forward`` again,
-from the primals the partitioner made available there, as the checkpoint asks (without this, a
-block whose output backward has anyway, the next block's input, kept its activations from forward:
-the partitioner cannot see them inside ``unit_call``).
+with the same outputs; the ``unit_call`` a backward belongs to is read off its token (saved or
+recomputed like any value). The activations are new saved tensors, first among them on both sides;
+a saved tensor no backward node reads any longer (a primal, or a token) is dropped from both sides,
+and AOTAutograd reads the counts off the returned graphs. A unit under an activation checkpoint
+(``mark_recomputed_unit_calls``) hands nothing over: its backward runs ``unit_forward`` again
+(docs/design.md, section "Pipeline", says why).
 
 The same expansion for a no-grad graph is ``expand_inference_unit_calls``; the marking of
 checkpointed units, on the joint, is ``mark_recomputed_unit_calls``.

@@ -2,45 +2,29 @@
 
 Pre: the graph holds ``unshard(shard, key)`` markers (joint, forward or inference graph), with
 ``bucketing``'s bucket ids (a unit, or adjacent units up to a byte cap; without it, a parameter).
-Post: no marker is left. For each (bucket, param_dtype) with sharded parameters, in order of
-first use:
-    copy-in (cast each shard to ``param_dtype``, pad it to ``chunk_rows``, flatten, concatenate:
-    one ``zerograph::pack_shards`` node for a bucket of several parameters)
+Post: no marker is left. For each (bucket, param_dtype) with sharded parameters, in order of first
+use, right before the bucket's first marker (a tied parameter is gathered once):
+    copy-in (cast each shard to ``param_dtype``; ``zerograph::pack_shards`` for several
+    parameters: [Note: the copy-in layout] in ``zerograph/kernels/ops.py``)
     -> all_gather_into_tensor -> wait_tensor
-    -> copy-out (a bucket of several parameters: one ``zerograph::unpack_gathered`` node, the
-    parameters parameter-major in one new buffer, then a slice and a view per parameter; a single
-    parameter: views of the gathered buffer, no copy),
-every node tagged with the bucket's ``gather`` role (the copy-out joins ``find_collectives``'
-finish chain), inserted right before the bucket's first marker, so it is gathered once even when
-a parameter is used several times (tied weights). ``prefetch`` and ``schedule_overlap`` move the
-start and the wait apart later. At stage 3 every inserted node and every view of a gathered
-parameter is marked ``MUST_RECOMPUTE``: the min-cut partitioner then saves only the
-shards for backward and re-gathers there (ZeRO-3's "gather for forward, release, gather again for
-backward"); gathered buffers die after their last use (FX codegen and Inductor free them).
-At stages 1-2 the gathered parameters stay saved for backward (gathered once per step, the 2Ψ of
-the paper); of a multi-parameter bucket the partitioner saves the one unpacked buffer, not each
-view of it (every view is marked ``MUST_RECOMPUTE``: AOTAutograd's ``recompute_views``, per
-node). At stage 0 or world size 1 the marker becomes its input (shards are full tensors), cast
-to ``param_dtype`` under mixed precision. Without mixed precision no cast is emitted.
+    -> copy-out (several parameters: ``zerograph::unpack_gathered`` into one new buffer, then a
+    slice and a view each; one parameter: views of the gathered buffer, no copy),
+every node tagged with the bucket's ``gather`` role. Stage 3: every inserted node and every view of
+a gathered parameter is ``MUST_RECOMPUTE`` (the partitioner saves the shards, gathers again in
+backward). Stages 1-2: the gathered parameters are saved for backward (of a multi-parameter bucket,
+the one unpacked buffer: its views are ``MUST_RECOMPUTE``). Stage 0 or world size 1: the marker
+becomes its input, cast to ``param_dtype`` under mixed precision. ``prefetch`` and
+``schedule_overlap`` move the start and the wait apart later.
+qwZ (``Config.gather_quantization="int8"``): a bucket of fp32/bf16/fp16 parameters of which a
+shard holds a block is gathered as ``zerograph::pack_quantized`` -> all-gather of bytes ->
+``zerograph::unpack_dequantized`` (``zerograph.kernels.quantize``); other buckets as without.
+Why each stage is tagged so, and what qwZ does to the gradient: docs/design.md, section
+"Gathers and reductions". The spliced tensor function is ``zerograph.runtime.collectives.gather_fn``
+([Note: one collective function, traced and run] in ``collectives.py``).
 
-With ``Config.gather_quantization="int8"`` (ZeRO++'s qwZ) a bucket of fp32/bf16/fp16 parameters
-of which at least one shard holds a block (256 elements) is gathered quantized instead: copy-in
-``zerograph::pack_quantized`` (each rank's shards as int8 blocks plus fp32 scales, small shards
-raw, in one uint8 send buffer: ``zerograph.kernels.quantize``), an all-gather of those bytes, and
-copy-out ``zerograph::unpack_dequantized`` (each rank's chunk dequantized with its own scales into
-``param_dtype``, parameter-major), then a slice and a view per parameter. Quantize is fused with
-the pack (and dequantize with the unpack) in one kernel launch per parameter. The gradient is
-unaffected: the markers' backward (``reduce_grad``) reduces the full-precision gradient, taken at
-the dequantized weights. Other buckets (integer, bool, complex, fp64, or all shards below a
-block) gather as without quantization.
-
-The spliced tensor function is ``zerograph.runtime.collectives.gather_fn``, which the runtime's
-eager fallback calls too ([Note: one collective function, traced and run] in ``collectives.py``).
-
-Source: ZeRO (arXiv 1910.02054) section 5.3 (P_p); FSDP2's copy-in / all-gather / copy-out;
-SimpleFSDP (arXiv 2411.00284) for recompute-tagged gathers; FSDP2's ``MixedPrecisionPolicy``
-(cast before the all-gather, so a bf16 gather moves half the bytes of fp32); ZeRO++ (arXiv
-2306.10209) section 3.1 (qwZ).
+Source: ZeRO (arXiv 1910.02054) section 5.3 (P_p); FSDP2's copy-in / all-gather / copy-out and
+``MixedPrecisionPolicy``; SimpleFSDP (arXiv 2411.00284) for recompute-tagged gathers; ZeRO++
+(arXiv 2306.10209) section 3.1 (qwZ).
 """
 from __future__ import annotations
 

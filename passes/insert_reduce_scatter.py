@@ -2,49 +2,28 @@
 
 Pre: a backward graph holding ``reduce_grad(full_grad, key)`` markers, with ``bucketing``'s bucket
 ids (without it, each parameter is a bucket).
-Post: no marker is left; every trainable parameter's gradient is reduced exactly once. For each
-(bucket, dtype): copy-in (pad each full gradient to ``N * chunk_rows`` rows, lay the rank chunks side
-by side; one ``zerograph::pack_shards`` node for a bucket of several parameters) -> ``reduce_scatter_tensor`` (stages
-1-3) or ``all_reduce`` (stage 0 and 0-d parameters,
-buckets of whole gradients) -> ``wait_tensor`` -> divide by N (ranks' gradients are averaged, as DDP does) ->
-copy-out of each shard's rows. Hybrid sharding (``ctx.replicate_group``, a 2-D mesh): the
-reduced shard is then all-reduced across the replicate group before the division, which is by
-N = shard ranks x replicas (FSDP2's HSDP; DeepSpeed's MiCS). A parameter used several times (tied weights) has several markers;
-their gradients are summed first and reduced once.
+Post: no marker is left; every trainable parameter's gradient is reduced exactly once (a tied
+weight's several markers are summed first). Per (bucket, dtype): copy-in (cast to ``reduce_dtype``;
+``zerograph::pack_shards`` for several parameters: [Note: the copy-in layout] in
+``zerograph/kernels/ops.py``) -> ``reduce_scatter_tensor`` (stages 1-3) or ``all_reduce`` (stage 0
+and 0-d parameters) -> ``wait_tensor`` -> with ``ctx.replicate_group``, an all-reduce across
+replicas -> divide by N (shard ranks x replicas) -> copy-out of each shard's rows, cast to the
+parameter's dtype. Without mixed precision no cast is emitted. At world size 1 the marker becomes
+its input (cast through ``reduce_dtype``), whatever the mode.
+Modes (the markers' ``grad_mode``): ``"sync"``, the reduction above; ``"accumulate"``, no
+collective: ``zerograph::accumulate_unsynced`` adds the summed full gradient to the runtime's
+buffer and returns a zero shard; ``"flush"``, the reduction with that buffer added in the copy-in
+(``zerograph::take_unsynced``). Placement: stage 1 at the end of backward; stages 0, 2 and 3
+right after the bucket's last gradient is produced. qgZ (``Config.reduce_quantization="int8"``):
+``pack_quantized`` -> ``all_to_all_single`` -> ``dequantize_sum`` (``zerograph.kernels.quantize``).
+Why each placement, cast and step: docs/design.md, section "Gathers and reductions".
 
-Mixed precision: each full gradient (in ``param_dtype``) is cast to ``reduce_dtype`` in the copy-in,
-before tied gradients are summed, and each reduced shard is cast to the parameter's own dtype in the
-copy-out, so ``.grad`` matches the (fp32 master) shard. Without mixed precision no cast is emitted.
+The spliced tensor functions are ``zerograph.runtime.collectives.reduce_fn`` and its helpers
+([Note: one collective function, traced and run] in ``collectives.py``).
 
-Gradient accumulation (the markers' ``grad_mode``, set by ``requires_gradient_sync``):
-- ``"sync"``: the reduction above;
-- ``"accumulate"``: no collective; each parameter's summed full gradient goes to
-  ``zerograph::accumulate_unsynced``, which adds it to the runtime's buffer and returns zeros for
-  the shard, right after the bucket's last gradient;
-- ``"flush"``: the reduction above, its copy-in first adding the runtime's buffer to each gradient
-  (``zerograph::take_unsynced``), so the accumulated sum is reduced once.
-
-Placement (the stage's promise about full gradients):
-- stages 0 and 2: right after the bucket's last gradient is produced, so the full gradients die
-  there (ZeRO-2 "reduce as produced, free at once"; DDP's bucketed all-reduce);
-- stage 1: at the end of backward (P_os keeps full gradients until the step, then reduces);
-- stage 3: as stage 2.
-At world size 1 the marker becomes its input (cast through ``reduce_dtype`` to the parameter's dtype
-under mixed precision), whatever the mode: one rank has nothing to synchronise.
-
-With ``Config.reduce_quantization="int8"`` (ZeRO++'s qgZ, in one hop) a sharded bucket of float
-gradients with a shard of at least one block is reduced by ``zerograph.runtime.collectives.quantized_reduce_scatter`` instead:
-``zerograph::pack_quantized`` (rank ``r``'s chunk of every gradient as int8 blocks + fp32 scales),
-``all_to_all_single`` (counted as the bucket's reduce-scatter), ``zerograph::dequantize_sum`` (the
-N chunks of this rank's shard summed in fp32), then ÷N and the copy-out as above.
-
-The spliced tensor functions are ``zerograph.runtime.collectives.reduce_fn`` and its helpers, which
-the runtime's eager fallback calls too ([Note: one collective function, traced and run] in ``collectives.py``).
-
-Source: ZeRO (arXiv 1910.02054) sections 5.1-5.3 and 7 (volume Ψ per reduce-scatter);
-PyTorch DDP's gradient buckets and ``no_sync``; FSDP2's reduce-scatter copy-in,
-``MixedPrecisionPolicy.reduce_dtype`` and ``set_requires_gradient_sync``; ZeRO++ (arXiv
-2306.10209) section 3.3 (qgZ).
+Source: ZeRO (arXiv 1910.02054) sections 5.1-5.3 and 7; DDP's gradient buckets and ``no_sync``;
+FSDP2's reduce-scatter copy-in, ``MixedPrecisionPolicy.reduce_dtype``, ``set_requires_gradient_sync``
+and HSDP; ZeRO++ (arXiv 2306.10209) section 3.3 (qgZ).
 """
 from __future__ import annotations
 

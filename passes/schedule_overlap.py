@@ -3,28 +3,19 @@
 Pre: a forward, backward or inference graph with tagged collectives (``find_collectives``).
 Post: the same nodes, reordered; every start still precedes its wait, every wait its uses.
 - All-gathers: the wait and copy-out sink to just before the first op that reads a gathered
-  parameter, so whatever compute sits between the (prefetched) start and that op runs while the
-  gather is in flight. A copy-out that allocates (``unpack_gathered``: the parameters in a new
-  buffer, the gathered one dying after it) sinks no further than the copy-in of the next gather
-  ``prefetch`` placed after it: during a copy-out the unit is held twice (the gathered buffer and
-  its unpacked copy), and a gather started before it would add a third unit at that point,
-  ``prefetch_depth + 2`` units instead of the ``prefetch_depth + 1`` the schedule plans.
-  A copy-out of views only allocates nothing and sinks to the first use.
-- Reductions (reduce-scatter / all-reduce): issued where ``insert_reduce_scatter`` put them (as
-  soon as the bucket's last gradient exists); the wait, the division by N and the copy-out sink
-  toward the end of backward, where the sharded gradients are returned. A reduction's send
-  buffer (full-size gradients) lives until its wait, so at most
-  ``max(1, prefetch_depth)`` reductions are left in flight, and fewer when their bytes would exceed
-  ``max_inflight_bytes``: with the default depth 1, reduction ``j`` runs during the next bucket's
-  backward compute and is waited before reduction ``j + 1`` is issued (as FSDP2 does).
-  At stage 1 the reductions all come after backward's compute, so there is nothing to hide them
-  behind but each other; the bound keeps their buffers from piling up there.
-- Two-level reductions (hybrid sharding: a bucket's reduce-scatter in the shard group, then the
-  all-reduce of its result across replicas): the reduce-scatter is bounded as above, its wait
-  and the all-reduce's start sink together to that bound; the all-reduce's wait sinks to its
-  first use, at most to the next bucket's bound, so each level stays in flight during a bucket's
-  backward and at most one all-reduce (shard-sized) is left in flight beside the reduce-scatters.
-A wait stays right after its start only where nothing independent exists between them.
+  parameter. A copy-out that allocates (``unpack_gathered``) sinks no further than the copy-in of
+  the next gather ``prefetch`` placed after it, so at most ``prefetch_depth + 1`` units are held at
+  once; a copy-out of views only sinks to the first use.
+- Reductions (reduce-scatter / all-reduce): issued where ``insert_reduce_scatter`` put them; the
+  wait, the division by N and the copy-out sink toward the end of backward, with at most
+  ``max(1, prefetch_depth)`` reductions in flight, fewer when their bytes would exceed
+  ``max_inflight_bytes`` (depth 1: reduction ``j`` runs during the next bucket's backward and is
+  waited before ``j + 1`` is issued, as FSDP2 does).
+- Two-level reductions (hybrid sharding: reduce-scatter, then an all-reduce across replicas): the
+  reduce-scatter is bounded as above, its wait and the all-reduce's start sink together to that
+  bound; the all-reduce's wait sinks to its first use, at most to the next bucket's bound.
+A wait stays right after its start only where nothing independent exists between them. Why each
+bound: docs/design.md, section "Scheduling and buffers".
 
 Source: PyTorch Inductor's ``reorder_compute_and_comm_for_overlap`` (``torch/_inductor/comms.py``);
 SimpleFSDP (arXiv 2411.00284) section 4.2; FSDP2's reduce-scatter left in flight during the

@@ -3,39 +3,30 @@
     python -m zerograph.bench --model small --nproc 2 --steps 10 \\
         --systems zerograph-s3,zerograph-s3-noov,ddp,fsdp2,fsdp2-compile --json bench.json --png bench.png
 
-One launch runs every system one after another on the same ranks, from the same initial values
-(one seed) on the same batches, and reports per system: median / min / max step time, tokens/s,
-exposed communication, peak memory (RSS and the allocator's bytes), elements moved per step
-against the ZeRO paper's 2Ψ / 3Ψ (arXiv 1910.02054, section 7), and every step's loss, which must
-agree across systems.
-``--simulate CLUSTER`` projects each zerograph schedule's measured profile onto a cluster
-described in ``clusters.json`` (or ``local``: this machine, as a self-consistency check).
+One launch runs every system on the same ranks, from the same initial values on the same
+batches, and reports per system: step time, tokens/s, exposed communication, peak memory,
+elements moved per step against the ZeRO paper's 2Ψ / 3Ψ, and every step's loss, which must
+agree across systems. ``--simulate CLUSTER`` projects each zerograph schedule's measured profile
+onto a cluster of ``clusters.json`` (or ``local``: this machine, as a self-consistency check).
 
 Systems (``--systems``, comma-separated; docs/bench.md's table says what each modifier sets):
     zerograph-s<0-3>[-noov][-pool][-keeproot][-pf<K>][-bb<BYTES>][-inductor][-islands][-qw][-qg][-tpl|-notpl][-hsdp<S>][-hpz<M>]
         ``zerograph.compile`` at that stage; each modifier sets one ``Config`` field or policy
-        field (``systems.MODIFIERS``) on the bench's base, and ``Config`` checks the result.
-        ``-hsdp<S>`` shards over groups of S ranks and replicates across them (a ``(world / S,
-        S)`` mesh); under ``--simulate`` a group of S (``-hsdp``) or M (``-hpz``) ranks is a node.
+        field (``systems.MODIFIERS``), and ``Config`` checks the result. ``-hsdp<S>`` shards over
+        groups of S ranks and replicates across them; under ``--simulate`` a group of S
+        (``-hsdp``) or M (``-hpz``) ranks is a node.
     ddp             ``torch.nn.parallel.DistributedDataParallel``
     fsdp2           ``torch.distributed.fsdp.fully_shard`` on each block, then on the root
     fsdp2-compile   the same, then ``torch.compile(model)``
 
-A step is ``loss = model(*batch); loss.backward(); opt.step(); opt.zero_grad()`` with
-``torch.optim.AdamW`` (no gradient clipping), fp32. ``--model``: a size of the package's GPT, a
-real model (``hf-gpt2``, ``hf-llama``, ``titan-llama``: ``real_models``) or ``module:factory``.
-docs/bench.md has the factory's contract and the definition of every figure (``report.DEFINITIONS``,
-which the JSON carries too).
+A step is ``loss = model(*batch); loss.backward(); opt.step(); opt.zero_grad()``, AdamW, fp32.
+``--model``: a size of the package's GPT, a real model (``hf-gpt2``, ``hf-llama``,
+``titan-llama``) or ``module:factory``. docs/bench.md has the factory's contract, the definition
+of every figure and the package's layout.
 
-Sources: ZeRO (Rajbhandari et al., arXiv 1910.02054); FSDP2 (``torch.distributed.fsdp.fully_shard``);
-the bus-bandwidth convention of NCCL's nccl-tests (``PERFORMANCE.md``); the two-stream projection
-is ``zerograph.report.timeline.predict``.
-
-Layout (one module per concern): ``cli`` (flags, validation before any rank starts, launch),
-``systems``, ``workloads``, ``runner`` (the per-rank step loop), ``profiling`` (profiled steps),
-``comm``, ``memory``, ``real_models``, ``simulation`` (``--simulate``; per-node times from
-``zerograph.report.profile``), ``report`` (text, JSON, PNG). The names below are the package's
-public surface.
+Sources: ZeRO (Rajbhandari et al., arXiv 1910.02054) section 7; FSDP2
+(``torch.distributed.fsdp.fully_shard``); nccl-tests' bus-bandwidth convention; the two-stream
+projection is ``zerograph.report.timeline.predict``.
 """
 from __future__ import annotations
 

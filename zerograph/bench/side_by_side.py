@@ -2,22 +2,15 @@
 
 Each system runs as rank 0 of a fake world of N (``zerograph.fake_world``: PyTorch's ``fake``
 process group, collectives move no data, every tensor this rank holds is real and of its real
-size) on the same model, built on the meta device, with the same micro-batch: the model is
-sharded, this rank's shards initialised, AdamW built, and two training steps run (the second
-one holds the optimizer's moments). Each system runs in a fresh Python process whose
-environment sets ``MALLOC_MMAP_THRESHOLD_=65536``, so glibc returns freed buffers above 64 KiB to
-the system at once and the resident set follows the live tensors.
+size) on the same meta-built model and micro-batch: sharded, this rank's shards initialised,
+AdamW built, two training steps run (the second holds the optimizer's moments). Each system runs in
+a fresh Python process with ``MALLOC_MMAP_THRESHOLD_=65536``, so the resident set follows the live
+tensors (docs/memory.md, section "Side by side with FSDP2", has the method and the baseline).
 
-Measured per system (``measure``), bytes:
-    peak_rss_growth   the process's peak resident set (Linux ``VmHWM``, reset through
-                      ``/proc/self/clear_refs``) over the model's build, init and the two steps,
-                      minus the resident set just before the build (after ``gc`` and
-                      ``malloc_trim``). A tiny model of the same family is built and stepped the
-                      same way first, so imports and Dynamo's one-off caches are in the baseline.
-    held_after_steps  the resident set after the second step, over the same baseline.
-    state_bytes       parameters, ``.grad`` and optimizer state this rank holds after the steps,
-                      counted from the tensors (``zerograph.bench.held_bytes``).
-Beside them: ``zerograph.plan``'s predicted step peak for stage 3 (``Plan.step_peak_bytes``).
+Measured per system (``measure``), bytes: ``peak_rss_growth`` (peak resident set over the build,
+init and two steps, less the baseline), ``held_after_steps`` (resident set after the second step,
+less the baseline), ``state_bytes`` (parameters, ``.grad`` and optimizer state this rank holds,
+from the tensors: ``zerograph.bench.held_bytes``); beside them ``Plan.step_peak_bytes``.
 
 Models (``MODELS``): the GPT of ``zerograph.models.gpt`` (blocks in an ``nn.ModuleList``) and the
 torchtitan-style Llama of ``zerograph.models.llama`` (layers in an ``nn.ModuleDict``); FSDP2 wraps
@@ -25,7 +18,8 @@ each block with ``fully_shard``, then the root, on a 1-D ``DeviceMesh`` over the
 
 Entry points: ``side_by_side`` (one subprocess per model and system, returns the JSON-able
 result), ``format_table``; ``python -m zerograph.bench.side_by_side --worker SPEC`` is the
-subprocess. ``examples/memory_side_by_side.py`` is the command line.
+subprocess. ``zerograph memory`` (``side_by_side_cli``, or ``examples/memory_side_by_side.py``) is the
+command line.
 
 Source: ``torch.distributed.fsdp.fully_shard`` (FSDP2); ``torch.testing._internal.distributed.fake_pg``;
 glibc ``mallopt(M_MMAP_THRESHOLD)``; ZeRO (arXiv 1910.02054) section 5 for the model states.

@@ -2,16 +2,13 @@
 
     zerograph memory --world-size 64 --json memory.json
 
-Rank 0 of a fake world of ``--world-size`` (``zerograph.fake_world``: no peers, collectives move
-no data, every tensor of this rank real and of its real size), the same meta-built model for
-every system, AdamW, two fp32 steps; each system in its own fresh process with
-``MALLOC_MMAP_THRESHOLD_=65536`` so the resident set follows live tensors. Prints a markdown
-table of peak RSS growth (MiB) per system, ``zerograph.plan``'s predicted stage-3 step peak
-and its ratio to the measured one, and zerograph's ratio to FSDP2 eager; ``--json`` writes every
-figure (with the breakdowns). Definitions: ``zerograph/bench/side_by_side.py``.
-
-Below it, the step time of the same runs: median (min-max) of the steps after ``--warmup``, and
-how many of zerograph's units ran their unit template.
+Rank 0 of a fake world of ``--world-size`` (collectives move no data, every tensor of this rank
+real), the same meta-built model for every system, AdamW, two fp32 steps, each system in its own
+process. Prints a markdown table of peak RSS growth (MiB) per system, ``zerograph.plan``'s
+predicted stage-3 step peak and its ratio to the measured one, and zerograph's ratio to FSDP2
+eager; ``--json`` writes every figure. Below it, the step time of the same runs (median, min-max
+of the steps after ``--warmup``) and how many of zerograph's units ran their unit template.
+Method and definitions: docs/memory.md, section "Side by side with FSDP2".
 
 Models (``--models``; sizes ``WIDTHxBLOCKS:BATCHxSEQ``, the batch being this rank's; ``--size``
 sets every model's size not set by its own flag):
@@ -20,8 +17,7 @@ sets every model's size not set by its own flag):
   hf-gpt2      transformers' GPT2LMHeadModel from a config, unchanged  (--hf-gpt2, default 1024x8:2x128)
   hf-llama     transformers' LlamaForCausalLM from a config, unchanged (--hf-llama, default 1024x8:2x128)
   titan-llama  zerograph.models.titan_llama: torchtitan's calling conventions (--titan-llama, default 1024x8:2x128)
-The real models (the last three: zerograph/bench/real_models.py) have their loss computed outside
-the model, as their trainers do.
+The real models (the last three) have their loss computed outside the model, as their trainers do.
 
 One line, the real models' step time (rank 0 of a fake world of 8, width 512 x 4 blocks):
   zerograph memory --models hf-gpt2,hf-llama,titan-llama --world-size 8 --size 512x4:2x128 --heads 8 \\

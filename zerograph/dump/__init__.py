@@ -1,22 +1,11 @@
 """The dump behind ``ZEROGRAPH_DUMP`` / ``Config(dump_dir=)``: what the passes did, readable by a person.
 
-Layout (``<root>`` is the dump directory)::
-
-    <root>/manifest.json                      the run (id, world size, ranks, zerograph version, schema)
-    <root>/rank<r>/manifest.json              every file this rank wrote with its size; per graph
-                                              folder ``writing`` until its last file, then ``complete``
-    <root>/rank<r>/summary.md, summary.json   per unit: size, where gathered / released / prefetched /
-                                              reduced; totals against the paper's formulas
-    <root>/rank<r>/schedule.json              predicted schedule of one step (Chrome trace)
-    <root>/rank<r>/graph<g>_<kind>/           kind: joint | forward | backward | inference
-        00_input.py, NN_<pass>.py   the graph before the first pass and after each pass that changed
-                                    it, zerograph's nodes commented (unit, elements, bytes, collective)
-        NN_<pass>.diff              unified diff against the previous file
-        passes.json                 per pass: nodes before/after, change per op kind, a one-line summary
-        graph.dot, graph.svg        the final graph, collectives / waits / releases coloured, one
-                                    cluster per unit (SVG only where Graphviz's ``dot`` exists)
-        memory.json, memory.png     live bytes after each node by category
-        schedule.json               predicted schedule of this graph alone (Chrome trace)
+``<root>/manifest.json`` (the run) and, per rank, ``<root>/rank<r>/``: ``manifest.json`` (every
+file written, each graph folder ``writing`` until its last file, then ``complete``),
+``summary.md`` / ``summary.json``, ``schedule.json``, and a ``graph<g>_<kind>/`` folder per graph
+(the graph before the first pass and after each pass that changed it, a diff per pass,
+``passes.json``, ``graph.dot`` / ``graph.svg``, ``memory.json`` / ``memory.png``,
+``schedule.json``). The full layout: docs/inspection.md, section "The dump".
 
 Dumping into a folder that already holds a dump starts fresh: each rank deletes the files its
 previous manifest lists, and only those, before writing its first file; a ``rank<r>/`` folder that
@@ -29,9 +18,9 @@ Modules, one concern each: ``annotate`` (facts about a graph, the graph as comme
 wrote), ``reader`` (reading and checking a dump, for ``zerograph inspect``), ``trace`` (the passes
 in PyTorch's structured trace, ``TORCH_TRACE``, for ``tlparse``).
 
-Dumping off costs nothing: ``import zerograph`` imports none of this package, and
-``passes/manager.py`` and ``zerograph/capture/capture.py`` import it only when a dump directory is set.
-This file imports no submodule: each name below is loaded on first use (PEP 562 ``__getattr__``).
+Dumping off costs nothing: ``import zerograph`` imports none of this package, and the pass manager
+and ``capture.py`` import it only when a dump directory is set. This file imports no submodule:
+each name below is loaded on first use (PEP 562 ``__getattr__``).
 
 Source: torchtitan's graph-pass debug dumps (each graph before/after a pass, op-count diffs);
 ``torch.fx.GraphModule.print_readable``; the Chrome Trace Event Format (``zerograph.report.timeline``).

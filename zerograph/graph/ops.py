@@ -4,26 +4,19 @@ gradient accumulation without synchronisation.
 ``zerograph::unshard(shard, key, grad_mode)`` stands for "the full parameter ``key``" (in its
 ``param_dtype``); its autograd backward is ``zerograph::reduce_grad(grad, key, grad_mode)``, "this
 rank's shard of the gradient averaged over ranks" (in the shard's own dtype). ``grad_mode``
-(``sharding.GRAD_MODES``) says what that backward does: reduce (``"sync"``), keep the full gradient
-in the runtime's buffer without communicating (``"accumulate"``, ``requires_gradient_sync`` off), or
-add that buffer and reduce the sum (``"flush"``). In a captured graph the stage's passes replace the
-markers by functional collectives (or by nothing at stage 0 / world size 1); in a frame that runs
-eagerly (a graph break) their real implementations run the collective directly, so results are
-right either way. No output aliases its input.
+(``sharding.GRAD_MODES``): reduce (``"sync"``), keep the full gradient in the runtime's buffer
+(``"accumulate"``), or add that buffer and reduce the sum (``"flush"``). In a captured graph the
+stage's passes replace the markers by functional collectives (or by nothing at stage 0 / world
+size 1); in a frame that runs eagerly (a graph break) their real implementations run the
+collective directly, so results are right either way. No output aliases its input.
 
 ``accumulate_unsynced`` and ``take_unsynced`` are what ``insert_reduce_scatter`` emits for the two
 accumulation modes: the runtime owns the full-size buffers, the graph only calls these ops.
 
 ``unit_forward(kind, primals)`` and ``unit_backward(template, ...)`` call one traced unit
-(``Config(unit_templates=True)``, ``templates/kinds.py``): a unit's forward becomes one node whose
-inputs are its activations and its parameters (the unshard markers' outputs) and whose outputs
-are the unit's output followed by what its backward needs; the template is traced, partitioned
-and lowered once per kind of unit and input shapes, and every unit of that kind calls it.
-Until the partition the model's graphs hold ``unit_call`` instead (its backward
-``unit_call_backward``): the unit's output and a token only, one node per unit for Dynamo,
-AOTAutograd and the partitioner to trace and cut, where ``unit_forward`` has the output and each
-saved activation (16 for a GPT block); ``passes/expand_unit_calls`` then puts ``unit_forward`` and
-``unit_backward`` in their place in the partitioned forward and backward.
+(``templates/kinds.py``): its output followed by what its backward needs, from its activations and
+parameters; until the partition the graphs hold ``unit_call`` / ``unit_call_backward`` instead
+([Note: a unit is one node until the partition], below).
 
 ``shard_activation`` and ``gather_activation`` are what ``activation_partition`` emits for
 partitioned activations (ZeRO-R P_a, arXiv 1910.02054 section 6.1): forward keeps this rank's
@@ -247,6 +240,17 @@ def _tangents(grads: Sequence[torch.Tensor | None], metas: Sequence[tuple]) -> l
 
 
 unit_forward.register_autograd(_unit_forward_backward, setup_context=_unit_forward_setup)
+
+
+# [Note: a unit is one node until the partition]
+# A templated unit is traced, partitioned and lowered once per kind of unit and input shapes, and
+# every unit of the kind calls it. Its op ``unit_forward`` returns the unit's output and every
+# activation its backward reads (16 values for a GPT block, each a ``getitem`` node in every trace),
+# and Dynamo, AOTAutograd and the min-cut partitioner each pay per graph value. So until the
+# partition the model's graphs hold ``unit_call`` (the unit's output and a token only) and its
+# backward ``unit_call_backward``: one node with one output per unit through those traces.
+# ``passes/expand_unit_calls`` then puts ``unit_forward`` / ``unit_backward`` in their place in the
+# partitioned forward and backward, once, reading which call a backward belongs to off the token.
 
 
 @torch.library.custom_op("zerograph::unit_call", mutates_args=())

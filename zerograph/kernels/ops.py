@@ -1,52 +1,29 @@
 """The pack and unpack kernels as PyTorch operators, so graph passes can put one node per bucket in
-a graph.
+a graph ([Note: the copy-in layout], below).
 
 ``zerograph::pack_shards(Tensor[] shards, int[] chunk_rows, int world_size, ScalarType dtype) -> Tensor``
-is the copy-in of a collective (FSDP2's copy-in before all-gather / reduce-scatter): every tensor
-is cast to ``dtype``, zero-padded on dim 0 to ``world_size * chunk_rows[i]`` rows, and cut into
-``world_size`` chunks of ``chunk_rows[i]`` rows; the output lays the chunks rank-major::
+is a collective's copy-in: every tensor is cast to ``dtype``, zero-padded on dim 0 to
+``world_size * chunk_rows[i]`` rows and cut into ``world_size`` chunks of ``chunk_rows[i]`` rows,
+laid rank-major::
 
     out.view(world_size, -1)[r] = cat_i(flatten(padded_i[r*c_i : (r+1)*c_i]))   # (N, sum_i c_i * row_numel_i)
 
-- all-gather copy-in: ``world_size=1``, ``chunk_rows[i]`` = the padded shard rows (each local shard
-  padded to ``chunk_rows``, flattened, concatenated);
-- reduce-scatter copy-in: ``world_size=N``, each full gradient padded to ``N * chunk_rows`` rows and
-  the ranks' chunks laid side by side, so rank ``r`` receives its rows of every gradient.
-
-It is the rank-major arrangement of :func:`zerograph.kernels.pack`'s arguments: the pieces are the
-row slices ``shard[r*c : (r+1)*c]`` (short or empty for the last ranks), each padded to
-``c * row_numel`` elements. Implementations:
-
-- fake (meta): the output's shape and dtype only, for tracing (``splice``'s ``make_fx``, AOTAutograd);
-- CPU (and every device but CUDA): :func:`~zerograph.kernels.pack_reference` (``copy_`` per piece,
-  ``zero_`` per padding), bit-identical to ``Tensor.to`` + ``F.pad`` + ``reshape`` + ``torch.cat``;
-- CUDA: :func:`~zerograph.kernels.pack`, one Triton launch per piece for fp32/bf16/fp16, else the
-  same reference.
-
-``torch.library.custom_op`` with a CUDA kernel registered apart, rather than
-``torch.library.triton_op``: a ``triton_op``'s one function is every device's kernel and its fake
-kernel, so the CPU path would have to branch inside a function that must also trace on fake
-tensors; here each device gets a plain function and Inductor calls the op as an opaque kernel.
-
 ``zerograph::unpack_gathered(Tensor gathered, int world_size, int[] chunk_rows, int[] rows,
-int[] row_numels) -> Tensor`` is the all-gather's copy-out, the inverse layout: ``gathered`` is
-``world_size`` send buffers as ``pack_shards`` built them, and the output holds every parameter's
-full, unpadded rows, parameter-major, in one new allocation::
+int[] row_numels) -> Tensor`` is the all-gather's copy-out, the inverse: every parameter's full,
+unpadded rows, parameter-major, in one new allocation (the gathered buffer can die after it)::
 
     out[o_i : o_i + rows_i * n_i].view(rows_i, n_i) =
         gathered.view(N, -1)[:, col_i : col_i + c_i * n_i].reshape(N * c_i, n_i)[:rows_i]
 
-with ``n_i = row_numels[i]``, ``c_i = chunk_rows[i]``, ``col_i = sum_{j<i} c_j * n_j`` and
-``o_i = sum_{j<i} rows_j * n_j``: each parameter is a view ``out[o_i : o_i + rows_i * n_i].view(shape_i)``
-and the gathered buffer can die as soon as the op has run. Implementations as for ``pack_shards``:
-fake (shape and dtype), CPU (and every device but CUDA) :func:`~zerograph.kernels.unpack_reference`
-into views of the output (``copy_`` of the old copy-out's ``view``/slice/``reshape``/``[:rows]``,
-bit-identical to it), CUDA :func:`~zerograph.kernels.unpack` (one Triton launch per parameter for
-fp32/bf16/fp16, else the same reference).
+with ``n_i = row_numels[i]``, ``c_i = chunk_rows[i]``, ``col_i = sum_{j<i} c_j * n_j``, ``o_i =
+sum_{j<i} rows_j * n_j``. Kernels of each op: fake (shape and dtype, for tracing); CPU and every
+device but CUDA, :func:`~zerograph.kernels.pack_reference` / ``unpack_reference`` (bit-identical to
+``Tensor.to`` + ``F.pad`` + ``reshape`` + ``torch.cat`` and its inverse); CUDA, the Triton
+:func:`~zerograph.kernels.pack` / ``unpack`` for fp32/bf16/fp16, else the reference. Why
+``custom_op`` and not ``triton_op``: docs/design.md, section "Kernels as operators".
 
 Source: FSDP2's ``foreach_all_gather`` copy-in, ``foreach_all_gather_copy_out``
-(``split_with_sizes_copy``) and ``foreach_reduce`` reduce-scatter input;
-``torch.library.custom_op`` / ``register_fake`` / ``register_kernel`` (PyTorch custom operators).
+(``split_with_sizes_copy``) and ``foreach_reduce`` reduce-scatter input; ``torch.library.custom_op``.
 """
 from __future__ import annotations
 
@@ -59,6 +36,21 @@ from .packing import pack, pack_reference, unpack, unpack_reference
 
 __all__ = ["PACK_SHARDS", "UNPACK_GATHERED", "pack_shards", "pack_shards_numel", "unpack_gathered",
            "unpack_gathered_numel"]
+
+# [Note: the copy-in layout]
+# A collective's send buffer holds, per rank, that rank's chunk of every parameter of the bucket,
+# back to back: parameter i's chunk is ``chunk_rows[i]`` rows, its rows first and zero padding after
+# (the last ranks of an uneven ``Shard(0)`` split hold fewer rows, or none). ``pack_shards`` is
+# :func:`zerograph.kernels.pack` over the row slices ``shard[r*c : (r+1)*c]``, each padded to
+# ``c * row_numel`` elements.
+# - all-gather copy-in: ``world_size=1``; each rank packs its own padded shards, so the gathered
+#   buffer ``(N, sum_i c_i * n_i)`` holds each parameter's rows rank by rank;
+# - reduce-scatter copy-in: ``world_size=N``; each full gradient is padded to ``N * chunk_rows``
+#   rows and the ranks' chunks are laid side by side, so rank ``r`` receives its rows of every
+#   gradient.
+# A templated unit's flat shard (``shard/flat.py``) is this rank's all-gather copy-in kept as the
+# parameters' storage, so its gather needs no copy-in; qwZ and qgZ (``quantize.py``) keep the
+# layout with int8 blocks and their scales in place of a chunk's values.
 
 
 def _check(shards: Sequence[torch.Tensor], chunk_rows: Sequence[int], world_size: int) -> None:

@@ -1,37 +1,26 @@
 """Block-wise int8 collectives (ZeRO++'s qwZ and qgZ): quantize in the copy-in, dequantize in the copy-out.
 
-Each rank quantizes its own shards independently, so the all-gather moves bytes and every rank's
-chunk of the gathered buffer carries its own scales. For a reduce-scatter (qgZ) each rank builds
-one such buffer per destination rank (its rows of every gradient) and an all-to-all exchanges
-them. Where each parameter's bytes sit in one buffer: ``wire_layout.py`` (its constants and
-``WireLayout`` are re-exported here).
+Each rank quantizes its own shards ([Note: the copy-in layout] in ``ops.py``), so every rank's
+chunk of a gathered buffer carries its own scales; for a reduce-scatter (qgZ) each rank builds one
+chunk per destination rank (its rows of every gradient) and an all-to-all exchanges them. Where
+each parameter's bytes sit: ``wire_layout.py`` (``WireLayout`` and its constants re-exported here).
 
 A parameter whose padded shard (``chunk_rows * row_numel`` elements) holds at least one block
-(``block`` = 256 elements) is *quantized*: its shard is cut into ``ceil(shard_numel / block)``
-blocks, starting at the shard's first element (blocks never straddle two parameters: a norm's
-weights near 1 would otherwise set the scale of a projection's weights near 0.02), and each
-block is sent as ``block`` int8 values ``q = floor(x * 127 / absmax + 0.5)`` (in ``[-127, 127]``)
-plus ``scale = absmax / 127`` in fp32, symmetric absmax quantization as in ZeRO++. A smaller
-shard (a norm's weight, a bias, once sharded) is sent unquantized, in ``dtype`` (the documented
-fallback: a whole block's scale for a few elements would save little, and cost a scale of its
-own); its bytes are on the wire and counted so. Dequantized values are ``q * scale`` in fp32,
-cast to ``dtype``; ``|x - q * scale| <= absmax / 254`` (plus fp32 rounding) per block.
+(``block`` = 256 elements) is *quantized*: cut into ``ceil(shard_numel / block)`` blocks from the
+shard's first element (no block straddles two parameters), each sent as ``block`` int8 values
+``q = floor(x * 127 / absmax + 0.5)`` in ``[-127, 127]`` plus ``scale = absmax / 127`` in fp32. A
+smaller shard is sent unquantized, in ``dtype``, and counted so. Dequantized values are
+``q * scale`` in fp32, cast to ``dtype``; ``|x - q * scale| <= absmax / 254`` (plus fp32 rounding)
+per block. Why per parameter, why the fallback: docs/design.md, section "Kernels as operators".
 
-Functions, each with a plain-torch ``*_reference`` of the same signature (dispatch as for
-``pack``: Triton on CUDA or under ``TRITON_INTERPRET=1``):
-
-* :func:`pack_quantized` - this rank's shards -> its send buffer (fused pad + cast/quantize: one
-  read of each element, one int8 write; a raw shard goes through the ``pack`` kernel);
-* :func:`unpack_dequantized` - the gathered buffer -> full parameters (fused dequantize + unpack:
-  one int8 read, one write in ``dtype``; a raw parameter goes through the ``unpack`` kernel);
-* :func:`dequantize_sum` - a quantized reduce-scatter's received chunks -> their fp32 sum (qgZ:
-  one int8 read per rank and element, fp32 accumulation in registers, one fp32 write).
-
-and the registered operators ``zerograph::pack_quantized`` / ``zerograph::unpack_dequantized``
-that ``passes/insert_allgather.py`` puts in graphs, and ``zerograph::pack_quantized`` (one
-chunk per destination rank) / ``zerograph::dequantize_sum`` that ``passes/insert_reduce_scatter.py``
-puts around an all-to-all (CPU kernel: the references; CUDA: Triton; fake: shapes), with the same
-argument conventions as ``pack_shards`` / ``unpack_gathered`` (``ops.py``).
+Functions, each with a plain-torch ``*_reference`` of the same signature (Triton on CUDA or under
+``TRITON_INTERPRET=1``): :func:`pack_quantized` (shards -> send buffer, pad and quantize fused),
+:func:`unpack_dequantized` (gathered buffer -> full parameters, dequantize and unpack fused),
+:func:`dequantize_sum` (qgZ's received chunks -> their fp32 sum). As operators, with ``ops.py``'s
+argument conventions (CPU: the references; CUDA: Triton; fake: shapes): ``zerograph::pack_quantized``
+and ``zerograph::unpack_dequantized`` around ``insert_allgather``'s all-gather;
+``zerograph::pack_quantized`` (a chunk per destination rank) and ``zerograph::dequantize_sum``
+around ``insert_reduce_scatter``'s all-to-all.
 
 Source: ZeRO++ (Wang et al., arXiv 2306.10209) sections 3.1 (qwZ, block-based symmetric int8
 quantization of the weights for the forward all-gather) and 3.3 (qgZ, quantized gradients

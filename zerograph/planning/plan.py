@@ -1,26 +1,21 @@
 """``zerograph.plan``: how much memory and communication a ZeRO stage costs, before running anything.
 
-The figures follow the ZeRO paper (Rajbhandari et al., arXiv 1910.02054):
-
-* model-state memory per rank, section 5 / Figure 1 / Table 1. With ``Ψ`` parameters, ``N`` ranks,
-  ``P`` bytes per parameter and per gradient (2 for 16-bit training) and ``K`` bytes of optimizer
-  state per parameter (12 for mixed-precision Adam: fp32 master copy + ``m`` + ``v``)::
+The figures follow the ZeRO paper (Rajbhandari et al., arXiv 1910.02054). Model-state memory per
+rank (section 5 / Figure 1 / Table 1), with ``Ψ`` parameters, ``N`` ranks, ``P`` bytes per
+parameter and per gradient and ``K`` bytes of optimizer state per parameter (12 for mixed-precision
+Adam)::
 
       stage 0 (DDP)        (P + P + K) Ψ
       stage 1 (P_os)       P Ψ + P Ψ + K Ψ / N
       stage 2 (P_os+g)     P Ψ + (P + K) Ψ / N
       stage 3 (P_os+g+p)   (P + P + K) Ψ / N
 
-* communication volume per step and per rank, section 7, in elements of the full tensor::
-
-      stage 0      all-reduce 2Ψ
-      stages 1, 2  reduce-scatter Ψ + all-gather Ψ            = 2Ψ
-      stage 3      reduce-scatter Ψ + all-gather 2Ψ (fwd+bwd) = 3Ψ
-
-and, as separate fields, the memory the formulas leave out: the padding of uneven shards, the
-gathered parameters alive at once under stage 3, and the full-size gradient bucket a unit
-reduce-scatters from. Nothing is allocated: a model built under ``torch.device("meta")`` works, and
-only parameter shapes are read (never their dtype or values).
+Communication per step and per rank (section 7), in elements of the full tensor: 2Ψ at stages
+0-2 (an all-reduce, or a reduce-scatter and an all-gather), 3Ψ at stage 3 (the all-gather twice).
+As separate fields, what the formulas leave out: the padding of uneven shards, the gathered
+parameters alive at once under stage 3, the full-size gradient bucket a unit reduce-scatters from.
+Nothing is allocated: only parameter shapes are read (never dtypes or values), so a model built
+under ``torch.device("meta")`` works. docs/memory.md, section "Planning ahead", has the step peak.
 
 Entry point: ``plan(model, stage, world_size, ...)``, or ``plan(None, stage, world_size, psi=...)``
 to reproduce the paper's figures for models too large to build even on ``meta``.

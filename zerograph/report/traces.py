@@ -2,27 +2,23 @@
 (the Chrome / Kineto JSON that ``torch.profiler``'s ``export_chrome_trace`` writes, from this
 machine or another) with Perfetto's trace processor instead of hand-written event parsing.
 
-The trace processor parses the file (nesting, threads, processes, GPU streams) and answers SQL;
-this module classifies its slices the way ``zerograph.bench`` classifies ``torch.profiler``'s
-in-process events, so the numbers are comparable:
+The trace processor parses the file and answers SQL; this module classifies its slices the way
+``zerograph.bench`` classifies ``torch.profiler``'s in-process events, so the numbers compare:
 
 * GPU trace (it has ``kernel`` slices): communication is the NCCL kernels (name contains
-  ``nccl``), compute the other kernels, memcpys and memsets; a stream is a GPU track (Kineto
-  writes one thread per CUDA stream, ``pid`` the device, ``tid`` the stream).
+  ``nccl``), compute the other kernels, memcpys and memsets; a stream is a GPU track (Kineto:
+  ``pid`` the device, ``tid`` the CUDA stream).
 * CPU trace: communication is the ``gloo:*`` / ``nccl:*`` slices of the process group's worker
   threads; compute is the outermost operator slices (``ns::op`` not nested in another operator)
   of the other threads, collective launches and waits (``c10d::*``, ``_c10d_functional::*``)
   excepted; a stream is a thread.
 
-``exposed_comm_s`` is the time some collective is in flight and no compute runs (comm busy time
-minus its overlap with compute busy time), ``bench``'s "exposed comm"; ``wait_s`` is the time
-compute threads sat in ``wait_tensor``, what ``zerograph.report.timeline.measure`` calls exposed.
-
-The trace processor is a native binary (``trace_processor_shell``) that the ``perfetto`` package
-downloads from Google's storage on first use, not from PyPI; on a machine that cannot reach it,
-point ``ZEROGRAPH_TRACE_PROCESSOR`` (or ``bin_path``) at a copy, or put ``trace_processor_shell``
-on ``PATH``. Without one, ``read_trace`` raises ``TraceToolError`` (it never starts a download
-unless ``download=True``).
+``exposed_comm_s`` is the time some collective is in flight and no compute runs, ``bench``'s
+"exposed comm"; ``wait_s`` is the time compute threads sat in ``wait_tensor``, what
+``zerograph.report.timeline.measure`` calls exposed. Without a trace processor binary
+(``ZEROGRAPH_TRACE_PROCESSOR``, ``bin_path``, ``trace_processor_shell`` on ``PATH``),
+``read_trace`` raises ``TraceToolError``; it downloads one only with ``download=True``
+(docs/inspection.md, section "Which numbers come from which tool").
 
 Source: Perfetto trace processor (``perfetto.trace_processor.TraceProcessor``, tables ``slice``,
 ``thread_track``, ``thread``, ``process``); Kineto's trace format (categories ``kernel``,

@@ -1,37 +1,29 @@
 """The collectives' debug mode (``ZEROGRAPH_DEBUG_COLLECTIVES=1``): every functional collective's
 buffers checked from its issue to its wait.
 
-An asynchronous collective owns its buffers until its ``wait_tensor``: gloo's thread (or NCCL's
-stream) reads the input and writes the output meanwhile. Anything else that writes either buffer,
-reads the output, or frees either one in that window corrupts memory without an error: on CPU a
-later ``malloc`` may abort (``unaligned tcache chunk detected``), on a GPU the weights go wrong
-silently. ``CollectiveWatch`` is a ``TorchDispatchMode`` the runtime enters around each graph call
-and each eager fallback when the variable is set; for every ``_c10d_functional`` collective it sees
-it records, at issue, each buffer's storage (a weak reference), address range, version counter and,
-for inputs, a checksum computed by torch ops on the tensor's own device (CPU or CUDA alike). Then:
+Invariant checked: an asynchronous collective owns its buffers until its ``wait_tensor`` (gloo's
+thread or NCCL's stream reads the input and writes the output meanwhile); anything else that
+writes either buffer, reads the output or frees either one in that window corrupts memory without
+an error. ``CollectiveWatch`` is a ``TorchDispatchMode`` the runtime enters around each graph call
+and eager fallback when the variable is set. At each ``_c10d_functional`` collective's issue it
+records each buffer's storage (a weak reference), address range, version counter and, for inputs,
+a checksum (torch ops on the tensor's own device). Then:
 
-- an op that writes a pending collective's input or output (an ``out=``, an in-place op: the
-  schema's write annotation), or reads its output (any op but a view), raises at once, naming it;
-- an op whose result takes the address of a pending buffer whose storage moved
-  (``untyped_storage().resize_(0)`` released it and the allocator handed its memory on) or, for an
-  output, was freed, raises at once;
-- ``wait_tensor`` checks each buffer: an output still alive, each at the same address and size,
-  its version counter unchanged, an input's checksum unchanged.
-
-An input whose last reference the graph drops before the wait is not a fault: the process group
-holds what it still reads (gloo's work holds its tensors or copies them at issue;
-ProcessGroupNCCL records or stashes them), so the allocator
-cannot hand that memory on while it is in use. A release (``resize_(0)``) bypasses those references.
-
-The scope's end (the graph call returned) checks that every collective issued in it was waited.
+- an op that writes a pending collective's input or output (``out=``, in place: the schema's write
+  annotation), or reads its output (any op but a view), raises at once;
+- an op whose result takes the address of a pending buffer whose storage moved (a released
+  ``resize_(0)`` storage handed on) or, for an output, was freed, raises at once;
+- ``wait_tensor`` checks each buffer's liveness (outputs), address, size, version counter and
+  input checksum; the scope's end checks that every collective issued in it was waited.
 
 Each failure raises ``CollectiveBufferError`` naming the collective (its op and issue order in the
 scope), the buffer (input or output, shape, dtype) and what happened. Writes by code that bypasses
-the dispatcher (Inductor's C++ kernels, a C++ thread) are caught only by the checks at the wait.
+the dispatcher (Inductor's C++ kernels, a C++ thread) are caught only at the wait. What is a fault
+and what is not (an input dropped before the wait): docs/inspection.md, section "Checking the
+collectives' buffers".
 
-Source: the invariant FSDP2 and ``ProcessGroupNCCL`` rely on (a collective's tensors are the
-collective's until its work completes; ``record_stream`` and ``TORCH_NCCL_AVOID_RECORD_STREAMS``
-keep them alive); ``TorchDispatchMode`` (``torch.utils._python_dispatch``).
+Source: the invariant FSDP2 and ``ProcessGroupNCCL`` rely on (``record_stream``,
+``TORCH_NCCL_AVOID_RECORD_STREAMS``); ``TorchDispatchMode`` (``torch.utils._python_dispatch``).
 """
 from __future__ import annotations
 

@@ -1,37 +1,27 @@
 """A unit's parameter shards in one flat buffer: one graph input and one marker per unit.
 
-With unit templates (the default), each templated unit's shards are stored back to
-back in one 1-D buffer, this rank's *flat shard*: parameter ``i`` at element offset ``offsets[i]``,
-its padded chunk of ``chunk_rows * row_numel`` elements, of which the first ``local_rows *
-row_numel`` hold its rows (the rest is padding, zero). That is the layout every rank's copy-in
-sends to the unit's all-gather anyway (FSDP2's), so the all-gathered flat shards, ``(N * T,)``,
-hold each parameter's rows rank by rank, and ``unflatten`` cuts the full parameters out of it.
-At stage 0 nothing is sharded: the buffer holds the unit's whole parameters, ``(T,)`` on every
-rank, the unit's marker reads it as it is, and its gradient is all-reduced whole (one bucket per
-unit, as DDP's flat buckets).
+With unit templates (the default), each templated unit's shards are stored back to back in one 1-D
+buffer, this rank's *flat shard*: parameter ``i`` at element offset ``offsets[i]``, its padded chunk
+of ``chunk_rows * row_numel`` elements, of which the first ``local_rows * row_numel`` hold its rows
+(the rest is padding, zero). That is the all-gather's copy-in ([Note: the copy-in layout] in
+``zerograph/kernels/ops.py``), so the all-gathered flat shards, ``(N * T,)``, hold each parameter's
+rows rank by rank, and ``unflatten`` cuts the full parameters out of it. At stage 0 nothing is
+sharded: the buffer holds the unit's whole parameters, ``(T,)`` on every rank, and its gradient is
+all-reduced whole (one bucket per unit, as DDP's flat buckets).
+
+Contract: each parameter is still its own ``DTensor`` shard, whose local tensor is a view of the
+flat shard's storage, so in-place updates (``opt.step()``, ``load_state_dict``, ``init_weights``)
+reach the buffer the graph reads; the graph reads ``FlatShard.input``, made at each forward by
+``ShardsAsFlat`` (an autograd ``Function`` of the shards: the buffer, no copy, forward; each
+shard's gradient a view of the reduced flat gradient, backward), so the shards stay autograd's
+leaves and ``AccumulateGrad``, hooks and ``.grad`` behave as without the layout. Parameters the
+unit's output does not reach keep ``.grad`` ``None``; a tensor put in a parameter's slot
+(``functional_call``) is read instead of the shard; a kind that cannot tell which parameters get a
+gradient goes back to per-parameter shards (``restore_``). Why (compile time) and what it keeps:
+docs/design.md, section "Capture", and docs/semantics.md.
+
 Source: FSDP1's ``FlatParameter`` (one flat tensor per unit), with FSDP2's per-parameter
 ``DTensor`` view kept for everything outside forward.
-
-What it buys is compile time: Dynamo and AOTAutograd see one input, one ``zerograph::unshard``
-and one ``zerograph::reduce_grad`` per unit instead of one of each per parameter (``DTensor``
-inputs at that), so the model-level graph holds a handful of nodes per unit and its traces stop
-growing with a block's parameter count.
-
-What users see does not change: each parameter is still its own ``DTensor`` shard (the optimizer,
-``state_dict``, checkpoints, ``stats`` read those), whose local tensor is a view of the flat
-shard's storage, so in-place updates (``opt.step()``, ``load_state_dict``, ``init_weights``)
-reach the buffer the graph reads. And the shards stay autograd's leaves: what the graph reads is
-not the buffer itself but ``FlatShard.input``, made at each forward by ``ShardsAsFlat`` (an
-autograd ``Function`` of the unit's shards whose output is the buffer, no copy, and whose
-backward cuts the reduced flat gradient into each shard's ``DTensor`` gradient, a view of it).
-Autograd's own ``AccumulateGrad`` then does per parameter what it does without the layout, so it
-changes no number and drops no semantic (docs/semantics.md): tensor hooks and
-post-accumulate-grad hooks, ``.grad`` a view or added in place over micro-batches,
-``backward(inputs=...)`` and ``torch.autograd.grad`` naming some of the parameters. Beyond that:
-the parameters its unit's output does not reach keep ``.grad`` ``None`` (``no_grad``); another
-tensor in a parameter's slot (``functional_call``) is read instead of the shard
-(``substituted``); and a unit whose kind cannot tell which parameters get a gradient goes back to
-per-parameter shards (``restore_``).
 """
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
 """Replicas start equal: at compile, every rank takes group rank 0's parameters and buffers.
 
-Data parallelism assumes every rank starts from the same model. A job that seeds each rank
-differently (``torch.manual_seed(rank)``), or loads weights on rank 0 only, breaks that silently:
-at stage 0 the replicas stay different for ever (each steps its own copy with the same averaged
-gradient), and at stages 1-3 each rank keeps the rows of *its own* copy as its shard, so the
-sharded model is a mix of several initialisations that no rank ever held.
-
-Choice: broadcast at every stage, always, before sharding. This is what DDP does at construction
-(``_sync_module_states``, stage 0) and what FSDP1 does with ``sync_module_states=True``
-(stages 1-3); zerograph calls the very function DDP calls. Why a broadcast rather than a
-fingerprint check that raises:
-
-- it is exact (a fingerprint of floating-point sums can miss a difference, a strong hash has to
-  read every byte on every rank anyway) and turns a silent bug into the intended behaviour;
-- it is cheap: one broadcast of the Ψ parameter and buffer elements, in 250 MB buckets
-  (DDP's default), once per compile, which is less than one training step moves at any stage
-  (2Ψ at stages 0-2, 3Ψ at stage 3), and no extra memory beyond one bucket: the parameters are
-  still full on every rank before sharding, and they are overwritten in place;
-- it also makes "load on rank 0, then compile" work, as in DDP and FSDP1.
+Data parallelism assumes every rank starts from the same model; a job that seeds each rank
+differently or loads weights on rank 0 only breaks that silently (at stages 1-3 the sharded model
+would be a mix of several initialisations that no rank ever held). So ``compile`` broadcasts, at
+every stage, always, before sharding: in place, in 250 MB buckets (DDP's default), calling the very
+function DDP calls. Why a broadcast rather than a check that raises: docs/design.md, section
+"Capture".
 
 Before the broadcast, the ranks compare a 63-bit digest of every parameter's and buffer's name,
 shape and dtype (one all-gather of 8 bytes per rank): ranks that built different models get a

@@ -5,19 +5,16 @@ transformer auto-wrap policy wraps every instance of a block class, but without 
 class:
 
 - A *stack* is an ``nn.ModuleList`` or ``nn.Sequential`` with two or more children (the model
-  itself included), or an ``nn.ModuleDict`` of repeated blocks (below; a ``ModuleDict`` of
-  unrelated parts, as nanoGPT's ``transformer`` dict, is not one).
+  itself included), or an ``nn.ModuleDict`` of repeated blocks (not one of unrelated parts).
 - A stack is *of repeated blocks* when its children that own parameters, two or more, are all of
   one class: the stack's *block class*.
 - The largest stack of repeated blocks is taken (by parameter count; the first in module order on
   a tie), or, when the model has none, the largest stack of any kind.
 - Every other stack of repeated blocks is taken too, largest first, when its block class is one
-  already taken (a T5's encoder and decoder stacks, a ResNet's four stages) or when it holds at
-  least as many parameters as the largest block taken so far (leaving it in the always-gathered
-  root would cost more than a unit: ``nn.Transformer``'s decoder layers, a CLIP's second tower).
-  A stack inside a taken stack's child, or holding a taken stack, is not taken.
-- The units are the children of the taken stacks, in module order (those without parameters
-  too, as before), each module once.
+  already taken or when it holds at least as many parameters as the largest block taken so far;
+  a stack inside a taken stack's child, or holding a taken stack, is not taken.
+- The units are the children of the taken stacks, in module order, each module once.
+Examples of each rule: docs/stages.md, section "Units and shards".
 
 ``Config(unit_classes=...)`` overrides all of it: the outermost instances of those classes.
 
