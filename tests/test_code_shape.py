@@ -1,7 +1,8 @@
 """The code's shape for whoever carries it on: no import cycle among zerograph's modules, no
-module over 500 lines, no function over 80 lines of code, no module global rebound at run time
-(the trace's flags are fields of ``shard.trace_state.TRACE``), and no comment or docstring naming a
-tracker issue, a date or a measured figure (zerograph/, passes/, tests/, examples/).
+module over 500 lines, no module docstring over 30 lines, no function over 80 lines of code, no
+module global rebound at run time (the trace's flags are fields of ``shard.trace_state.TRACE``),
+and no comment or docstring naming a tracker issue, a date or a measured figure (zerograph/,
+passes/, tests/, examples/).
 
 Read from the source with ``ast``, in this process; nothing is imported. The modules and their
 imports are tests/test_layers.py's (``module_files``: ``passes/`` is ``zerograph.passes``;
@@ -23,6 +24,7 @@ from tests.test_layers import ROOT, import_graph, module_files
 
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
+MAX_MODULE_DOCSTRING_LINES = 30
 
 
 def module_level_graph() -> nx.DiGraph:
@@ -41,6 +43,24 @@ def test_no_module_over_500_lines() -> None:
     over = sorted(f"{path.relative_to(ROOT)} ({n} lines)" for path in module_files().values()
                   if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES)
     assert not over, f"modules over {MAX_MODULE_LINES} lines:\n  " + "\n  ".join(over)
+
+
+def docstring_lines(path) -> int:
+    """Source lines of the module's docstring (0 without one), its quotes included."""
+    body = ast.parse(path.read_text(), str(path)).body
+    doc = body[0] if body else None
+    if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+        return doc.end_lineno - doc.lineno + 1
+    return 0
+
+
+def test_no_module_docstring_over_30_lines() -> None:
+    """A module's docstring says what the module is for, its contract, its layer and the source of
+    the idea; the story (why, the choices made, worked examples) is docs/design.md's or a topical
+    doc's, and an explanation two modules share is one ``[Note: title]`` block the other names."""
+    over = sorted(f"{path.relative_to(ROOT)} ({n} lines)" for path in module_files().values()
+                  if (n := docstring_lines(path)) > MAX_MODULE_DOCSTRING_LINES)
+    assert not over, f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines:\n  " + "\n  ".join(over)
 
 
 def code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
