@@ -10,15 +10,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 import types
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
 from tests import forkserver
+from tests.distributed import spawn
 from zerograph import bench
+from zerograph.bench.profiling import profile_run
 from zerograph.config import Config
 from zerograph.errors import ConfigError
 from zerograph.graph.costmodel import WAIT
@@ -497,6 +501,48 @@ def test_nccl_needs_a_gpu_per_rank(capsys, no_launch, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     err = _refused(capsys, [*TINY, "--nproc", "2", "--batch-size", "4"], "--nproc")
     assert "--backend gloo" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# the profiler stops only after the collectives its steps started have finished
+
+
+# how long gloo's worker thread is held after a work's future completes, before it runs the
+# profiler's end callback: longer than stopping a profile of a few events takes
+HOLD_S = 1.0
+
+
+def _future_waited_step_finishes_inside_profile(rank: int, world_size: int) -> bool:
+    """Rank 0 profiles a step that waits on an all-reduce's future (as DDP's reducer does) while a
+    callback on that future holds gloo's worker thread; returns whether the work had finished, its
+    profiler end callback included, when ``profile_run`` returned."""
+    store = dist.distributed_c10d._get_default_store()
+    works: list[dist.Work] = []
+
+    def step() -> None:
+        if rank == 1:  # joins the all-reduce only once rank 0's future has its callback
+            store.wait(["callback attached"])
+        work = dist.all_reduce(torch.ones(8), async_op=True)
+        future = work.get_future()
+        if rank == 0:
+            assert not future.done()
+            # the future is pending, so this runs on gloo's worker thread, between completing the
+            # future and finishing the work
+            future.add_done_callback(lambda _: time.sleep(HOLD_S))
+            store.set("callback attached", "1")
+        future.wait()
+        works.append(work)
+
+    profile_run(step, 1, torch.device("cpu"))
+    return works[0].is_completed()
+
+
+@pytest.mark.distributed
+def test_profile_ends_after_the_collectives_its_steps_waited_on_by_future():
+    """gloo completes a work's future before its worker thread runs the profiler's end callback;
+    a profile that stopped in between freed the event that callback then writes (a heap
+    corruption glibc reported later, at an unrelated free). ``profile_run`` drains first."""
+    assert spawn(_future_waited_step_finishes_inside_profile, 2) == [True, True]
 
 
 # ---------------------------------------------------------------------------------------------

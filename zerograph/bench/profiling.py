@@ -27,7 +27,8 @@ def profile_steps(step: Callable[[], Any], n: int, device: torch.device) -> tupl
 
 def profile_run(step: Callable[[], Any], n: int, device: torch.device, profile_memory: bool = False) -> Any:
     """The ``torch.profiler.profile`` of ``n`` runs of ``step()``, each after a device sync and a
-    barrier, inside a ``STEP_LABEL`` record_function (CUDA activity too on GPU)."""
+    barrier, inside a ``STEP_LABEL`` record_function (CUDA activity too on GPU); the profiler
+    stops only after ``drain_collectives``."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -38,7 +39,21 @@ def profile_run(step: Callable[[], Any], n: int, device: torch.device, profile_m
             with torch.profiler.record_function(STEP_LABEL):
                 step()
                 sync_device(device)
+        drain_collectives()
     return prof
+
+
+def drain_collectives() -> None:
+    """Return once every collective this rank started on the default group has finished, its
+    profiler callbacks included (a barrier: gloo's barrier waits for the works in flight before it).
+
+    Works around a PyTorch use-after-free: gloo completes a work's future and only then, on its
+    worker thread, runs the profiler's end callback, which writes the op's end time into the event
+    storage of the profile that started it. A step that waits on a future, not on the work (DDP's
+    reducer), can leave ``torch.profiler.profile`` first; stopping frees that storage, and the late
+    write corrupts the heap (glibc aborts later, at an unrelated free). Collective: every rank calls it.
+    """
+    dist.barrier()
 
 
 def step_windows(events: Sequence[Any]) -> list[Any]:
