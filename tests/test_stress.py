@@ -45,14 +45,18 @@ def test_the_environment_turns_glibcs_checks_on_or_keeps_its_allocator() -> None
 
 
 # a write after free into a small block, then allocations of its size: what a collective writing
-# into a released buffer does
+# into a released buffer does. glibc stores the tcache's next pointer XORed with the block's
+# address >> 12 (safe-linking), so a fixed byte pattern decodes to an address whose alignment
+# depends on where the block landed: one run in 16 decoded to an aligned one and crashed on it
+# (SIGSEGV) instead of glibc's check. The value written decodes to an odd address wherever it lands.
 WRITE_AFTER_FREE = """
 import ctypes
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 chunk = libc.malloc(24)
 libc.free(ctypes.c_void_p(chunk))
-ctypes.memset(chunk, 0x41, 16)
+ctypes.c_uint64.from_address(chunk).value = (chunk >> 12) ^ 0x4141414141414141
+ctypes.memset(chunk + 8, 0x41, 8)
 for _ in range(4):
     libc.malloc(24)
 """
