@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 
 import zerograph
 from tests import forkserver, guard_probe  # noqa: F401  (guard_probe: Dynamo's latency probe off in the ranks)
+from tests.stress import SPAWN_LOG
 
 # the running rank's store (set by _worker): ranks compare notes through it, outside gloo
 _store: dist.Store | None = None
@@ -177,7 +178,6 @@ class SpawnNotMarked(RuntimeError):
 # set by tests/conftest.py around each test: whether the running test is marked `distributed`
 spawn_allowed: Callable[[], bool] = lambda: True  # noqa: E731
 
-SPAWN_LOG = "ZEROGRAPH_SPAWN_LOG"  # a file each spawn appends a line to (tests/stress.py counts them)
 WALL_FACTOR = 8  # wall-clock backstop: timeout_s * WALL_FACTOR seconds, whatever the load
 STALL_MARGIN_S = 60  # a run whose ranks use no CPU for pg_timeout_s + this long is hung
 

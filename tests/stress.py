@@ -50,8 +50,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from tests.distributed import SPAWN_LOG
-
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 # what an aborted rank leaves in a run's output: tests/distributed.py's report of a rank killed by a
@@ -60,6 +58,8 @@ ABORT_PATTERNS = re.compile(
     r"signal SIG(?:ABRT|SEGV|BUS|ILL|FPE)|Fatal Python error|malloc\(\)|free\(\)|double free|corrupted "
     r"(?:size|double-linked|top size)|tcache|malloc_consolidate|munmap_chunk|realloc\(\)|"
     r"terminate called|gloo/.*(?:Abort|abort)|Segmentation fault")
+# a file every spawn of a run appends a line to (tests.distributed._log_training), read by `trainings`
+SPAWN_LOG = "ZEROGRAPH_SPAWN_LOG"
 FAILED_TEST = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
 
 
